@@ -1,0 +1,113 @@
+"""Command line: ``ftrun [run] [flags] script.py [script args]`` and ``ftrun store``.
+
+Flags keep torchrun's names (dashes or underscores) so job files move over unchanged. Every flag can also be
+set in ``--config FILE.yaml``; flags given on the command line win. Errors in the input are one line on
+stderr and exit code 2; nothing is started then.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Optional
+
+import typer
+from typer.exceptions import TyperException
+
+from ftrun.errors import USAGE_EXIT_CODE, UsageError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).")
+
+SUBCOMMANDS = ("run", "store")
+
+
+@app.command(context_settings={"allow_interspersed_args": False})
+def run(
+    script: str = typer.Argument(..., help="Training script (or module with -m, or executable with --no-python)."),
+    script_args: Optional[list[str]] = typer.Argument(None, help="Arguments of the script."),
+    config: Optional[str] = typer.Option(None, "--config", help="YAML file with settings; flags override it."),
+    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Number of nodes."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", "--nproc_per_node",
+                                                 help="Trainers per node."),
+    node_rank: Optional[int] = typer.Option(None, "--node-rank", "--node_rank",
+                                            help="This node's rank (multi-node mode)."),
+    rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", "--rdzv_endpoint",
+                                                help="HOST:PORT of the control store."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", help="Job id (names store keys, files)."),
+    rdzv_timeout: Optional[float] = typer.Option(None, "--rdzv-timeout", "--rdzv_timeout",
+                                                 help="Seconds to wait for the store and for nodes to join."),
+    max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts",
+                                               help="Restarts allowed before the job fails."),
+    standalone: Optional[bool] = typer.Option(None, "--standalone", help="Single node, local control store."),
+    module: Optional[bool] = typer.Option(None, "-m", "--module", help="Run the script as a Python module."),
+    no_python: Optional[bool] = typer.Option(None, "--no-python", "--no_python",
+                                             help="Run the script as an executable, not with Python."),
+    log_dir: Optional[str] = typer.Option(None, "--log-dir", "--log_dir",
+                                          help="Directory for events.jsonl and trainer error files."),
+    hang_timeout: Optional[float] = typer.Option(None, "--hang-timeout",
+                                                 help="Seconds without a heartbeat before a trainer is hung "
+                                                      "(floor of the adaptive step timeout)."),
+    hang_timeout_initial: Optional[float] = typer.Option(None, "--hang-timeout-initial",
+                                                         help="Seconds allowed until a trainer's first heartbeat."),
+    node_timeout: Optional[float] = typer.Option(None, "--node-timeout",
+                                                 help="Seconds without supervisor beats before a node is lost."),
+    stop_grace: Optional[float] = typer.Option(None, "--stop-grace",
+                                               help="Seconds between SIGTERM and SIGKILL when stopping trainers."),
+    zygote: Optional[bool] = typer.Option(None, "--zygote/--no-zygote",
+                                          help="Fork trainers from a process that imported torch."),
+    inject: Optional[list[str]] = typer.Option(None, "--inject",
+                                               help="Inject a fault: crash@rank=R,step=S | hang@rank=R,step=S | "
+                                                    "node-loss@node=N,step=S (with gen=G); repeatable."),
+) -> None:
+    """Run SCRIPT on every trainer of the job, restarting all of them in place when anything fails."""
+    from ftrun.config import build_config
+    from ftrun.launch.launcher import Launcher
+
+    cfg = build_config(config, {
+        "nnodes": nnodes, "nproc_per_node": nproc_per_node, "node_rank": node_rank,
+        "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id, "rdzv_timeout": rdzv_timeout,
+        "max_restarts": max_restarts, "standalone": standalone, "module": module, "no_python": no_python,
+        "log_dir": log_dir, "hang_timeout": hang_timeout, "hang_timeout_initial": hang_timeout_initial,
+        "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote, "inject": inject or None,
+    })
+    raise typer.Exit(Launcher(cfg, script, list(script_args or [])).run())
+
+
+@app.command()
+def store(
+    host: str = typer.Option("0.0.0.0", "--host", help="Address the store's own client uses (it listens on all)."),
+    port: int = typer.Option(29400, "--port", help="Port to listen on."),
+) -> None:
+    """Run a standalone control store that outlives every node of the jobs using it."""
+    from ftrun.launch.store import host_store
+
+    server = host_store(port, host=host)
+    print(f"ftrun store listening on port {server.port} (Ctrl-C to stop)", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        signal.pause()
+    except KeyboardInterrupt:
+        pass
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``ftrun`` console script: runs the app with one-line errors."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args:
+        args = ["--help"]
+    elif args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h"):
+        args.insert(0, "run")
+    try:
+        code = app(args=args, prog_name="ftrun", standalone_mode=False)
+    except typer.Exit as done:
+        code = done.exit_code
+    except typer.Abort:
+        code = 130
+    except TyperException as err:
+        print(f"ftrun: error: {err.format_message()}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    except UsageError as err:
+        print(f"ftrun: error: {err}", file=sys.stderr)
+        sys.exit(USAGE_EXIT_CODE)
+    sys.exit(code if isinstance(code, int) else 0)

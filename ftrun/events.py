@@ -1,0 +1,52 @@
+"""Job events: one line each, human-readable on stderr and JSON lines in ``<log-dir>/events.jsonl``.
+
+Every process of a job (launcher, supervisors) appends to the same file; each event is one ``write`` on an
+``O_APPEND`` descriptor, so lines from different processes never interleave. Fields common to all events:
+``time`` (wall clock, seconds), ``event`` (a name from the list below), ``source`` ("launcher" or
+"node N"), ``message`` (the terminal text). Event names: start, node_start, trainers_started, failure,
+generation, stopped, all_running, recovered, node_lost, node_replaced, done, failed, exit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, TextIO
+
+EVENTS_FILE = "events.jsonl"
+
+
+class EventLog:
+    """Writes events of one process; safe to share the file with other processes of the job."""
+
+    def __init__(self, source: str, log_dir: str | None, stream: TextIO | None = sys.stderr) -> None:
+        self.source = source
+        self._stream = stream
+        self._fd: int | None = None
+        if log_dir is not None:
+            os.makedirs(log_dir, mode=0o700, exist_ok=True)
+            self._fd = os.open(os.path.join(log_dir, EVENTS_FILE), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def emit(self, event: str, message: str, *, console: bool = True, **fields: Any) -> None:
+        now = time.time()
+        if console and self._stream is not None:
+            clock = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+            self._stream.write(f"ftrun {clock} [{self.source}] {message}\n")
+            self._stream.flush()
+        if self._fd is not None:
+            record = {"time": now, "event": event, "source": self.source, "message": message, **fields}
+            os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def read_events(log_dir: str) -> list[dict[str, Any]]:
+    """All events of a log directory, in file order."""
+    path = os.path.join(log_dir, EVENTS_FILE)
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

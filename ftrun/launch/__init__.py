@@ -1,0 +1,1 @@
+"""The launcher side of ftrun: launcher, supervisors, zygotes, coordination through the control store."""

@@ -1,0 +1,84 @@
+"""The environment of a trainer: torchrun's contract plus ftrun's own ``FTRUN_*`` variables.
+
+torchrun's variables (the contract scripts rely on) are set exactly as torchrun's local elastic agent sets
+them, with one deliberate difference: ``TORCHELASTIC_RESTART_COUNT`` is the job-wide generation, the same on
+every node. ``MASTER_ADDR``/``MASTER_PORT`` name the trainer store of the generation, hosted by node 0's
+supervisor (hence ``TORCHELASTIC_USE_AGENT_STORE=True``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ftrun.launch.faults import ENV_TRAINER_FAULTS
+from ftrun.launch.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
+
+ENV_JOB_ID = "FTRUN_JOB_ID"
+ENV_NODE_RANK = "FTRUN_NODE_RANK"
+
+TORCHRUN_VARIABLES = (
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
+    "TORCHELASTIC_ERROR_FILE", "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS",
+)
+
+
+@dataclass(frozen=True)
+class TrainerPlace:
+    """Where one trainer sits in the job and in which generation it runs."""
+
+    job_id: str
+    node_rank: int
+    nnodes: int
+    local_rank: int
+    nproc_per_node: int
+    generation: int
+    max_restarts: int
+    master_addr: str
+    master_port: int
+
+    @property
+    def rank(self) -> int:
+        return self.node_rank * self.nproc_per_node + self.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def default_omp_threads(trainers_on_host: int) -> int:
+    """Cores shared fairly among the trainers of this host (oversubscribed OpenMP is 10x slower here)."""
+    return max(1, (os.cpu_count() or 1) // max(1, trainers_on_host))
+
+
+def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, heartbeat_file: str,
+                error_file: str, faults: str) -> dict[str, str]:
+    env = dict(base)
+    env.update({
+        "RANK": str(place.rank),
+        "LOCAL_RANK": str(place.local_rank),
+        "GROUP_RANK": str(place.node_rank),
+        "ROLE_RANK": str(place.rank),
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": str(place.nproc_per_node),
+        "WORLD_SIZE": str(place.world_size),
+        "GROUP_WORLD_SIZE": str(place.nnodes),
+        "ROLE_WORLD_SIZE": str(place.world_size),
+        "MASTER_ADDR": place.master_addr,
+        "MASTER_PORT": str(place.master_port),
+        "TORCHELASTIC_RESTART_COUNT": str(place.generation),
+        "TORCHELASTIC_MAX_RESTARTS": str(place.max_restarts),
+        "TORCHELASTIC_RUN_ID": place.job_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_ERROR_FILE": error_file,
+        ENV_JOB_ID: place.job_id,
+        ENV_NODE_RANK: str(place.node_rank),
+        ENV_HEARTBEAT_FILE: heartbeat_file,
+        ENV_HEARTBEAT_SLOT: str(place.local_rank),
+        ENV_TRAINER_FAULTS: faults,
+    })
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    env.setdefault("OMP_NUM_THREADS", str(omp_threads))
+    return env

@@ -1,0 +1,82 @@
+"""Fault injection: ``--inject KIND@key=value,...`` specs, for tests, examples and recovery rehearsals.
+
+Kinds and their required keys:
+
+- ``crash@rank=R,step=S``: trainer R kills itself with SIGKILL at its first heartbeat with step >= S.
+- ``hang@rank=R,step=S``: trainer R stops itself with SIGSTOP there (a hang the supervisor must detect).
+- ``node-loss@node=N,step=S``: the supervisor of node N kills every process of the node, itself included,
+  once one of its trainers reports step >= S.
+
+Every fault also takes ``gen=G`` (default 0) and fires at most once: only in generation G. Trainer faults
+travel to the trainer in :data:`ENV_TRAINER_FAULTS` as ``kind:step`` pairs and fire inside
+``ftrun.heartbeat``; the trainer-side code is in :mod:`ftrun.launch.heartbeat`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ftrun.errors import UsageError
+
+ENV_TRAINER_FAULTS = "FTRUN_INJECT"
+
+TRAINER_FAULTS = ("crash", "hang")
+NODE_FAULTS = ("node-loss",)
+_WHERE = {"crash": "rank", "hang": "rank", "node-loss": "node"}
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One injected failure: ``kind`` at ``step`` of rank ``where`` (or node, for node faults) in ``gen``."""
+
+    kind: str
+    where: int
+    step: int
+    gen: int = 0
+
+    @property
+    def spec(self) -> str:
+        return f"{self.kind}@{_WHERE[self.kind]}={self.where},step={self.step},gen={self.gen}"
+
+
+def parse_fault(spec: str) -> Fault:
+    """Parse one ``--inject`` spec; a malformed one raises :class:`UsageError` saying which part is wrong."""
+    kind, sep, rest = spec.partition("@")
+    kind = kind.strip()
+    if kind not in _WHERE:
+        raise UsageError(f"--inject {spec!r}: unknown fault kind {kind!r} (known: {', '.join(_WHERE)})")
+    if not sep or not rest:
+        raise UsageError(f"--inject {spec!r}: expected {kind}@{_WHERE[kind]}=N,step=S")
+    values: dict[str, int] = {}
+    for part in rest.split(","):
+        key, eq, value = part.partition("=")
+        key = key.strip()
+        if not eq:
+            raise UsageError(f"--inject {spec!r}: {part!r} is not key=value")
+        if key not in (_WHERE[kind], "step", "gen"):
+            raise UsageError(f"--inject {spec!r}: unknown key {key!r} for {kind}")
+        if not value.strip().isdigit():
+            raise UsageError(f"--inject {spec!r}: {key} must be a non-negative integer, got {value!r}")
+        values[key] = int(value)
+    for key in (_WHERE[kind], "step"):
+        if key not in values:
+            raise UsageError(f"--inject {spec!r}: missing {key}=")
+    return Fault(kind, values[_WHERE[kind]], values["step"], values.get("gen", 0))
+
+
+def parse_faults(specs: list[str]) -> list[Fault]:
+    return [parse_fault(spec) for spec in specs]
+
+
+def trainer_faults_env(faults: list[Fault], rank: int, gen: int) -> str:
+    """The :data:`ENV_TRAINER_FAULTS` value for global ``rank`` in generation ``gen`` ('' when none)."""
+    return ",".join(f"{f.kind}:{f.step}" for f in faults
+                    if f.kind in TRAINER_FAULTS and f.where == rank and f.gen == gen)
+
+
+def decode_trainer_faults(value: str) -> list[tuple[str, int]]:
+    pairs = []
+    for item in filter(None, value.split(",")):
+        kind, _, step = item.partition(":")
+        pairs.append((kind, int(step)))
+    return pairs

@@ -1,0 +1,198 @@
+"""The launcher: the ``ftrun`` process a user starts. It owns the control store and the supervisors.
+
+- Local mode (no ``--node-rank``): hosts the control store and starts one supervisor per simulated node. A
+  supervisor that dies by a signal or crashes is a lost node: a replacement takes the same node rank.
+- Multi-node mode (``--node-rank`` and ``--rdzv-endpoint``): starts this node's supervisor; node 0 hosts the
+  control store unless one already runs at the endpoint (``ftrun store``).
+
+It forwards SIGINT/SIGTERM to the supervisors as a graceful stop, prints the job summary, and, as a child
+subreaper, kills whatever descendant is left before it exits.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+
+import psutil
+from torch.distributed import TCPStore
+
+from ftrun.config import JobConfig, split_endpoint
+from ftrun.errors import UsageError
+from ftrun.events import EventLog
+from ftrun.launch.coordination import Coordinator, Failure, Generation
+from ftrun.launch.env import default_omp_threads
+from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
+from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec,
+                               safe_job_id)
+from ftrun.launch.store import connect_store, host_store
+from ftrun.launch.summary import print_summary
+
+EXIT_INTERRUPTED = 130
+_ACK_TIMEOUT = 10.0
+
+
+def resolve_target(cfg: JobConfig, target: str) -> str:
+    """Check that the script (or executable) exists before anything starts."""
+    if cfg.module:
+        return target
+    if cfg.no_python:
+        found = shutil.which(target)
+        if found is None:
+            raise UsageError(f"executable not found: {target}")
+        return found
+    if not os.path.isfile(target):
+        raise UsageError(f"script not found: {target}")
+    return os.path.abspath(target)
+
+
+def job_id_for(cfg: JobConfig) -> str:
+    if cfg.rdzv_id:
+        return safe_job_id(cfg.rdzv_id)
+    if cfg.local_mode:
+        return "job-" + uuid.uuid4().hex[:8]
+    return "job-" + hashlib.sha1(str(cfg.rdzv_endpoint).encode()).hexdigest()[:8]
+
+
+def is_local_host(host: str) -> bool:
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except socket.gaierror:
+        raise UsageError(f"--rdzv-endpoint host {host!r} does not resolve") from None
+    local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    return any(ipaddress.ip_address(a).is_loopback or a in local for a in addresses)
+
+
+class Launcher:
+    def __init__(self, cfg: JobConfig, target: str, args: list[str]) -> None:
+        self.cfg = cfg
+        self.target = resolve_target(cfg, target)
+        self.args = args
+        self.job_id = job_id_for(cfg)
+        self.events = EventLog("launcher", cfg.log_dir)
+        self.store_server: TCPStore | None = None
+        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.signalled: int | None = None
+
+    def _open_store(self) -> tuple[str, int, TCPStore]:
+        """Host or join the control store; returns (host, port, client)."""
+        cfg = self.cfg
+        if cfg.local_mode:
+            port = split_endpoint(cfg.rdzv_endpoint)[1] if cfg.rdzv_endpoint else 0
+            self.store_server = host_store(port)
+            return "127.0.0.1", self.store_server.port, self.store_server
+        assert cfg.rdzv_endpoint is not None
+        host, port = split_endpoint(cfg.rdzv_endpoint)
+        if cfg.node_rank == 0 and is_local_host(host):
+            try:
+                self.store_server = host_store(port)
+                return host, port, self.store_server
+            except UsageError:
+                pass  # an `ftrun store` may already serve this endpoint: join it, or say it is not a store
+        return host, port, connect_store(host, port, cfg.rdzv_timeout)
+
+    def _master_addr(self, store_host: str) -> str:
+        if self.cfg.local_mode or ipaddress.ip_address(socket.gethostbyname(store_host)).is_loopback:
+            return "127.0.0.1"
+        return socket.gethostname()
+
+    def _node_spec(self, node: int, store_host: str, store_port: int) -> NodeSpec:
+        cfg = self.cfg
+        trainers_on_host = cfg.nproc_per_node * (cfg.nnodes if cfg.local_mode else 1)
+        return NodeSpec(
+            job_id=self.job_id, node_rank=node, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
+            store_host=store_host, store_port=store_port, master_addr=self._master_addr(store_host),
+            target=self.target, args=self.args, module=cfg.module, no_python=cfg.no_python, cwd=os.getcwd(),
+            omp_threads=default_omp_threads(trainers_on_host), max_restarts=cfg.max_restarts,
+            rdzv_timeout=cfg.rdzv_timeout, hang_timeout=cfg.hang_timeout,
+            hang_timeout_initial=cfg.hang_timeout_initial, hang_step_factor=cfg.hang_step_factor,
+            node_timeout=cfg.node_timeout, stop_grace=cfg.stop_grace, zygote=cfg.zygote,
+            log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject)
+
+    def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes]:
+        env = dict(os.environ)
+        env[ENV_NODE_SPEC] = spec.encode()
+        launcher = os.getpid()
+        return subprocess.Popen([sys.executable, "-m", "ftrun.launch.supervisor"], env=env,
+                                start_new_session=True, preexec_fn=lambda: die_with_parent(launcher))
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        if self.signalled is not None:  # second Ctrl-C: no more grace
+            for proc in self.procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+        self.signalled = signum
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+    def run(self) -> int:
+        become_subreaper()
+        store_host, store_port, store = self._open_store()
+        coord = Coordinator(store, self.job_id, self.cfg.node_rank or 0, self.cfg.nnodes)
+        cfg = self.cfg
+        coord.init_job({"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
+                        "max_restarts": cfg.max_restarts, "target": self.target})
+        nodes = range(cfg.nnodes) if cfg.local_mode else [cfg.node_rank or 0]
+        mode = "local, simulated nodes" if cfg.local_mode else f"node {cfg.node_rank} of {cfg.nnodes}"
+        self.events.emit("start", f"job {self.job_id}: {cfg.nnodes} node(s) x {cfg.nproc_per_node} trainer(s) "
+                         f"({mode}), control store {store_host}:{store_port}, running {self.target}",
+                         job_id=self.job_id, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
+                         store=f"{store_host}:{store_port}")
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            for node in nodes:
+                self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
+            code = self._wait(coord, store_host, store_port)
+            print_summary(coord, code, self.job_id)
+            self._leave(coord)
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            kill_descendants()
+        return code
+
+    def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:
+        """Wait for the supervisors; replace lost ones in local mode. Returns the job's exit code."""
+        results: dict[int, int] = {}
+        while len(results) < len(self.procs):
+            for node, proc in self.procs.items():
+                if node in results or proc.poll() is None:
+                    continue
+                code = proc.returncode
+                lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED)
+                if lost and self.cfg.local_mode and self.signalled is None:
+                    reason = f"node {node} lost: supervisor {describe_exit(code)}"
+                    raw, won = coord.bump(coord.current_raw(), Failure("node-lost", reason, node, None, "launcher"))
+                    if won:
+                        self.events.emit("failure", f"failure: {reason} (seen by launcher)", node=node,
+                                         kind="node-lost", generation=Generation.decode(raw).gen)
+                    self.events.emit("node_lost", f"starting a replacement for node {node}", node=node,
+                                     exit_code=code)
+                    self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
+                    break
+                results[node] = code
+            time.sleep(0.05)
+        if self.signalled is not None:
+            return EXIT_INTERRUPTED if self.signalled == signal.SIGINT else 128 + self.signalled
+        if all(code == EXIT_DONE for code in results.values()):
+            return 0
+        return 1
+
+    def _leave(self, coord: Coordinator) -> None:
+        """Multi-node: say this node is gone; node 0 keeps its store up until the others have left too."""
+        if self.cfg.local_mode:
+            return
+        coord.mark(0, "left")
+        if self.store_server is not None:
+            deadline = time.monotonic() + _ACK_TIMEOUT
+            while len(coord.marks(0, "left")) < self.cfg.nnodes and time.monotonic() < deadline:
+                time.sleep(0.05)

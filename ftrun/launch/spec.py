@@ -1,0 +1,61 @@
+"""What the launcher hands to each supervisor it starts: one JSON document in :data:`ENV_NODE_SPEC`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import asdict, dataclass, field
+
+ENV_NODE_SPEC = "FTRUN_NODE_SPEC"
+
+# Exit codes of a supervisor; any other code means the supervisor itself crashed.
+EXIT_DONE = 0
+EXIT_JOB_FAILED = 3
+EXIT_STOPPED = 4
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """Everything one supervisor needs: its place in the job, the command to run, and the tunables."""
+
+    job_id: str
+    node_rank: int
+    nnodes: int
+    nproc_per_node: int
+    store_host: str
+    store_port: int
+    master_addr: str
+    target: str
+    args: list[str]
+    module: bool
+    no_python: bool
+    cwd: str
+    omp_threads: int
+    max_restarts: int
+    rdzv_timeout: float
+    hang_timeout: float
+    hang_timeout_initial: float
+    hang_step_factor: float
+    node_timeout: float
+    stop_grace: float
+    zygote: bool
+    log_dir: str | None = None
+    faults: list[str] = field(default_factory=list)
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_env(cls) -> NodeSpec:
+        return cls(**json.loads(os.environ[ENV_NODE_SPEC]))
+
+
+def safe_job_id(job_id: str) -> str:
+    """The job id as used in file names: letters, digits, '.', '_' and '-' only."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:64]
+
+
+def shm_path(job_id: str, node_rank: int, what: str) -> str:
+    """Path of a shared-memory file of this job and node (every segment of ftrun is named this way)."""
+    return f"/dev/shm/ftrun-{safe_job_id(job_id)}-node{node_rank}-{what}"

@@ -1,0 +1,431 @@
+"""The supervisor: one long-lived process per node that runs the node's trainers generation after generation.
+
+Loop (the protocol itself is in :mod:`ftrun.launch.coordination`)::
+
+    join (replacement? bump) -> rendezvous(g) -> start trainers -> watch -> stop trainers -> next g | exit
+
+While watching, every poll (20 ms) it reaps children (a crash is seen by waitpid), reads the heartbeat
+table (hangs), reads the generation key (failures seen elsewhere), and four times a second the peers'
+beat counters (lost nodes). The first failure seen moves the job to the next generation; every node then
+stops its trainers (SIGCONT, SIGTERM, SIGKILL after ``stop_grace``) and meets the others at the next
+rendezvous. A snapshot keeper will live beside the trainers: :meth:`Supervisor._start_keeper` and
+:meth:`Supervisor._stop_keeper` are its place in the life cycle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+from torch.distributed import DistError, TCPStore
+
+from ftrun.events import EventLog
+from ftrun.launch.coordination import Coordinator, Failure, Generation
+from ftrun.launch.env import TrainerPlace, trainer_env
+from ftrun.launch.faults import parse_faults, trainer_faults_env
+from ftrun.launch.heartbeat import HangDetector, HeartbeatTable
+from ftrun.launch.processes import (become_subreaper, describe_exit, die_with_parent, kill_descendants, reap,
+                                    signal_group)
+from ftrun.launch.spec import EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec, shm_path
+from ftrun.launch.store import connect_store, host_store
+from ftrun.launch.zygote import SpawnRequest, ZygoteClient
+
+POLL_INTERVAL = 0.02
+# A trainer that exits with an error code right after a peer died is usually a consequence (gloo reports the
+# lost connection); it waits this long for the root cause to be reported first. Signals and hangs do not wait.
+SECONDARY_GRACE = 0.3
+PEER_CHECK_INTERVAL = 0.25
+BEAT_INTERVAL = 0.25
+
+
+class JobFailed(Exception):
+    """The job cannot go on (restart limit, a node that never joined, the control store gone)."""
+
+
+@dataclass
+class Trainer:
+    local_rank: int
+    rank: int
+    pid: int
+    exit_code: int | None = None
+
+
+class _Beater(threading.Thread):
+    """Adds to this node's beat counter every :data:`BEAT_INTERVAL` on its own store connection."""
+
+    def __init__(self, spec: NodeSpec) -> None:
+        super().__init__(name="ftrun-beat", daemon=True)
+        store = connect_store(spec.store_host, spec.store_port, spec.rdzv_timeout)
+        self._coord = Coordinator(store, spec.job_id, spec.node_rank, spec.nnodes)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self._coord.beat()
+            except DistError:
+                return
+            self._stop_event.wait(BEAT_INTERVAL)
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+class Supervisor:
+    def __init__(self, spec: NodeSpec) -> None:
+        self.spec = spec
+        self.node = spec.node_rank
+        self.events = EventLog(f"node {self.node}", spec.log_dir)
+        self.faults = parse_faults(spec.faults)
+        self.trainers: dict[int, Trainer] = {}
+        self.detectors = [HangDetector(spec.hang_timeout_initial, spec.hang_timeout, spec.hang_step_factor)
+                          for _ in range(spec.nproc_per_node)]
+        self.zygote: ZygoteClient | None = None
+        self.trainer_store: TCPStore | None = None
+        self.heartbeats: HeartbeatTable | None = None
+        self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=f"ftrun-{spec.job_id}-node{self.node}-")
+        self._stopping = False
+
+    # -- life cycle -------------------------------------------------------------------------------------------
+    def run(self) -> int:
+        become_subreaper()
+        signal.signal(signal.SIGTERM, self._on_signal)
+        signal.signal(signal.SIGINT, self._on_signal)
+        beater: _Beater | None = None
+        try:
+            store = connect_store(self.spec.store_host, self.spec.store_port, self.spec.rdzv_timeout)
+            self.coord = Coordinator(store, self.spec.job_id, self.node, self.spec.nnodes)
+            self.incarnation = self.coord.register()
+            self.coord.touch_beats()
+            beater = _Beater(self.spec)
+            beater.start()
+            self.heartbeats = HeartbeatTable(shm_path(self.spec.job_id, self.node, "heartbeat"),
+                                             self.spec.nproc_per_node)
+            self._start_keeper()
+            self._start_zygote()
+            what = "replacement supervisor" if self.incarnation > 1 else "supervisor"
+            self.events.emit("node_start", f"{what} up (pid {os.getpid()}, zygote "
+                             f"{'pid ' + str(self.zygote.pid) if self.zygote else 'off'})",
+                             node=self.node, incarnation=self.incarnation, pid=os.getpid())
+            return self._generations()
+        except JobFailed as err:
+            self.events.emit("failed", f"job failed: {err}", node=self.node)
+            return EXIT_JOB_FAILED
+        except DistError as err:
+            self.events.emit("failed", f"control store lost: {str(err).splitlines()[0]}", node=self.node)
+            return EXIT_JOB_FAILED
+        finally:
+            self._stop_trainers()
+            if self.zygote is not None:
+                self.zygote.close()
+            self._stop_keeper()
+            if beater is not None:
+                beater.stop()
+            if self.heartbeats is not None:
+                self.heartbeats.close()
+            kill_descendants()
+            if self.spec.log_dir is None:
+                shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self._stopping = True
+
+    def _start_keeper(self) -> None:
+        """Place of the snapshot keeper: started before any trainer, kept across generations."""
+
+    def _stop_keeper(self) -> None:
+        """Counterpart of :meth:`_start_keeper`, run once when the supervisor ends."""
+
+    def _start_zygote(self) -> None:
+        if not self.spec.zygote or self.spec.no_python:
+            return
+        try:
+            self.zygote = ZygoteClient()
+        except (OSError, RuntimeError, ValueError) as err:
+            self.events.emit("zygote", f"zygote unavailable ({err}); trainers start as new processes",
+                             node=self.node)
+            self.zygote = None
+
+    # -- generations ------------------------------------------------------------------------------------------
+    def _generations(self) -> int:
+        seen = self.coord.current_raw()
+        if self.incarnation > 1 and self.node in self.coord.marks(Generation.decode(seen).gen, "ready"):
+            seen = self._fail(seen, Failure("node-replaced", f"node {self.node} was replaced "
+                                            f"(incarnation {self.incarnation})", node=self.node,
+                                            detected_by="replacement supervisor"))
+        while True:
+            gen = Generation.decode(seen)
+            if gen.gen > self.spec.max_restarts:
+                raise JobFailed(f"restart limit reached ({self.spec.max_restarts} restarts); last failure: "
+                                f"{gen.reason}")
+            changed = self._rendezvous(gen.gen, seen)
+            if changed is not None:
+                seen = changed
+                continue
+            if self._stopping:
+                return EXIT_STOPPED
+            self._start_trainers(gen.gen)
+            outcome = self._watch(gen, seen)
+            self._stop_trainers()
+            if outcome == "done":
+                return EXIT_DONE
+            if outcome == "stop":
+                return EXIT_STOPPED
+            seen = outcome
+
+    def _rendezvous(self, gen: int, seen: bytes) -> bytes | None:
+        """Meet every node at generation ``gen``; returns the new raw generation if it moved on meanwhile."""
+        if self.node == 0:
+            self.trainer_store = None  # the previous generation's store closes with its last reference
+            self.trainer_store = host_store(0, "trainer store")
+            self.coord.publish_master(gen, self.spec.master_addr, self.trainer_store.port)
+        self.coord.mark(gen, "ready", self.incarnation)
+        deadline = time.monotonic() + self.spec.rdzv_timeout
+        while not self._stopping:
+            ready = self.coord.marks(gen, "ready")
+            if len(ready) == self.spec.nnodes:
+                return None
+            now_raw = self.coord.current_raw()
+            if now_raw != seen:
+                return now_raw
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.spec.nnodes)) - set(ready))
+                raise JobFailed(f"node(s) {missing} did not join generation {gen} within "
+                                f"{self.spec.rdzv_timeout:g}s")
+            time.sleep(POLL_INTERVAL)
+        return None
+
+    def _start_trainers(self, gen: int) -> None:
+        assert self.heartbeats is not None
+        t0 = time.monotonic()
+        addr, port = self.coord.master(gen)
+        for local in range(self.spec.nproc_per_node):
+            place = TrainerPlace(self.spec.job_id, self.node, self.spec.nnodes, local, self.spec.nproc_per_node,
+                                 gen, self.spec.max_restarts, addr, port)
+            error_dir = os.path.join(self.run_dir, f"gen{gen}", f"rank{place.rank}")
+            os.makedirs(error_dir, exist_ok=True)
+            env = trainer_env(dict(os.environ), place, omp_threads=self.spec.omp_threads,
+                              heartbeat_file=self.heartbeats.path,
+                              error_file=os.path.join(error_dir, "error.json"),
+                              faults=trainer_faults_env(self.faults, place.rank, gen))
+            self.heartbeats.reset(local)
+            pid = self._spawn(env)
+            self.trainers[pid] = Trainer(local, place.rank, pid)
+            self.detectors[local].trainer_started(time.monotonic())
+        took = time.monotonic() - t0
+        self.coord.mark(gen, "started", time.time())
+        how = "forked by the zygote" if self.zygote else "as new processes"
+        self.events.emit("trainers_started", f"generation {gen}: started {len(self.trainers)} trainers {how} "
+                         f"in {took * 1000:.0f} ms", node=self.node, generation=gen,
+                         pids=sorted(self.trainers), seconds=took)
+
+    def _spawn(self, env: dict[str, str]) -> int:
+        spec = self.spec
+        if self.zygote is not None:
+            try:
+                return self.zygote.spawn(SpawnRequest(spec.target, spec.args, spec.module, env, spec.cwd))
+            except (OSError, RuntimeError, ValueError) as err:
+                self.events.emit("zygote", f"zygote failed ({err}); starting trainers as new processes",
+                                 node=self.node)
+                self.zygote.close()
+                self.zygote = None
+        if spec.no_python:
+            argv = [spec.target, *spec.args]
+        else:
+            argv = [sys.executable, "-u", *(["-m"] if spec.module else []), spec.target, *spec.args]
+        supervisor = os.getpid()
+        proc = subprocess.Popen(argv, env=env, cwd=spec.cwd, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(supervisor))
+        proc.returncode = 0  # reaped by this supervisor's reap(), never by Popen
+        return proc.pid
+
+    # -- watching ---------------------------------------------------------------------------------------------
+    def _watch(self, gen: Generation, seen: bytes) -> bytes | str:
+        """Watch one generation; returns "done", "stop", or the raw document of the next generation."""
+        assert self.heartbeats is not None
+        g = gen.gen
+        node_faults = [f for f in self.faults if f.kind == "node-loss" and f.where == self.node and f.gen == g]
+        beats = self.coord.beats()
+        last_change = [time.monotonic()] * self.spec.nnodes
+        next_peer_check = 0.0
+        up = done = False
+        leader = _LeaderLog(self.coord, self.events, gen) if self.node == 0 else None
+        while True:
+            if self._stopping:
+                return "stop"
+            for pid, code in reap().items():
+                trainer = self.trainers.get(pid)
+                if trainer is None:
+                    continue
+                trainer.exit_code = code
+                if code != 0:
+                    if code > 0:
+                        moved = self._wait_for_other_failure(seen)
+                        if moved is not None:
+                            return moved
+                    return self._fail(seen, Failure(
+                        "crash", f"rank {trainer.rank} {describe_exit(code)}{self._error_detail(g, trainer)}",
+                        self.node, trainer.rank, "waitpid"))
+            if not done and all(t.exit_code == 0 for t in self.trainers.values()):
+                done = True
+                self.coord.mark(g, "done")
+                self.events.emit("node_done", f"all {len(self.trainers)} trainers exited 0", console=False,
+                                 node=self.node, generation=g)
+            now = time.monotonic()
+            table = [self.heartbeats.read(local) for local in range(self.spec.nproc_per_node)]
+            for trainer in self.trainers.values():
+                if trainer.exit_code is None:
+                    hung = self.detectors[trainer.local_rank].observe(table[trainer.local_rank], now)
+                    if hung:
+                        return self._fail(seen, Failure("hang", f"rank {trainer.rank} hung: {hung}", self.node,
+                                                        trainer.rank, "heartbeat"))
+            for fault in node_faults:
+                if any(beat.step >= fault.step for beat in table):
+                    self._lose_node(fault.spec)
+            if not up and all(beat.beats > 0 for beat in table):
+                up = True
+                self.coord.mark(g, "up", time.time())
+            now_raw = self.coord.current_raw()
+            if now_raw != seen:
+                return now_raw
+            if now >= next_peer_check:
+                next_peer_check = now + PEER_CHECK_INTERVAL
+                current = self.coord.beats()
+                for peer in range(self.spec.nnodes):
+                    if current[peer] != beats[peer] or peer == self.node:
+                        beats[peer], last_change[peer] = current[peer], now
+                    elif now - last_change[peer] > self.spec.node_timeout:
+                        return self._fail(seen, Failure(
+                            "node-lost", f"node {peer} lost: no supervisor beat for {now - last_change[peer]:.1f}s",
+                            peer, None, f"node {self.node} (supervisor beats)"))
+                if done and len(self.coord.marks(g, "done")) == self.spec.nnodes:
+                    if leader is not None:
+                        leader.finish()
+                    return "done"
+                if leader is not None:
+                    leader.poll()
+            time.sleep(POLL_INTERVAL)
+
+    def _wait_for_other_failure(self, seen: bytes) -> bytes | None:
+        """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""
+        deadline = time.monotonic() + SECONDARY_GRACE
+        while time.monotonic() < deadline:
+            now_raw = self.coord.current_raw()
+            if now_raw != seen:
+                return now_raw
+            time.sleep(POLL_INTERVAL)
+        return None
+
+    def _error_detail(self, gen: int, trainer: Trainer) -> str:
+        """The first line of the trainer's torchelastic error file, when it wrote one."""
+        path = os.path.join(self.run_dir, f"gen{gen}", f"rank{trainer.rank}", "error.json")
+        try:
+            with open(path) as f:
+                message = json.load(f)["message"]
+            text = message["message"] if isinstance(message, dict) else str(message)
+            return f" ({text.strip().splitlines()[-1][:200]})"
+        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            return ""
+
+    def _fail(self, seen: bytes, failure: Failure) -> bytes:
+        """Report a failure: try to start the next generation with it; returns the raw generation now current."""
+        raw, won = self.coord.bump(seen, failure)
+        new = Generation.decode(raw)
+        fields = {"node": failure.node, "rank": failure.rank, "kind": failure.kind,
+                  "detected_by": failure.detected_by, "generation": new.gen}
+        if won:
+            self.events.emit("failure", f"failure: {failure.reason} (seen by {failure.detected_by})", **fields)
+            self.events.emit("generation", f"generation {new.gen}: restarting every node's trainers",
+                             generation=new.gen, reason=failure.reason)
+        else:
+            self.events.emit("failure", f"also seen: {failure.reason}", console=False, primary=False, **fields)
+        return raw
+
+    def _lose_node(self, spec: str) -> None:
+        """Injected node loss: SIGKILL every process of this node, supervisor included, and unlink its segments."""
+        self.events.emit("inject", f"injected {spec}: killing every process of node {self.node}", node=self.node)
+        if self.heartbeats is not None:
+            self.heartbeats.close()
+        for trainer in self.trainers.values():
+            signal_group(trainer.pid, signal.SIGKILL)
+        if self.zygote is not None:
+            os.kill(self.zygote.pid, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def _stop_trainers(self) -> None:
+        """Stop every trainer of this node: SIGCONT and SIGTERM, then SIGKILL after the grace; reap them all."""
+        if not self.trainers:
+            return
+        t0 = time.monotonic()
+        running = [t for t in self.trainers.values() if t.exit_code is None]
+        for trainer in running:
+            signal_group(trainer.pid, signal.SIGCONT)
+            signal_group(trainer.pid, signal.SIGTERM)
+        deadline = t0 + self.spec.stop_grace
+        killed = False
+        while any(t.exit_code is None for t in running):
+            if not killed and time.monotonic() > deadline:
+                killed = True
+                for trainer in running:
+                    signal_group(trainer.pid, signal.SIGKILL)
+            for pid, code in reap().items():
+                if pid in self.trainers:
+                    self.trainers[pid].exit_code = code
+            time.sleep(0.005)
+        for trainer in self.trainers.values():
+            signal_group(trainer.pid, signal.SIGKILL)  # anything the trainers left behind in their groups
+        took = time.monotonic() - t0
+        self.events.emit("stopped", f"stopped {len(running)} trainers in {took * 1000:.0f} ms"
+                         f"{' (SIGKILL after grace)' if killed else ''}", console=False, node=self.node,
+                         seconds=took, sigkill=killed)
+        self.trainers.clear()
+
+
+class _LeaderLog:
+    """Node 0 reports job-wide progress of a generation once: all trainers running, all ranks beating."""
+
+    def __init__(self, coord: Coordinator, events: EventLog, gen: Generation) -> None:
+        self.coord = coord
+        self.events = events
+        self.gen = gen
+        self.running = self.recovered = False
+
+    def poll(self) -> None:
+        nnodes = self.coord.nnodes
+        if not self.running and len(self.coord.marks(self.gen.gen, "started")) == nnodes:
+            self.running = True
+            self.events.emit("all_running", f"generation {self.gen.gen}: trainers running on all {nnodes} nodes",
+                             generation=self.gen.gen)
+        if self.running and not self.recovered:
+            ups = self.coord.marks(self.gen.gen, "up")
+            if len(ups) == nnodes:
+                self.recovered = True
+                first_beat = max(float(v) for v in ups.values())
+                if self.gen.gen == 0:
+                    self.events.emit("first_heartbeat", "generation 0: every rank has sent a heartbeat",
+                                     generation=0)
+                else:
+                    took = first_beat - self.gen.time
+                    self.events.emit("recovered", f"generation {self.gen.gen}: every rank beating again, "
+                                     f"recovered in {took:.2f}s after the failure was seen",
+                                     generation=self.gen.gen, seconds=took)
+
+    def finish(self) -> None:
+        self.poll()
+
+
+def main() -> None:
+    spec = NodeSpec.from_env()
+    sys.exit(Supervisor(spec).run())
+
+
+if __name__ == "__main__":
+    main()
