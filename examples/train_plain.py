@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--out", help="file for the final state hash (rank 0)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slower runs)")
     parser.add_argument("--fail-always", action="store_true", help="raise on rank 0 at the first step")
+    parser.add_argument("--raise-at", type=int, help="raise on rank 0 at this step of the first generation")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -77,8 +78,8 @@ def main() -> None:
     optimizer.zero_grad(set_to_none=True)
 
     for step in range(start, args.steps):
-        if args.fail_always and rank == 0:
-            raise RuntimeError("this trainer always fails")
+        if rank == 0 and (args.fail_always or (step == args.raise_at and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0")):
+            raise RuntimeError(f"injected exception at step {step}")
         generator = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(16, 32, generator=generator).to(device)
         y = x.sum(dim=1, keepdim=True).sin()

@@ -121,7 +121,7 @@ class Launcher:
         env = dict(os.environ)
         env[ENV_NODE_SPEC] = spec.encode()
         launcher = os.getpid()
-        return subprocess.Popen([sys.executable, "-m", "ftrun.launch.supervisor"], env=env,
+        return subprocess.Popen([sys.executable, "-P", "-m", "ftrun.launch.supervisor"], env=env,
                                 start_new_session=True, preexec_fn=lambda: die_with_parent(launcher))
 
     def _on_signal(self, signum: int, frame: object) -> None:

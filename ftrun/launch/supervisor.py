@@ -225,7 +225,7 @@ class Supervisor:
         how = "forked by the zygote" if self.zygote else "as new processes"
         self.events.emit("trainers_started", f"generation {gen}: started {len(self.trainers)} trainers {how} "
                          f"in {took * 1000:.0f} ms", node=self.node, generation=gen,
-                         pids=sorted(self.trainers), seconds=took)
+                         pids={t.rank: t.pid for t in self.trainers.values()}, seconds=took)
 
     def _spawn(self, env: dict[str, str]) -> int:
         spec = self.spec

@@ -52,7 +52,7 @@ class ZygoteClient:
         ours, theirs = socket.socketpair()
         supervisor = os.getpid()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "ftrun.launch.zygote", str(theirs.fileno())],
+            [sys.executable, "-P", "-m", "ftrun.launch.zygote", str(theirs.fileno())],
             pass_fds=(theirs.fileno(),), preexec_fn=lambda: die_with_parent(supervisor),
         )
         theirs.close()
@@ -153,10 +153,10 @@ def _run(request: SpawnRequest) -> None:
         torch.set_num_threads(int(threads))
     sys.argv = [request.target, *request.args]
     if request.module:
-        sys.path[0] = request.cwd
+        sys.path.insert(0, request.cwd)
         runpy.run_module(request.target, run_name="__main__", alter_sys=True)
     else:
-        sys.path[0] = os.path.dirname(os.path.abspath(request.target))
+        sys.path.insert(0, os.path.dirname(os.path.abspath(request.target)))
         runpy.run_path(request.target, run_name="__main__")
 
 

@@ -1,0 +1,27 @@
+# `make install` sets up .venv from scratch; `make run` runs the demo job; `make test` runs the test suite.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
+
+.PHONY: install run test bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) torch==2.13.0
+	$(PIP) -e '.[dev]'
+	touch $@
+
+run: install
+	$(BIN)/python examples/demo.py
+
+test: install
+	$(BIN)/python -m pytest
+
+bench: install
+	$(BIN)/python benchmarks/restart_latency.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,291 @@
+"""Restart latency of ftrun against torchrun: kill -9 of one worker until every rank is training again.
+
+The same plain gloo script (:mod:`latency_worker`, CPU) runs on 2 simulated nodes of this host under each
+launcher, rendezvous and collectives on 127.0.0.1 only:
+
+- ftrun: one ``ftrun --nnodes 2 --nproc-per-node 2`` process (it simulates the nodes itself);
+- torchrun: one ``torchrun`` per node, c10d rendezvous at a free loopback port, the first one hosting the
+  rendezvous store, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the workers get their own store).
+
+Each worker appends ``generation rank time pid`` to a mark file right after its first all_reduce. A run waits
+until all ranks of generation 0 have marked, lets the job train for one more second, records ``t_kill`` and
+sends SIGKILL to the worker of rank 1 (its pid is in its mark). The latency is the time from ``t_kill`` to
+the last first-all_reduce mark of the new generation (every rank trains again); the time to its first mark
+is printed too. The run then waits for the launcher(s) to finish the job: a run that times out on the way is
+a hang and a launcher that exits non-zero a failure; both are printed and counted but not part of the
+medians. Runs alternate between the launchers to spread the machine's noise. Target: ftrun's median at
+most half of torchrun's.
+
+    .venv/bin/python benchmarks/restart_latency.py --runs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TypeVar
+
+import psutil
+
+WORKER = Path(__file__).resolve().parent / "latency_worker.py"
+BIN_DIR = Path(sys.executable).parent  # ftrun and torchrun live next to the interpreter of the venv
+LAUNCHERS = ("ftrun", "torchrun")
+TARGET_RATIO = 0.5
+START_TIMEOUT = 120.0  # seconds until all ranks of generation 0 marked (cold imports on a busy machine)
+RESTART_TIMEOUT = 60.0  # seconds from the kill until all ranks of the new generation marked
+EXIT_GRACE = 30.0  # seconds for the launchers to exit on top of the remaining steps
+TRAIN_BEFORE_KILL = 1.0
+POLL = 0.01
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Mark:
+    """One line of the mark file: a worker process that finished its first all_reduce."""
+
+    generation: int
+    rank: int
+    time: float
+    pid: int
+
+
+@dataclass
+class RunResult:
+    launcher: str
+    index: int
+    status: str = "ok"  # "ok", "hang" or "failed"
+    latency: float | None = None  # kill -> every rank of the new generation did its first all_reduce
+    first: float | None = None  # kill -> the first rank of the new generation did
+    generation: int | None = None
+    notes: list[str] = field(default_factory=list)  # why a run failed or hung, launcher log tails
+
+
+@dataclass
+class Summary:
+    launcher: str
+    results: list[RunResult] = field(default_factory=list)
+
+    @property
+    def latencies(self) -> list[float]:
+        return [r.latency for r in self.results if r.status == "ok" and r.latency is not None]
+
+    @property
+    def median(self) -> float | None:
+        return statistics.median(self.latencies) if self.latencies else None
+
+    def count(self, status: str) -> int:
+        return sum(r.status == status for r in self.results)
+
+
+class RunError(Exception):
+    def __init__(self, status: str, detail: str) -> None:
+        super().__init__(detail)
+        self.status = status
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def read_marks(path: Path) -> list[Mark]:
+    if not path.exists():
+        return []
+    marks = []
+    for line in path.read_text().splitlines():
+        generation, rank, stamp, pid = line.split()
+        marks.append(Mark(int(generation), int(rank), float(stamp), int(pid)))
+    return marks
+
+
+def complete_generation(marks: list[Mark], world: int, first_generation: int) -> list[Mark] | None:
+    """The marks of the lowest generation >= ``first_generation`` in which every rank marked, if any."""
+    for generation in sorted({m.generation for m in marks if m.generation >= first_generation}):
+        of_generation = [m for m in marks if m.generation == generation]
+        if {m.rank for m in of_generation} == set(range(world)):
+            return of_generation
+    return None
+
+
+def launch_commands(launcher: str, args: argparse.Namespace, run_id: str) -> list[list[str]]:
+    common = ["--nnodes", str(args.nnodes), "--nproc-per-node", str(args.nproc_per_node),
+              "--rdzv-id", run_id, "--max-restarts", "3"]
+    script = [str(WORKER), "--steps", str(args.steps), "--step-time", str(args.step_time)]
+    if launcher == "ftrun":
+        return [[str(BIN_DIR / "ftrun"), *common, *script]]
+    endpoint = f"127.0.0.1:{free_port()}"
+    return [[str(BIN_DIR / "torchrun"), *common, "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+             "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1",
+             "--monitor-interval", "0.1", *script]
+            for node in range(args.nnodes)]
+
+
+def log_tail(logs: list[Path], lines: int = 3) -> list[str]:
+    tails: list[str] = []
+    for log in logs:
+        text = log.read_text(errors="replace").strip().splitlines()[-lines:] if log.exists() else []
+        tails.extend(f"  {log.name}: {line}" for line in text)
+    return tails
+
+
+def run_once(launcher: str, index: int, args: argparse.Namespace, workdir: Path) -> RunResult:
+    run_dir = Path(tempfile.mkdtemp(prefix=f"{launcher}-{index}-", dir=workdir))
+    mark_file = run_dir / "marks"
+    world = args.nnodes * args.nproc_per_node
+    env = {**os.environ, "LATENCY_MARK_FILE": str(mark_file), "GLOO_SOCKET_IFNAME": "lo"}
+    if launcher == "torchrun":
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    result = RunResult(launcher, index)
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[Path] = []
+    try:
+        run_id = f"latency-{os.getpid()}-{launcher}-{index}"
+        for node, command in enumerate(launch_commands(launcher, args, run_id)):
+            logs.append(run_dir / f"{launcher}{node}.log")
+            with open(logs[-1], "wb") as log:
+                procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                              stdin=subprocess.DEVNULL, start_new_session=True))
+
+        def wait_marks(first_generation: int, timeout: float, what: str) -> list[Mark]:
+            def done() -> list[Mark] | None:
+                return complete_generation(read_marks(mark_file), world, first_generation)
+            return wait_for(done, timeout, procs, what)
+
+        started = wait_marks(0, START_TIMEOUT, "generation 0 to start")
+        time.sleep(TRAIN_BEFORE_KILL)
+        victim = next(m for m in started if m.rank == 1)
+        t_kill = time.time()
+        try:
+            os.kill(victim.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            raise RunError("failed", "rank 1 was gone before the kill (raise --steps)") from None
+        restarted = wait_marks(1, RESTART_TIMEOUT, "the new generation after the kill")
+        result.latency = max(m.time for m in restarted) - t_kill
+        result.first = min(m.time for m in restarted) - t_kill
+        result.generation = restarted[0].generation
+        wait_for(lambda: all(p.poll() is not None for p in procs) or None,
+                 args.steps * args.step_time + EXIT_GRACE, [], "the launcher(s) to exit")
+        codes = [p.returncode for p in procs]
+        if any(codes):
+            raise RunError("failed", f"exit codes {codes}")
+    except RunError as err:
+        result.status = err.status
+        result.notes = [str(err), *log_tail(logs)]
+    finally:
+        for proc in procs:
+            kill_tree(proc)
+        leftovers = [m.pid for m in read_marks(mark_file) if kill_worker(m)]
+        if leftovers:
+            result.notes.append(f"workers left behind by the launcher (now killed): {leftovers}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return result
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a launcher that still runs, its process group and its descendants (torchrun's workers lead
+    their own sessions)."""
+    if proc.poll() is not None:
+        return
+    try:
+        descendants = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    os.killpg(proc.pid, signal.SIGKILL)
+    for process in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    proc.wait()
+
+
+def kill_worker(mark: Mark) -> bool:
+    """SIGKILL the worker of ``mark`` if it still runs (not a later process with its pid); True if it did."""
+    try:
+        process = psutil.Process(mark.pid)
+        if process.create_time() > mark.time or process.status() == psutil.STATUS_ZOMBIE:
+            return False
+        process.kill()
+    except psutil.NoSuchProcess:
+        return False
+    return True
+
+
+def wait_for(check: Callable[[], T | None], timeout: float, procs: list[subprocess.Popen[bytes]],
+                what: str) -> T:
+    """Poll ``check`` until it returns a value; a launcher of ``procs`` that exits first is a failure."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = check()
+        if value is not None:
+            return value
+        exited = [p.returncode for p in procs if p.poll() is not None]
+        if exited:
+            raise RunError("failed", f"a launcher exited (codes {exited}) while waiting for {what}")
+        time.sleep(POLL)
+    raise RunError("hang", f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+def describe(result: RunResult) -> str:
+    head = f"{result.launcher:<8} run {result.index}: {result.status:<6}"
+    if result.latency is not None and result.first is not None:
+        head += (f" kill -> all ranks {result.latency:6.2f} s, kill -> first rank {result.first:6.2f} s"
+                 f" (generation {result.generation})")
+    return "\n    ".join([head, *result.notes])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=5, help="runs per launcher")
+    parser.add_argument("--nnodes", type=int, default=2)
+    parser.add_argument("--nproc-per-node", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=100, help="steps per generation of the worker")
+    parser.add_argument("--step-time", type=float, default=0.05, help="worker's sleep per step (s)")
+    parser.add_argument("--only", choices=LAUNCHERS, help="benchmark one launcher only")
+    args = parser.parse_args()
+    if args.nnodes * args.nproc_per_node < 2:
+        parser.error("the job needs a rank 1 to kill")
+
+    launchers = [args.only] if args.only else list(LAUNCHERS)
+    summaries = {launcher: Summary(launcher) for launcher in launchers}
+    workdir = Path(tempfile.mkdtemp(prefix="restart-latency-"))
+    try:
+        for index in range(1, args.runs + 1):
+            for launcher in launchers:
+                result = run_once(launcher, index, args, workdir)
+                summaries[launcher].results.append(result)
+                print(describe(result), flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print()
+    for summary in summaries.values():
+        median = f"{summary.median:.2f} s" if summary.median is not None else "n/a"
+        print(f"{summary.launcher:<8} median {median} over {len(summary.latencies)} runs "
+              f"({summary.count('hang')} hangs, {summary.count('failed')} failures)")
+    if args.only:
+        return 0 if summaries[args.only].latencies else 1
+    ftrun, torchrun = summaries["ftrun"].median, summaries["torchrun"].median
+    if ftrun is None or torchrun is None:
+        print("ratio ftrun/torchrun: n/a (a launcher has no successful run)")
+        return 1
+    ratio = ftrun / torchrun
+    verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
+    print(f"ratio ftrun/torchrun: {ratio:.2f} (target <= {TARGET_RATIO}: {verdict})")
+    return 0 if ratio <= TARGET_RATIO else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

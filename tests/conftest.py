@@ -1,0 +1,159 @@
+"""Shared fixtures: run real ftrun jobs, bounded in time, and leave no process or /dev/shm file behind."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+TRAIN_PLAIN = ROOT / "examples" / "train_plain.py"
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TRAIN_STEPS = 40
+
+
+def job_processes(job_id: str) -> list[psutil.Process]:
+    """Every live process of a job: supervisors, zygotes and trainers carry the job id in their environment."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if env.get("FTRUN_JOB_ID") == job_id or f'"job_id": "{job_id}"' in env.get("FTRUN_NODE_SPEC", ""):
+            if proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+    return found
+
+
+def job_segments(job_id: str) -> list[str]:
+    return glob.glob(f"/dev/shm/ftrun-{job_id}-*")
+
+
+def events_of(log_dir: Path) -> list[dict]:
+    path = log_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+@dataclass
+class Job:
+    """One `ftrun` launcher process started by a test."""
+
+    job_id: str
+    log_dir: Path
+    proc: subprocess.Popen
+    output_path: Path
+    started: float = field(default_factory=time.monotonic)
+
+    def wait(self, timeout: float = 120) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            kill_job(self)
+            pytest.fail(f"job {self.job_id} did not finish within {timeout}s:\n{self.output}")
+
+    @property
+    def output(self) -> str:
+        return self.output_path.read_text(errors="replace")
+
+    def events(self) -> list[dict]:
+        return events_of(self.log_dir)
+
+    def wait_for_event(self, predicate, timeout: float = 60) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for event in self.events():
+                if predicate(event):
+                    return event
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        pytest.fail(f"event not seen within {timeout}s; output:\n{self.output}")
+
+    def trainer(self, rank: int, generation: int = 0, timeout: float = 60) -> psutil.Process:
+        """The trainer process of ``rank`` in ``generation``, from the supervisors' trainers_started events.
+
+        (Trainers forked by a zygote keep the zygote's /proc/PID/environ, so the environment cannot tell.)
+        """
+        started = self.wait_for_event(lambda e: e["event"] == "trainers_started" and e["generation"] == generation
+                                      and str(rank) in e["pids"], timeout)
+        return psutil.Process(started["pids"][str(rank)])
+
+
+def kill_job(job: Job) -> None:
+    for sig in (signal.SIGKILL,):
+        try:
+            os.killpg(job.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+    for proc in job_processes(job.job_id):
+        try:
+            proc.kill()
+        except psutil.Error:
+            pass
+    try:
+        job.proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+@pytest.fixture
+def start_job(tmp_path):
+    """Start `ftrun ARGS...` with a unique job id and a log dir; cleans up processes and segments after the test."""
+    jobs: list[Job] = []
+
+    def start(*args: str, job_id: str | None = None, log_dir: Path | None = None, env: dict | None = None) -> Job:
+        job_id = job_id or f"t{uuid.uuid4().hex[:10]}"
+        log_dir = log_dir or tmp_path / f"logs-{job_id}"
+        output = tmp_path / f"output-{job_id}.txt"
+        with open(output, "wb") as out:
+            proc = subprocess.Popen([sys.executable, "-m", "ftrun", "--rdzv-id", job_id, "--log-dir", str(log_dir),
+                                     *args], stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                    cwd=tmp_path, env={**os.environ, **(env or {})})
+        job = Job(job_id, log_dir, proc, output)
+        jobs.append(job)
+        return job
+
+    yield start
+    for job in jobs:
+        kill_job(job)
+        for path in job_segments(job.job_id):
+            os.unlink(path)
+
+
+def assert_job_left_nothing(job: Job) -> None:
+    """No process and no /dev/shm file of the job survives it."""
+    deadline = time.monotonic() + 3
+    while job_processes(job.job_id) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = [(p.pid, " ".join(p.cmdline())) for p in job_processes(job.job_id)]
+    assert not left, f"processes of job {job.job_id} survived it: {left}"
+    assert not job_segments(job.job_id), f"segments left: {job_segments(job.job_id)}"
+
+
+def train_args(tmp_path: Path, name: str, *extra: str, steps: int = TRAIN_STEPS) -> tuple[list[str], Path]:
+    out = tmp_path / f"{name}.hash"
+    return [str(TRAIN_PLAIN), "--steps", str(steps), "--ckpt-dir", str(tmp_path / f"{name}-ckpt"),
+            "--out", str(out), *extra], out
+
+
+@pytest.fixture(scope="session")
+def baseline_hash(tmp_path_factory) -> str:
+    """Final state hash of the failure-free example run (2 nodes x 2 trainers), computed once."""
+    tmp = tmp_path_factory.mktemp("baseline")
+    args, out = train_args(tmp, "baseline")
+    job_id = f"t{uuid.uuid4().hex[:10]}"
+    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job_id, "--nnodes", "2",
+                             "--nproc-per-node", "2", *args], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return out.read_text().strip()

@@ -1,0 +1,75 @@
+"""Every trainer sees exactly torchrun's environment, with the same restart count on every node."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import SCRIPTS, assert_job_left_nothing
+from ftrun.launch.env import TORCHRUN_VARIABLES
+
+
+def read_dumps(directory) -> dict[tuple[int, int], dict]:
+    dumps = {}
+    for name in os.listdir(directory):
+        gen, rank = name.removesuffix(".json").split("-")
+        dumps[int(gen), int(rank)] = json.loads((directory / name).read_text())
+    return dumps
+
+
+@pytest.mark.timeout(120)
+def test_environment_is_torchrun_contract_on_every_node_and_generation(start_job, tmp_path):
+    dumps_dir = tmp_path / "dumps"
+    dumps_dir.mkdir()
+    job = start_job("--nnodes", "2", "--nproc-per-node", "2", "--max-restarts", "2", str(SCRIPTS / "envdump.py"),
+                    "--crash-gen0", env={"ENVDUMP_DIR": str(dumps_dir), "OMP_NUM_THREADS": ""})
+    assert job.wait() == 0, job.output
+    assert_job_left_nothing(job)
+    dumps = read_dumps(dumps_dir)
+    assert sorted(dumps) == [(g, r) for g in (0, 1) for r in range(4)]
+    for (gen, rank), env in dumps.items():
+        node, local = divmod(rank, 2)
+        assert env["RANK"] == env["ROLE_RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == str(local)
+        assert env["GROUP_RANK"] == str(node)
+        assert env["ROLE_NAME"] == "default"
+        assert env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["WORLD_SIZE"] == env["ROLE_WORLD_SIZE"] == "4"
+        assert env["GROUP_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["TORCHELASTIC_RESTART_COUNT"] == str(gen)  # the same on both nodes
+        assert env["TORCHELASTIC_MAX_RESTARTS"] == "2"
+        assert env["TORCHELASTIC_RUN_ID"] == job.job_id
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"gen{gen}/rank{rank}/error.json")
+        assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    # one trainer store per generation, shared by all ranks of it, on a new port each time
+    ports = {gen: {dumps[gen, r]["MASTER_PORT"] for r in range(4)} for gen in (0, 1)}
+    assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]
+    # an empty OMP_NUM_THREADS counts as set by the user; unset, it is cores / trainers on this host
+    assert dumps[0, 0]["OMP_NUM_THREADS"] == ""
+
+
+@pytest.mark.timeout(120)
+def test_omp_threads_default_and_same_variables_as_real_torchrun(start_job, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    ours, theirs = tmp_path / "ftrun", tmp_path / "torchrun"
+    ours.mkdir()
+    theirs.mkdir()
+    job = start_job("--nproc-per-node", "2", str(SCRIPTS / "envdump.py"), env={"ENVDUMP_DIR": str(ours)})
+    assert job.wait() == 0, job.output
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(SCRIPTS / "envdump.py")]
+    subprocess.run(torchrun, env={**env, "ENVDUMP_DIR": str(theirs)}, check=True, timeout=90, capture_output=True)
+    ftrun_env, torchrun_env = read_dumps(ours)[0, 1], read_dumps(theirs)[0, 1]
+    contract = [k for k in torchrun_env["_all"] if not k.startswith("FTRUN_")]
+    assert [k for k in ftrun_env["_all"] if not k.startswith("FTRUN_")] == contract
+    assert set(contract) == set(TORCHRUN_VARIABLES)
+    expected_threads = max(1, (os.cpu_count() or 1) // 2)
+    assert ftrun_env["OMP_NUM_THREADS"] == str(expected_threads)
+    for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_NAME", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
+        assert ftrun_env[name] == torchrun_env[name], name
