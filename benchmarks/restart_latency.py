@@ -7,14 +7,18 @@ launcher, rendezvous and collectives on 127.0.0.1 only:
 - torchrun: one ``torchrun`` per node, c10d rendezvous at a free loopback port, the first one hosting the
   rendezvous store, with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (the workers get their own store).
 
-Each worker appends ``generation rank time pid`` to a mark file right after its first all_reduce. A run waits
-until all ranks of generation 0 have marked, lets the job train for one more second, records ``t_kill`` and
-sends SIGKILL to the worker of rank 1 (its pid is in its mark). The latency is the time from ``t_kill`` to
-the last first-all_reduce mark of the new generation (every rank trains again); the time to its first mark
-is printed too. The run then waits for the launcher(s) to finish the job: a run that times out on the way is
-a hang and a launcher that exits non-zero a failure; both are printed and counted but not part of the
-medians. Runs alternate between the launchers to spread the machine's noise. Target: ftrun's median at
-most half of torchrun's.
+Each worker appends ``restart_count rank time pid`` to a mark file right after its first all_reduce. A run
+waits until every rank has marked, lets the job train for one more second, records ``t_kill`` and sends
+SIGKILL to the worker of rank 1 (its pid is in its mark: ftrun's trainers are forks of a zygote, so their
+/proc environ does not show RANK). The latency is the time from ``t_kill`` until every rank has a mark
+written after ``t_kill`` (every rank trains again); the time to the first such mark is printed too. New
+workers are told apart by time, not by TORCHELASTIC_RESTART_COUNT: torchrun counts the restarts of each
+agent, so a node that restarts for the other node's failure can start its workers with 0 again.
+
+The run then waits for the launcher(s) to finish the job. A run that times out on the way is a hang, one
+whose launcher exits early or non-zero a failure: both are printed and counted but left out of the medians.
+Runs alternate between the launchers to spread the machine's noise. Target: ftrun's median at most half of
+torchrun's.
 
     .venv/bin/python benchmarks/restart_latency.py --runs 5
 """
@@ -43,8 +47,8 @@ WORKER = Path(__file__).resolve().parent / "latency_worker.py"
 BIN_DIR = Path(sys.executable).parent  # ftrun and torchrun live next to the interpreter of the venv
 LAUNCHERS = ("ftrun", "torchrun")
 TARGET_RATIO = 0.5
-START_TIMEOUT = 120.0  # seconds until all ranks of generation 0 marked (cold imports on a busy machine)
-RESTART_TIMEOUT = 60.0  # seconds from the kill until all ranks of the new generation marked
+START_TIMEOUT = 120.0  # seconds until every rank marked once (cold imports on a busy machine)
+RESTART_TIMEOUT = 60.0  # seconds from the kill until every rank marked again
 EXIT_GRACE = 30.0  # seconds for the launchers to exit on top of the remaining steps
 TRAIN_BEFORE_KILL = 1.0
 POLL = 0.01
@@ -56,7 +60,7 @@ T = TypeVar("T")
 class Mark:
     """One line of the mark file: a worker process that finished its first all_reduce."""
 
-    generation: int
+    restart_count: int
     rank: int
     time: float
     pid: int
@@ -67,9 +71,9 @@ class RunResult:
     launcher: str
     index: int
     status: str = "ok"  # "ok", "hang" or "failed"
-    latency: float | None = None  # kill -> every rank of the new generation did its first all_reduce
-    first: float | None = None  # kill -> the first rank of the new generation did
-    generation: int | None = None
+    latency: float | None = None  # kill -> every rank did its first all_reduce again
+    first: float | None = None  # kill -> the first rank did
+    restart_counts: list[int] = field(default_factory=list)  # TORCHELASTIC_RESTART_COUNT of the new workers
     notes: list[str] = field(default_factory=list)  # why a run failed or hung, launcher log tails
 
 
@@ -107,18 +111,15 @@ def read_marks(path: Path) -> list[Mark]:
         return []
     marks = []
     for line in path.read_text().splitlines():
-        generation, rank, stamp, pid = line.split()
-        marks.append(Mark(int(generation), int(rank), float(stamp), int(pid)))
+        restart_count, rank, stamp, pid = line.split()
+        marks.append(Mark(int(restart_count), int(rank), float(stamp), int(pid)))
     return marks
 
 
-def complete_generation(marks: list[Mark], world: int, first_generation: int) -> list[Mark] | None:
-    """The marks of the lowest generation >= ``first_generation`` in which every rank marked, if any."""
-    for generation in sorted({m.generation for m in marks if m.generation >= first_generation}):
-        of_generation = [m for m in marks if m.generation == generation]
-        if {m.rank for m in of_generation} == set(range(world)):
-            return of_generation
-    return None
+def every_rank_since(path: Path, world: int, since: float) -> list[Mark] | None:
+    """The marks written after ``since`` if every rank has one among them, else None."""
+    marks = [m for m in read_marks(path) if m.time > since]
+    return marks if {m.rank for m in marks} == set(range(world)) else None
 
 
 def launch_commands(launcher: str, args: argparse.Namespace, run_id: str) -> list[list[str]]:
@@ -160,12 +161,10 @@ def run_once(launcher: str, index: int, args: argparse.Namespace, workdir: Path)
                 procs.append(subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
                                               stdin=subprocess.DEVNULL, start_new_session=True))
 
-        def wait_marks(first_generation: int, timeout: float, what: str) -> list[Mark]:
-            def done() -> list[Mark] | None:
-                return complete_generation(read_marks(mark_file), world, first_generation)
-            return wait_for(done, timeout, procs, what)
+        def wait_marks(since: float, timeout: float, what: str) -> list[Mark]:
+            return wait_for(lambda: every_rank_since(mark_file, world, since), timeout, procs, what)
 
-        started = wait_marks(0, START_TIMEOUT, "generation 0 to start")
+        started = wait_marks(0.0, START_TIMEOUT, "every rank to start")
         time.sleep(TRAIN_BEFORE_KILL)
         victim = next(m for m in started if m.rank == 1)
         t_kill = time.time()
@@ -173,10 +172,10 @@ def run_once(launcher: str, index: int, args: argparse.Namespace, workdir: Path)
             os.kill(victim.pid, signal.SIGKILL)
         except ProcessLookupError:
             raise RunError("failed", "rank 1 was gone before the kill (raise --steps)") from None
-        restarted = wait_marks(1, RESTART_TIMEOUT, "the new generation after the kill")
+        restarted = wait_marks(t_kill, RESTART_TIMEOUT, "every rank to restart after the kill")
         result.latency = max(m.time for m in restarted) - t_kill
         result.first = min(m.time for m in restarted) - t_kill
-        result.generation = restarted[0].generation
+        result.restart_counts = sorted({m.restart_count for m in restarted})
         wait_for(lambda: all(p.poll() is not None for p in procs) or None,
                  args.steps * args.step_time + EXIT_GRACE, [], "the launcher(s) to exit")
         codes = [p.returncode for p in procs]
@@ -242,7 +241,7 @@ def describe(result: RunResult) -> str:
     head = f"{result.launcher:<8} run {result.index}: {result.status:<6}"
     if result.latency is not None and result.first is not None:
         head += (f" kill -> all ranks {result.latency:6.2f} s, kill -> first rank {result.first:6.2f} s"
-                 f" (generation {result.generation})")
+                 f" (restart count {'/'.join(map(str, result.restart_counts))})")
     return "\n    ".join([head, *result.notes])
 
 
@@ -251,7 +250,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=5, help="runs per launcher")
     parser.add_argument("--nnodes", type=int, default=2)
     parser.add_argument("--nproc-per-node", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=100, help="steps per generation of the worker")
+    parser.add_argument("--steps", type=int, default=100, help="steps of each worker process")
     parser.add_argument("--step-time", type=float, default=0.05, help="worker's sleep per step (s)")
     parser.add_argument("--only", choices=LAUNCHERS, help="benchmark one launcher only")
     args = parser.parse_args()

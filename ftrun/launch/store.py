@@ -19,7 +19,7 @@ from ftrun.errors import UsageError
 
 # Store operations (get/wait) that outlive this are errors; the job itself only uses non-blocking calls.
 STORE_OP_TIMEOUT = timedelta(seconds=60)
-_HANDSHAKE_TIMEOUT = 10.0
+_HANDSHAKE_TIMEOUT = 5.0
 
 
 def host_store(port: int, what: str = "control store", host: str = "127.0.0.1") -> TCPStore:

@@ -1,0 +1,93 @@
+"""Bad input: one line on stderr, exit code 2, nothing started and nothing left behind."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import uuid
+
+import pytest
+
+from conftest import TRAIN_PLAIN, job_processes, job_segments
+
+
+def run_ftrun(*args: str, cwd=None) -> tuple[int, str, str]:
+    job_id = f"bad{uuid.uuid4().hex[:8]}"
+    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job_id, *args], capture_output=True,
+                            text=True, timeout=60, cwd=cwd)
+    assert not job_processes(job_id) and not job_segments(job_id)
+    return result.returncode, result.stderr, job_id
+
+
+def assert_one_line_error(code: int, stderr: str, *fragments: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert code == 2, stderr
+    assert len(lines) == 1 and lines[0].startswith("ftrun: error: "), stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def listening_port():
+    """A port held by something that is not a control store."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, fragments", [
+    (["--bogus", str(TRAIN_PLAIN)], ["No such option: --bogus"]),
+    (["missing_script.py"], ["script not found: missing_script.py"]),
+    (["--nproc-per-node", "0", str(TRAIN_PLAIN)], ["--nproc-per-node must be at least 1"]),
+    (["--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "127.0.0.1:1", str(TRAIN_PLAIN)],
+     ["--node-rank 2 is out of range for --nnodes 2"]),
+    (["--nnodes", "two", str(TRAIN_PLAIN)], ["Invalid value for '--nnodes'"]),
+    (["--inject", "crash@rank=x,step=3", str(TRAIN_PLAIN)], ["crash@rank=x,step=3", "rank must be"]),
+    (["--inject", "boom@rank=1,step=3", str(TRAIN_PLAIN)], ["unknown fault kind 'boom'"]),
+    (["--inject", "hang@rank=1", str(TRAIN_PLAIN)], ["missing step="]),
+    (["--inject", "node-loss@rank=1,step=2", str(TRAIN_PLAIN)], ["unknown key 'rank' for node-loss"]),
+    (["--no-python", "no-such-executable-ftrun"], ["executable not found"]),
+    (["--rdzv-endpoint", "nohostport", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
+])
+def test_bad_flags(args, fragments):
+    assert_one_line_error(*run_ftrun(*args)[:2], *fragments)
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("nnodez: 2\n", ["unknown key 'nnodez'"]),
+    ("nnodes: two\n", ["key 'nnodes' must be int", "'two'"]),
+    ("hang_timeout: [1]\n", ["key 'hang_timeout' must be float"]),
+    ("inject: crash@rank=1,step=2\n", ["key 'inject' must be list"]),
+    ("- just\n- a list\n", ["top level must be a mapping"]),
+    ("nnodes: [\n", ["not valid YAML"]),
+])
+def test_bad_yaml_names_key_and_file(tmp_path, text, fragments):
+    config = tmp_path / "job.yaml"
+    config.write_text(text)
+    assert_one_line_error(*run_ftrun("--config", str(config), str(TRAIN_PLAIN))[:2], str(config), *fragments)
+
+
+def test_control_store_port_in_use_local_mode(listening_port):
+    code, stderr, _ = run_ftrun("--rdzv-endpoint", f"127.0.0.1:{listening_port}", str(TRAIN_PLAIN))
+    assert_one_line_error(code, stderr, f"port {listening_port} is already in use")
+
+
+def test_control_store_port_in_use_by_something_else_multi_node(listening_port):
+    code, stderr, _ = run_ftrun("--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint",
+                                f"127.0.0.1:{listening_port}", str(TRAIN_PLAIN))
+    assert_one_line_error(code, stderr, "is not a torch TCPStore")
+
+
+def test_unreachable_endpoint_within_timeout():
+    port = free_port()
+    code, stderr, _ = run_ftrun("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
+                                "--rdzv-timeout", "1", str(TRAIN_PLAIN))
+    assert_one_line_error(code, stderr, f"127.0.0.1:{port} is unreachable after 1s")

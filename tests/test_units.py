@@ -1,0 +1,124 @@
+"""Unit tests of the pieces that need no running job: config, fault specs, heartbeat table, hang detection."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ftrun.config import JobConfig, build_config, load_yaml
+from ftrun.errors import UsageError
+from ftrun.launch.faults import Fault, decode_trainer_faults, parse_fault, trainer_faults_env
+from ftrun.launch.heartbeat import PHASE_EXITING, Beat, HangDetector, HeartbeatTable, HeartbeatWriter
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_default_yaml_documents_every_setting_with_its_default():
+    documented = load_yaml(ROOT / "configs" / "default.yaml")
+    defaults = dataclasses.asdict(JobConfig())
+    assert documented == defaults
+
+
+def test_flags_override_yaml_which_overrides_defaults(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("nnodes: 3\nnproc-per-node: 4\nhang_timeout: 7\n")
+    cfg = build_config(str(config), {"nnodes": 2, "nproc_per_node": None})
+    assert (cfg.nnodes, cfg.nproc_per_node, cfg.hang_timeout, cfg.max_restarts) == (2, 4, 7.0, 10)
+
+
+def test_config_consistency_checks():
+    with pytest.raises(UsageError, match="needs --rdzv-endpoint"):
+        build_config(None, {"nnodes": 2, "node_rank": 1})
+    with pytest.raises(UsageError, match="-m and --no-python"):
+        build_config(None, {"module": True, "no_python": True})
+
+
+def test_fault_specs_parse_with_generation_default_zero():
+    assert parse_fault("crash@rank=1,step=30") == Fault("crash", 1, 30, 0)
+    assert parse_fault("hang@rank=0,step=5,gen=2") == Fault("hang", 0, 5, 2)
+    assert parse_fault("node-loss@node=1,step=50").spec == "node-loss@node=1,step=50,gen=0"
+
+
+def test_trainer_faults_reach_only_their_rank_and_generation():
+    faults = [Fault("crash", 1, 30), Fault("hang", 1, 40, 1), Fault("node-loss", 1, 10)]
+    assert decode_trainer_faults(trainer_faults_env(faults, rank=1, gen=0)) == [("crash", 30)]
+    assert decode_trainer_faults(trainer_faults_env(faults, rank=1, gen=1)) == [("hang", 40)]
+    assert trainer_faults_env(faults, rank=0, gen=0) == ""
+
+
+@pytest.fixture
+def table(tmp_path):
+    table = HeartbeatTable(str(tmp_path / "hb"), slots=2)
+    for slot in range(2):
+        table.reset(slot)
+    yield table
+    table.close()
+
+
+def test_heartbeat_table_round_trip_and_mode(table, monkeypatch):
+    assert os.stat(table.path).st_mode & 0o777 == 0o600
+    writer = HeartbeatWriter(table.path, slot=1, generation=3, faults=[])
+    writer.beat(7)
+    writer.beat()
+    beat = table.read(1)
+    assert (beat.pid, beat.step, beat.beats, beat.generation) == (os.getpid(), 7, 2, 3)
+    assert table.read(0).beats == 0
+
+
+def test_injected_crash_fires_at_its_step(table):
+    code = ("import sys; from ftrun.launch.heartbeat import HeartbeatWriter as W; "
+            f"w = W({table.path!r}, 0, 0, [('crash', 3)]); [w.beat(s) for s in range(10)]; print('survived')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert result.returncode == -9 and "survived" not in result.stdout
+    assert table.read(0).step == 3
+
+
+def beat(beats: int, step: int, seconds: float, phase: int = 0) -> Beat:
+    return Beat(1, step, beats, int(seconds * 1e9), 0, phase)
+
+
+def test_hang_detector_is_not_armed_before_any_beat():
+    detector = HangDetector(initial=10, floor=2, factor=5)
+    detector.trainer_started(0.0)
+    assert detector.observe(beat(0, -1, 0), now=1000.0) is None
+
+
+def test_hang_detector_adapts_to_slow_steps_with_a_floor():
+    detector = HangDetector(initial=10, floor=2, factor=5)
+    detector.trainer_started(0.0)
+    for i in range(1, 5):
+        assert detector.observe(beat(i, i, i * 0.1), now=i * 0.1) is None
+    assert detector.timeout == 2  # 5 x 0.1 s is below the floor
+    assert detector.observe(beat(4, 4, 0.4), now=2.3) is None
+    assert "no heartbeat for 2.0s" in detector.observe(beat(4, 4, 0.4), now=2.41)
+    detector.observe(beat(5, 5, 1.4), now=2.5)  # a 1 s step: now 5 s are allowed
+    assert detector.timeout == pytest.approx(5.0)
+    assert detector.observe(beat(5, 5, 1.4), now=7.4) is None
+
+
+def test_hang_detector_uses_initial_timeout_after_restart_and_while_exiting():
+    detector = HangDetector(initial=10, floor=2, factor=5)
+    detector.trainer_started(0.0)
+    for i in range(1, 4):
+        detector.observe(beat(i, i, i * 0.1), now=i * 0.1)
+    detector.trainer_started(100.0)  # a restart: armed, waiting for the first beat
+    assert detector.observe(beat(0, -1, 0), now=109.0) is None
+    assert "no first heartbeat" in detector.observe(beat(0, -1, 0), now=110.5)
+    detector.trainer_started(200.0)
+    detector.observe(beat(1, 5, 200.0), now=200.0)
+    detector.observe(beat(2, 5, 201.0, PHASE_EXITING), now=201.0)
+    assert detector.observe(beat(2, 5, 201.0, PHASE_EXITING), now=209.0) is None
+
+
+def test_cli_help_lists_torchrun_flags():
+    result = subprocess.run([sys.executable, "-m", "ftrun", "run", "--help"], capture_output=True, text=True,
+                            timeout=30)
+    for flag in ("--nnodes", "--nproc-per-node", "--node-rank", "--rdzv-endpoint", "--rdzv-id", "--max-restarts",
+                 "--standalone", "-m", "--no-python", "--log-dir", "--config", "--hang-timeout", "--inject"):
+        assert flag in result.stdout
+
