@@ -132,3 +132,12 @@ def test_multi_node_mode_trains_through_a_crash_bitwise(start_job, tmp_path, bas
     assert [(f["kind"], f["rank"]) for f in failures(node0)] == [("crash", 3)]
     assert out.read_text().strip() == baseline_hash
     assert_job_left_nothing(node0)
+
+
+@pytest.mark.timeout(120)
+def test_sigterm_to_launcher_stops_every_process(start_job):
+    job = start_job(*NODES, str(SCRIPTS / "sleeper.py"), "--seconds", "60")
+    wait_running(job)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == 143
+    assert_job_left_nothing(job)

@@ -38,6 +38,7 @@ from ftrun.launch.summary import print_summary
 
 EXIT_INTERRUPTED = 130
 _ACK_TIMEOUT = 10.0
+_POLL_INTERVAL = 0.02
 
 
 def resolve_target(cfg: JobConfig, target: str) -> str:
@@ -180,7 +181,7 @@ class Launcher:
                     self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
                     break
                 results[node] = code
-            time.sleep(0.05)
+            time.sleep(_POLL_INTERVAL)
         if self.signalled is not None:
             return EXIT_INTERRUPTED if self.signalled == signal.SIGINT else 128 + self.signalled
         if all(code == EXIT_DONE for code in results.values()):

@@ -41,7 +41,7 @@ from ftrun.launch.zygote import SpawnRequest, ZygoteClient
 POLL_INTERVAL = 0.02
 # A trainer that exits with an error code right after a peer died is usually a consequence (gloo reports the
 # lost connection); it waits this long for the root cause to be reported first. Signals and hangs do not wait.
-SECONDARY_GRACE = 0.3
+SECONDARY_GRACE = 0.15
 PEER_CHECK_INTERVAL = 0.25
 BEAT_INTERVAL = 0.25
 
