@@ -11,9 +11,10 @@ Each worker appends ``restart_count rank time pid`` to a mark file right after i
 waits until every rank has marked, lets the job train for one more second, records ``t_kill`` and sends
 SIGKILL to the worker of rank 1 (its pid is in its mark: ftrun's trainers are forks of a zygote, so their
 /proc environ does not show RANK). The latency is the time from ``t_kill`` until every rank has a mark
-written after ``t_kill`` (every rank trains again); the time to the first such mark is printed too. New
-workers are told apart by time, not by TORCHELASTIC_RESTART_COUNT: torchrun counts the restarts of each
-agent, so a node that restarts for the other node's failure can start its workers with 0 again.
+written after ``t_kill``: every rank trains again (the first all_reduce is collective, so the ranks get there
+within milliseconds of each other). New workers are told apart by time, not by TORCHELASTIC_RESTART_COUNT:
+torchrun counts the restarts of each agent, so a node that restarts for the other node's failure can start
+its workers with 0 again.
 
 The run then waits for the launcher(s) to finish the job. A run that times out on the way is a hang, one
 whose launcher exits early or non-zero a failure: both are printed and counted but left out of the medians.
@@ -39,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import psutil
 
@@ -54,6 +55,7 @@ TRAIN_BEFORE_KILL = 1.0
 POLL = 0.01
 
 T = TypeVar("T")
+Status = Literal["ok", "hang", "failed"]
 
 
 @dataclass(frozen=True)
@@ -70,9 +72,8 @@ class Mark:
 class RunResult:
     launcher: str
     index: int
-    status: str = "ok"  # "ok", "hang" or "failed"
+    status: Status = "ok"
     latency: float | None = None  # kill -> every rank did its first all_reduce again
-    first: float | None = None  # kill -> the first rank did
     restart_counts: list[int] = field(default_factory=list)  # TORCHELASTIC_RESTART_COUNT of the new workers
     notes: list[str] = field(default_factory=list)  # why a run failed or hung, launcher log tails
 
@@ -90,12 +91,12 @@ class Summary:
     def median(self) -> float | None:
         return statistics.median(self.latencies) if self.latencies else None
 
-    def count(self, status: str) -> int:
+    def count(self, status: Status) -> int:
         return sum(r.status == status for r in self.results)
 
 
 class RunError(Exception):
-    def __init__(self, status: str, detail: str) -> None:
+    def __init__(self, status: Status, detail: str) -> None:
         super().__init__(detail)
         self.status = status
 
@@ -174,7 +175,6 @@ def run_once(launcher: str, index: int, args: argparse.Namespace, workdir: Path)
             raise RunError("failed", "rank 1 was gone before the kill (raise --steps)") from None
         restarted = wait_marks(t_kill, RESTART_TIMEOUT, "every rank to restart after the kill")
         result.latency = max(m.time for m in restarted) - t_kill
-        result.first = min(m.time for m in restarted) - t_kill
         result.restart_counts = sorted({m.restart_count for m in restarted})
         wait_for(lambda: all(p.poll() is not None for p in procs) or None,
                  args.steps * args.step_time + EXIT_GRACE, [], "the launcher(s) to exit")
@@ -190,24 +190,23 @@ def run_once(launcher: str, index: int, args: argparse.Namespace, workdir: Path)
         leftovers = [m.pid for m in read_marks(mark_file) if kill_worker(m)]
         if leftovers:
             result.notes.append(f"workers left behind by the launcher (now killed): {leftovers}")
-        shutil.rmtree(run_dir, ignore_errors=True)
     return result
 
 
 def kill_tree(proc: subprocess.Popen[bytes]) -> None:
-    """SIGKILL a launcher that still runs, its process group and its descendants (torchrun's workers lead
+    """SIGKILL a launcher's process group and, if it still runs, its descendants (torchrun's workers lead
     their own sessions)."""
-    if proc.poll() is not None:
-        return
-    try:
-        descendants = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        descendants = []
-    os.killpg(proc.pid, signal.SIGKILL)
+    descendants = []
+    if proc.poll() is None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            descendants = psutil.Process(proc.pid).children(recursive=True)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
     for process in descendants:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
     proc.wait()
+    psutil.wait_procs(descendants, timeout=10)
 
 
 def kill_worker(mark: Mark) -> bool:
@@ -222,8 +221,7 @@ def kill_worker(mark: Mark) -> bool:
     return True
 
 
-def wait_for(check: Callable[[], T | None], timeout: float, procs: list[subprocess.Popen[bytes]],
-                what: str) -> T:
+def wait_for(check: Callable[[], T | None], timeout: float, procs: list[subprocess.Popen[bytes]], what: str) -> T:
     """Poll ``check`` until it returns a value; a launcher of ``procs`` that exits first is a failure."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -239,9 +237,9 @@ def wait_for(check: Callable[[], T | None], timeout: float, procs: list[subproce
 
 def describe(result: RunResult) -> str:
     head = f"{result.launcher:<8} run {result.index}: {result.status:<6}"
-    if result.latency is not None and result.first is not None:
-        head += (f" kill -> all ranks {result.latency:6.2f} s, kill -> first rank {result.first:6.2f} s"
-                 f" (restart count {'/'.join(map(str, result.restart_counts))})")
+    if result.latency is not None:
+        counts = "/".join(map(str, result.restart_counts))
+        head += f" kill -> every rank's first all_reduce {result.latency:6.2f} s (restart count {counts})"
     return "\n    ".join([head, *result.notes])
 
 
