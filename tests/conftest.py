@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +35,12 @@ def job_processes(job_id: str) -> list[psutil.Process]:
             if proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc)
     return found
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def job_segments(job_id: str) -> list[str]:
@@ -91,11 +98,10 @@ class Job:
 
 
 def kill_job(job: Job) -> None:
-    for sig in (signal.SIGKILL,):
-        try:
-            os.killpg(job.proc.pid, sig)
-        except ProcessLookupError:
-            pass
+    try:
+        os.killpg(job.proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
     for proc in job_processes(job.job_id):
         try:
             proc.kill()

@@ -9,7 +9,7 @@ import uuid
 
 import pytest
 
-from conftest import TRAIN_PLAIN, job_processes, job_segments
+from conftest import TRAIN_PLAIN, free_port, job_processes, job_segments
 
 
 def run_ftrun(*args: str, cwd=None) -> tuple[int, str, str]:
@@ -36,11 +36,6 @@ def listening_port():
         sock.listen()
         yield sock.getsockname()[1]
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.mark.parametrize("args, fragments", [

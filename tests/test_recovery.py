@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 
 import pytest
 
-from conftest import SCRIPTS, assert_job_left_nothing, train_args
+from conftest import SCRIPTS, assert_job_left_nothing, free_port, train_args
 
 NODES = ("--nnodes", "2", "--nproc-per-node", "2")
 
@@ -90,11 +89,6 @@ def test_node_loss_in_local_mode_gets_a_replacement(start_job, tmp_path, baselin
     assert out.read_text().strip() == baseline_hash
     assert_job_left_nothing(job)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.timeout(240)
