@@ -9,7 +9,7 @@ from __future__ import annotations
 from ftrun.launch.heartbeat import HeartbeatWriter
 
 __version__ = "0.1.0"
-__all__ = ["heartbeat", "__version__"]
+__all__ = ["Snapshotter", "heartbeat", "__version__"]
 
 _UNSET = object()
 _writer: HeartbeatWriter | None | object = _UNSET
@@ -25,3 +25,11 @@ def heartbeat(step: int | None = None) -> None:
         _writer = HeartbeatWriter.from_env()
     if _writer is not None:
         _writer.beat(step)  # type: ignore[union-attr]
+
+
+def __getattr__(name: str) -> object:
+    # Snapshotter imports torch; the launcher and the keeper import this package without paying for it.
+    if name == "Snapshotter":
+        from ftrun.snapshot.client import Snapshotter
+        return Snapshotter
+    raise AttributeError(f"module 'ftrun' has no attribute {name!r}")

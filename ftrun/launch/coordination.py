@@ -32,12 +32,13 @@ class Generation:
     """The contents of the ``gen`` key: which generation runs now and why it started."""
 
     gen: int
-    kind: str  # "start", or the failure kind: "crash", "hang", "node-lost", "node-replaced", ...
+    kind: str  # "start", or the failure kind: "crash", "hang", "node-lost", "node-replaced", "fatal", ...
     reason: str
     node: int | None = None
     rank: int | None = None
     detected_by: str = ""
     time: float = 0.0
+    step: int | None = None  # the failed rank's last reported step
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -56,6 +57,7 @@ class Failure:
     node: int | None = None
     rank: int | None = None
     detected_by: str = ""
+    step: int | None = None
 
 
 class Coordinator:
@@ -99,7 +101,7 @@ class Coordinator:
         """
         old = Generation.decode(seen)
         new = Generation(old.gen + 1, failure.kind, failure.reason, failure.node, failure.rank,
-                         failure.detected_by, time.time())
+                         failure.detected_by, time.time(), failure.step)
         encoded = new.encode()
         now = self.store.compare_set(self.key("gen"), seen.decode(), encoded)
         won = now.decode() == encoded

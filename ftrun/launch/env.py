@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from ftrun.launch.faults import ENV_TRAINER_FAULTS
 from ftrun.launch.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
+from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
 ENV_JOB_ID = "FTRUN_JOB_ID"
 ENV_NODE_RANK = "FTRUN_NODE_RANK"
@@ -55,7 +56,7 @@ def default_omp_threads(trainers_on_host: int) -> int:
 
 
 def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, heartbeat_file: str,
-                error_file: str, faults: str) -> dict[str, str]:
+                keeper_socket: str, error_file: str, faults: str) -> dict[str, str]:
     env = dict(base)
     env.update({
         "RANK": str(place.rank),
@@ -78,6 +79,7 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
         ENV_NODE_RANK: str(place.node_rank),
         ENV_HEARTBEAT_FILE: heartbeat_file,
         ENV_HEARTBEAT_SLOT: str(place.local_rank),
+        ENV_KEEPER_SOCKET: keeper_socket,
         ENV_TRAINER_FAULTS: faults,
     })
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")

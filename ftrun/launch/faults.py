@@ -4,12 +4,19 @@ Kinds and their required keys:
 
 - ``crash@rank=R,step=S``: trainer R kills itself with SIGKILL at its first heartbeat with step >= S.
 - ``hang@rank=R,step=S``: trainer R stops itself with SIGSTOP there (a hang the supervisor must detect).
+- ``copy-crash@rank=R,step=S``: trainer R kills itself with SIGKILL halfway through copying the snapshot of
+  its first snapshot step >= S (the slot is left half written).
+- ``commit-crash@rank=R,step=S``: the same, after the copy and before the slot is committed (other ranks
+  commit that step, this one does not).
+- ``keeper-crash@node=N,step=S``: the keeper of node N kills itself with SIGKILL when a trainer commits a
+  snapshot of step >= S (fires in one keeper incarnation only).
 - ``node-loss@node=N,step=S``: the supervisor of node N kills every process of the node, itself included,
   once one of its trainers reports step >= S.
 
 Every fault also takes ``gen=G`` (default 0) and fires at most once: only in generation G. Trainer faults
 travel to the trainer in :data:`ENV_TRAINER_FAULTS` as ``kind:step`` pairs and fire inside
-``ftrun.heartbeat``; the trainer-side code is in :mod:`ftrun.launch.heartbeat`.
+``ftrun.heartbeat`` (crash, hang; :mod:`ftrun.launch.heartbeat`) or in the Snapshotter (copy-crash,
+commit-crash; :mod:`ftrun.snapshot.client`).
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ from ftrun.errors import UsageError
 
 ENV_TRAINER_FAULTS = "FTRUN_INJECT"
 
-TRAINER_FAULTS = ("crash", "hang")
-NODE_FAULTS = ("node-loss",)
-_WHERE = {"crash": "rank", "hang": "rank", "node-loss": "node"}
+TRAINER_FAULTS = ("crash", "hang", "copy-crash", "commit-crash")
+_WHERE = {"crash": "rank", "hang": "rank", "copy-crash": "rank", "commit-crash": "rank", "keeper-crash": "node",
+          "node-loss": "node"}
 
 
 @dataclass(frozen=True)

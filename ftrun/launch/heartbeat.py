@@ -31,6 +31,8 @@ ENV_HEARTBEAT_FILE = "FTRUN_HEARTBEAT_FILE"
 ENV_HEARTBEAT_SLOT = "FTRUN_HEARTBEAT_SLOT"
 ENV_GENERATION = "TORCHELASTIC_RESTART_COUNT"
 
+BEAT_FAULTS = ("crash", "hang")  # the injected faults that fire at a heartbeat
+
 PHASE_RUNNING = 0
 PHASE_EXITING = 1
 
@@ -108,7 +110,7 @@ class HeartbeatWriter:
         self._generation = generation
         self._step = -1
         self._beats = 0
-        self._faults = sorted(faults, key=lambda f: f[1])
+        self._faults = sorted((f for f in faults if f[0] in BEAT_FAULTS), key=lambda f: f[1])
         atexit.register(self._write, PHASE_EXITING)
 
     @classmethod

@@ -35,6 +35,7 @@ from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_S
                                safe_job_id)
 from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.summary import print_summary
+from ftrun.snapshot.keeper import unlink_segments
 
 EXIT_INTERRUPTED = 130
 _ACK_TIMEOUT = 10.0
@@ -159,6 +160,8 @@ class Launcher:
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             kill_descendants()
+            for node in nodes:  # segments of supervisors that were killed before they could clean up
+                unlink_segments(self.job_id, node)
         return code
 
     def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:

@@ -8,6 +8,8 @@ import re
 from dataclasses import asdict, dataclass, field
 
 ENV_NODE_SPEC = "FTRUN_NODE_SPEC"
+ENV_SHM_DIR = "FTRUN_SHM_DIR"
+DEFAULT_SHM_DIR = "/dev/shm"
 
 # Exit codes of a supervisor; any other code means the supervisor itself crashed.
 EXIT_DONE = 0
@@ -56,6 +58,11 @@ def safe_job_id(job_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:64]
 
 
+def shm_dir() -> str:
+    """Where ftrun's shared-memory files live: ``$FTRUN_SHM_DIR`` (any tmpfs), else /dev/shm."""
+    return os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
+
+
 def shm_path(job_id: str, node_rank: int, what: str) -> str:
     """Path of a shared-memory file of this job and node (every segment of ftrun is named this way)."""
-    return f"/dev/shm/ftrun-{safe_job_id(job_id)}-node{node_rank}-{what}"
+    return os.path.join(shm_dir(), f"ftrun-{safe_job_id(job_id)}-node{node_rank}-{what}")

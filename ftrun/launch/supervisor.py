@@ -8,14 +8,20 @@ While watching, every poll (20 ms) it reaps children (a crash is seen by waitpid
 table (hangs), reads the generation key (failures seen elsewhere), and four times a second the peers'
 beat counters (lost nodes). The first failure seen moves the job to the next generation; every node then
 stops its trainers (SIGCONT, SIGTERM, SIGKILL after ``stop_grace``) and meets the others at the next
-rendezvous. A snapshot keeper will live beside the trainers: :meth:`Supervisor._start_keeper` and
-:meth:`Supervisor._stop_keeper` are its place in the life cycle.
+rendezvous.
+
+Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
+trainer and kept across generations; if it dies it is restarted at once and the trainers keep running. A
+:class:`~ftrun.snapshot.link.KeeperLink` thread agrees each generation's restore step with the other nodes
+while the trainers start (they wait for it in ``Snapshotter.restore``). A fatal keeper error (no room in
+/dev/shm) ends the job: it becomes a generation of kind "fatal", which every supervisor turns into an exit.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -34,9 +40,13 @@ from ftrun.launch.faults import parse_faults, trainer_faults_env
 from ftrun.launch.heartbeat import HangDetector, HeartbeatTable
 from ftrun.launch.processes import (become_subreaper, describe_exit, die_with_parent, kill_descendants, reap,
                                     signal_group)
-from ftrun.launch.spec import EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec, shm_path
+from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec, safe_job_id,
+                               shm_path)
 from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
+from ftrun.snapshot.keeper import ENV_KEEPER_FAULTS, unlink_segments
+from ftrun.snapshot.link import KeeperLink
+from ftrun.snapshot.protocol import socket_name
 
 POLL_INTERVAL = 0.02
 # A trainer that exits with an error code right after a peer died is usually a consequence (gloo reports the
@@ -44,6 +54,7 @@ POLL_INTERVAL = 0.02
 SECONDARY_GRACE = 0.15
 PEER_CHECK_INTERVAL = 0.25
 BEAT_INTERVAL = 0.25
+KEEPER_START_TIMEOUT = 30.0
 
 
 class JobFailed(Exception):
@@ -91,6 +102,9 @@ class Supervisor:
         self.zygote: ZygoteClient | None = None
         self.trainer_store: TCPStore | None = None
         self.heartbeats: HeartbeatTable | None = None
+        self.keeper: subprocess.Popen[bytes] | None = None
+        self.keeper_starts = 0
+        self.link: KeeperLink | None = None
         self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=f"ftrun-{spec.job_id}-node{self.node}-")
         self._stopping = False
 
@@ -139,10 +153,52 @@ class Supervisor:
         self._stopping = True
 
     def _start_keeper(self) -> None:
-        """Place of the snapshot keeper: started before any trainer, kept across generations."""
+        """Start the node's keeper (it re-adopts what a previous one left) and wait until it serves."""
+        t0 = time.monotonic()
+        env = dict(os.environ)
+        env[ENV_NODE_SPEC] = self.spec.encode()
+        env[ENV_KEEPER_FAULTS] = ";".join(self.spec.faults) if self.keeper_starts == 0 else ""
+        supervisor = os.getpid()
+        proc = subprocess.Popen([sys.executable, "-P", "-m", "ftrun.snapshot.keeper"], env=env,
+                                stdout=subprocess.PIPE, start_new_session=True,
+                                preexec_fn=lambda: die_with_parent(supervisor))
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], KEEPER_START_TIMEOUT)
+        line = proc.stdout.readline() if ready else b""
+        proc.stdout.close()
+        if line.strip() != b"ready":
+            proc.kill()
+            raise JobFailed(f"snapshot keeper of node {self.node} did not start")
+        proc.returncode = 0  # reaped by this supervisor's reap(), never by Popen
+        self.keeper = proc
+        self.keeper_starts += 1
+        took = time.monotonic() - t0
+        self.events.emit("keeper_start", f"keeper up (pid {proc.pid}) in {took * 1000:.0f} ms", console=False,
+                         node=self.node, pid=proc.pid, seconds=took, incarnation=self.keeper_starts)
+        if self.link is None:
+            self.link = KeeperLink(self.spec, safe_job_id(self.spec.job_id), self.events)
+            self.link.start()
+
+    def _keeper_exited(self, code: int) -> None:
+        """The keeper died while the job runs: restart it; trainers keep running and reconnect."""
+        self.keeper = None
+        self.events.emit("keeper_failed", f"keeper {describe_exit(code)}; restarting it (trainers keep "
+                         "running)", node=self.node, exit_code=code)
+        self._start_keeper()
 
     def _stop_keeper(self) -> None:
-        """Counterpart of :meth:`_start_keeper`, run once when the supervisor ends."""
+        """Stop the keeper (it unlinks the node's snapshot segments) and make sure none are left."""
+        if self.link is not None:
+            self.link.stop()
+        if self.keeper is not None:
+            self.keeper.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + self.spec.stop_grace
+            while not _reaped(self.keeper.pid):
+                if time.monotonic() > deadline:
+                    signal_group(self.keeper.pid, signal.SIGKILL)
+                time.sleep(0.01)
+            self.keeper = None
+        unlink_segments(self.spec.job_id, self.node)
 
     def _start_zygote(self) -> None:
         if not self.spec.zygote or self.spec.no_python:
@@ -166,12 +222,16 @@ class Supervisor:
             if gen.gen > self.spec.max_restarts:
                 raise JobFailed(f"restart limit reached ({self.spec.max_restarts} restarts); last failure: "
                                 f"{gen.reason}")
+            if gen.kind == "fatal":
+                raise JobFailed(gen.reason)
             changed = self._rendezvous(gen.gen, seen)
             if changed is not None:
                 seen = changed
                 continue
             if self._stopping:
                 return EXIT_STOPPED
+            assert self.link is not None
+            self.link.begin(gen.gen)
             self._start_trainers(gen.gen)
             outcome = self._watch(gen, seen)
             self._stop_trainers()
@@ -214,6 +274,7 @@ class Supervisor:
             os.makedirs(error_dir, exist_ok=True)
             env = trainer_env(dict(os.environ), place, omp_threads=self.spec.omp_threads,
                               heartbeat_file=self.heartbeats.path,
+                              keeper_socket=socket_name(safe_job_id(self.spec.job_id), self.node),
                               error_file=os.path.join(error_dir, "error.json"),
                               faults=trainer_faults_env(self.faults, place.rank, gen))
             self.heartbeats.reset(local)
@@ -263,6 +324,8 @@ class Supervisor:
                 return "stop"
             for pid, code in reap().items():
                 trainer = self.trainers.get(pid)
+                if self.keeper is not None and pid == self.keeper.pid:
+                    self._keeper_exited(code)
                 if trainer is None:
                     continue
                 trainer.exit_code = code
@@ -273,7 +336,7 @@ class Supervisor:
                             return moved
                     return self._fail(seen, Failure(
                         "crash", f"rank {trainer.rank} {describe_exit(code)}{self._error_detail(g, trainer)}",
-                        self.node, trainer.rank, "waitpid"))
+                        self.node, trainer.rank, "waitpid", self._step_of(trainer)))
             if not done and all(t.exit_code == 0 for t in self.trainers.values()):
                 done = True
                 self.coord.mark(g, "done")
@@ -286,13 +349,15 @@ class Supervisor:
                     hung = self.detectors[trainer.local_rank].observe(table[trainer.local_rank], now)
                     if hung:
                         return self._fail(seen, Failure("hang", f"rank {trainer.rank} hung: {hung}", self.node,
-                                                        trainer.rank, "heartbeat"))
+                                                        trainer.rank, "heartbeat", self._step_of(trainer)))
             for fault in node_faults:
                 if any(beat.step >= fault.step for beat in table):
                     self._lose_node(fault.spec)
             if not up and all(beat.beats > 0 for beat in table):
                 up = True
                 self.coord.mark(g, "up", time.time())
+            if self.link is not None and self.link.fatal is not None:
+                return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw
@@ -313,6 +378,12 @@ class Supervisor:
                 if leader is not None:
                     leader.poll()
             time.sleep(POLL_INTERVAL)
+
+    def _step_of(self, trainer: Trainer) -> int | None:
+        """The last step ``trainer`` reported in its heartbeat (None before its first)."""
+        assert self.heartbeats is not None
+        step = self.heartbeats.read(trainer.local_rank).step
+        return None if step < 0 else step
 
     def _wait_for_other_failure(self, seen: bytes) -> bytes | None:
         """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""
@@ -340,11 +411,13 @@ class Supervisor:
         raw, won = self.coord.bump(seen, failure)
         new = Generation.decode(raw)
         fields = {"node": failure.node, "rank": failure.rank, "kind": failure.kind,
-                  "detected_by": failure.detected_by, "generation": new.gen}
+                  "detected_by": failure.detected_by, "generation": new.gen, "step": failure.step}
         if won:
-            self.events.emit("failure", f"failure: {failure.reason} (seen by {failure.detected_by})", **fields)
-            self.events.emit("generation", f"generation {new.gen}: restarting every node's trainers",
-                             generation=new.gen, reason=failure.reason)
+            at = f" at step {failure.step}" if failure.step is not None else ""
+            self.events.emit("failure", f"failure: {failure.reason}{at} (seen by {failure.detected_by})", **fields)
+            if failure.kind != "fatal":
+                self.events.emit("generation", f"generation {new.gen}: restarting every node's trainers",
+                                 generation=new.gen, reason=failure.reason)
         else:
             self.events.emit("failure", f"also seen: {failure.reason}", console=False, primary=False, **fields)
         return raw
@@ -358,6 +431,9 @@ class Supervisor:
             signal_group(trainer.pid, signal.SIGKILL)
         if self.zygote is not None:
             os.kill(self.zygote.pid, signal.SIGKILL)
+        if self.keeper is not None:
+            os.kill(self.keeper.pid, signal.SIGKILL)
+        unlink_segments(self.spec.job_id, self.node)
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _stop_trainers(self) -> None:
@@ -379,6 +455,8 @@ class Supervisor:
             for pid, code in reap().items():
                 if pid in self.trainers:
                     self.trainers[pid].exit_code = code
+                elif self.keeper is not None and pid == self.keeper.pid and not self._stopping:
+                    self._keeper_exited(code)
             time.sleep(0.005)
         for trainer in self.trainers.values():
             signal_group(trainer.pid, signal.SIGKILL)  # anything the trainers left behind in their groups
@@ -420,6 +498,14 @@ class _LeaderLog:
 
     def finish(self) -> None:
         self.poll()
+
+
+def _reaped(pid: int) -> bool:
+    """Reap ``pid`` if it has exited; True when it is gone."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return True
 
 
 def main() -> None:

@@ -1,0 +1,196 @@
+"""The trainer's side of RAM snapshots: :class:`Snapshotter`.
+
+``save(step)`` captures the structure of the state (and clones of the few tensors that a forward pass may
+change: buffers, RNG states) and returns; a background thread asks the node's keeper for a slot, copies
+every tensor into it, writes the layout, marks the slot committed and tells the keeper. Parameters and
+optimizer state are copied from the live tensors: they do not change before the next optimizer step, and a
+step pre-hook on every optimizer in the state waits for the copy. So a snapshot is exactly the state at
+``step``, and the copy overlaps the next forward and backward.
+
+``restore()`` asks the keeper for the step the job agreed on (it waits for the agreement), maps the slot,
+verifies its checksum and copies it into the live objects. A slot that fails verification is reported to
+the keeper and never loaded; the trainer exits with an error and the next generation agrees on an older step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+
+from ftrun import heartbeat
+from ftrun.launch.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
+from ftrun.snapshot.layout import Capture, Entry, capture, decode_meta, encode_meta, restore
+from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
+from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile
+
+# Spare room for the JSON section (python's RNG state alone varies by a few bytes between saves).
+META_HEADROOM = 64 << 10
+
+
+class SnapshotCorrupt(RuntimeError):
+    """The agreed snapshot failed verification on this rank; it was not loaded."""
+
+
+class Snapshotter:
+    """Asynchronous RAM snapshots of ``state`` every ``every`` steps, kept by ftrun's keeper.
+
+    ``state`` maps names to modules, optimizers, LR schedulers, anything with ``state_dict()`` and
+    ``load_state_dict()``, tensors, numpy arrays and plain values (plain values are restored into this
+    dict). RNG states are included unless ``rng=False``. Outside ftrun it warns once and does nothing.
+    """
+
+    _warned = False
+
+    def __init__(self, state: MutableMapping[str, Any], every: int = 1, *, rng: bool = True) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        self.state = state
+        self.every = every
+        self.rng = rng
+        name = os.environ.get(ENV_KEEPER_SOCKET)
+        self.active = bool(name)
+        if not self.active:
+            if not Snapshotter._warned:
+                Snapshotter._warned = True
+                print("ftrun.Snapshotter: not running under ftrun; snapshots are off", file=sys.stderr)
+            return
+        self._keeper = KeeperClient(name or "")
+        self._rank = int(os.environ["LOCAL_RANK"])
+        self._generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._faults = [f for f in decode_trainer_faults(os.environ.get(ENV_TRAINER_FAULTS, ""))
+                        if f[0] in ("copy-crash", "commit-crash")]
+        self._slots: dict[str, SlotFile] = {}
+        self._job: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._disabled = False
+        self.last_copy_seconds = 0.0
+        for value in state.values():
+            if isinstance(value, torch.optim.Optimizer):
+                value.register_step_pre_hook(lambda *_: self.wait())
+
+    # -- restore --------------------------------------------------------------------------------------------
+    def restore(self) -> int:
+        """Load the snapshot every rank agreed on into the live state; returns its step (0: none)."""
+        if not self.active:
+            return 0
+        plan = self._keeper.request("restore", rank=self._rank, generation=self._generation)
+        step = int(plan["step"])
+        if step == 0:
+            return 0
+        slot = self._map(plan["path"])
+        problem = slot.verify()
+        header = slot.header()
+        if problem is None and header.step != step:
+            problem = f"holds step {header.step}, not the agreed {step}"
+        meta = bytes(slot.payload()[header.data_len:header.payload_len]) if problem is None else b""
+        layout, skeleton = decode_meta(meta) if problem is None else (None, None)
+        if layout is not None and layout.digest != header.digest:
+            problem = "layout digest does not match the header"
+        if problem is not None:
+            self._keeper.request("corrupt", rank=self._rank, slot=int(plan["slot"]), reason=problem)
+            raise SnapshotCorrupt(f"snapshot of step {step} in {slot.path} failed verification: {problem}")
+        data = _data(slot, header.data_len)
+        restore(self.state, layout, skeleton, lambda entry: _view(data, entry))
+        del data
+        heartbeat(step)
+        return step
+
+    # -- save -----------------------------------------------------------------------------------------------
+    def save(self, step: int) -> None:
+        """Beat; every ``every`` steps also snapshot the state at ``step``, copying in the background."""
+        heartbeat(step)
+        if not self.active or self._disabled or step % self.every:
+            return
+        self.wait()
+        taken = capture(self.state, rng=self.rng)
+        meta = encode_meta(taken.layout, taken.skeleton)
+        ready = _cuda_ready_event(taken)
+        self._job = threading.Thread(target=self._copy, args=(step, taken, meta, ready),
+                                     name="ftrun-snapshot", daemon=True)
+        self._job.start()
+
+    def wait(self) -> None:
+        """Block until the snapshot being copied is committed (the optimizer pre-hook calls this)."""
+        if not self.active or self._job is None:
+            return
+        self._job.join()
+        self._job = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise RuntimeError(f"ftrun snapshot failed: {error}") from error
+
+    def _copy(self, step: int, taken: Capture, meta: bytes, ready: Any) -> None:
+        try:
+            t0 = time.perf_counter()
+            layout = taken.layout
+            reply = self._keeper.request("reserve", rank=self._rank, step=step, generation=self._generation,
+                                         size=layout.nbytes + len(meta) + META_HEADROOM)
+            slot = self._map(reply["path"])
+            half = len(layout.entries) // 2
+            stream = torch.cuda.Stream() if ready is not None else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                if stream is not None:
+                    stream.wait_event(ready)
+                data = _data(slot, layout.nbytes)
+                for i, (entry, tensor) in enumerate(zip(layout.entries, taken.tensors)):
+                    if i == half:
+                        self._fire("copy-crash", step)
+                    _view(data, entry).copy_(tensor)
+                del data
+                if stream is not None:
+                    stream.synchronize()
+            slot.payload()[layout.nbytes:layout.nbytes + len(meta)] = meta
+            self._fire("commit-crash", step)
+            slot.commit(Header(step=step, generation=self._generation, digest=layout.digest,
+                               data_len=layout.nbytes, meta_len=len(meta)))
+            self._keeper.request("commit", rank=self._rank, slot=int(reply["slot"]), step=step)
+            self.last_copy_seconds = time.perf_counter() - t0
+        except KeeperError as err:
+            if str(err).startswith("stale"):
+                return  # this generation is over; the supervisor is stopping this trainer
+            self._disabled = True
+            print(f"ftrun: snapshots off on local rank {self._rank}: {err}", file=sys.stderr, flush=True)
+        except BaseException as err:  # handed to the training thread at the next wait()
+            self._error = err
+
+    def _map(self, path: str) -> SlotFile:
+        slot = self._slots.get(path)
+        if slot is None or slot.size < os.stat(path).st_size:
+            slot = self._slots[path] = SlotFile(path, populate=True)
+        return slot
+
+    def _fire(self, kind: str, step: int) -> None:
+        for fault in self._faults:
+            if fault[0] == kind and step >= fault[1]:
+                print(f"ftrun: injected {kind} at snapshot step {step} (pid {os.getpid()})", file=sys.stderr,
+                      flush=True)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _data(slot: SlotFile, nbytes: int) -> torch.Tensor:
+    """The slot's data region as a uint8 tensor over the shared mapping (no copy)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer(slot.map, dtype=torch.uint8, count=nbytes, offset=HEADER_SIZE)
+
+
+def _view(data: torch.Tensor, entry: Entry) -> torch.Tensor:
+    raw = data[entry.offset:entry.offset + entry.nbytes]
+    return raw.view(getattr(torch, entry.dtype)).reshape(entry.shape)
+
+
+def _cuda_ready_event(taken: Capture) -> Any:
+    """A CUDA event after the work that produced the state, when any tensor is on a GPU."""
+    if any(t.is_cuda for t in taken.tensors):
+        event = torch.cuda.Event()
+        event.record()
+        return event
+    return None

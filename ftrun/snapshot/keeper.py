@@ -1,0 +1,395 @@
+"""The snapshot keeper: one process per node that owns the node's snapshot slots in shared memory.
+
+It outlives trainers (they restart, the keeper and its memory stay) and is restarted by its supervisor if it
+dies; a new keeper re-adopts the slot files after validating their headers and checksums. It never imports
+torch: it handles bytes (:mod:`ftrun.snapshot.slot`) and talks JSON lines (:mod:`ftrun.snapshot.protocol`).
+
+Invariant (per job): at every instant there is a step that every rank can restore, and restore picks the
+newest such step. Each local rank has two slots. A trainer asks the keeper which slot to copy step s into
+(``reserve``); the keeper gives an empty slot, or else the older one, but only once the rank's newest
+committed step is the newest step every rank of the job holds (``restorable``, told by the supervisor, which
+gathers every node's holdings from the control store). So a slot holding the newest globally
+restorable step is never overwritten, and a crash at any point (mid-copy: the slot stays WRITING; between
+one rank's commit and another's: the older step is still held by all) leaves a consistent step.
+
+Per generation: the supervisor asks which steps every local rank holds (``held``: every committed slot's
+checksum is verified, bad ones are discarded and logged), agrees the restore step with the other nodes, and
+tells it (``plan``); restoring trainers wait for the plan. Slots of newer steps written by an older
+generation are then discarded: that future did not happen for every rank.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import queue
+import re
+import signal
+import socket
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from ftrun.events import EventLog
+from ftrun.launch.faults import parse_faults
+from ftrun.launch.spec import NodeSpec, safe_job_id, shm_dir
+from ftrun.snapshot.protocol import LineSocket, listen, same_user, socket_name
+from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, SLOTS_PER_RANK, WRITING, SlotFile, checksum, slot_name
+
+ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
+# Advice printed with the /dev/shm capacity error.
+SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
+
+
+class Stale(Exception):
+    """A request of a generation that is over."""
+
+
+def human(nbytes: float) -> str:
+    if nbytes < 1024:
+        return f"{int(nbytes)} B"
+    for unit in ("KiB", "MiB", "GiB"):
+        nbytes /= 1024
+        if nbytes < 1024:
+            break
+    return f"{nbytes:.1f} {unit}"
+
+
+def free_bytes(directory: str) -> int:
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+def capacity_problem(node: int, local_rank: int, nproc: int, slot_bytes: int, missing: int, free: int,
+                     directory: str) -> str | None:
+    """The one-line error when ``missing`` more bytes do not fit in ``free``; None when they do."""
+    if missing <= free:
+        return None
+    return (f"{directory} too small for snapshots: node {node} needs {human(missing)} more for local rank "
+            f"{local_rank} (2 slots of {human(slot_bytes)}; about {human(2 * slot_bytes * nproc)} for its "
+            f"{nproc} local rank(s)) but only {human(free)} is free; {SHM_ADVICE}")
+
+
+@dataclass
+class RankSlots:
+    """What the keeper knows of one local rank's two slots."""
+
+    files: list[SlotFile | None] = field(default_factory=lambda: [None] * SLOTS_PER_RANK)
+    steps: list[int | None] = field(default_factory=lambda: [None] * SLOTS_PER_RANK)  # committed step held
+    generations: list[int] = field(default_factory=lambda: [0] * SLOTS_PER_RANK)
+
+    def held(self) -> set[int]:
+        return {s for s in self.steps if s is not None}
+
+    def newest(self) -> int:
+        return max(self.held(), default=0)
+
+
+class Keeper:
+    def __init__(self, spec: NodeSpec, faults: list[str]) -> None:
+        self.spec = spec
+        self.node = spec.node_rank
+        self.job = safe_job_id(spec.job_id)
+        self.dir = shm_dir()
+        self.events = EventLog(f"keeper {self.node}", spec.log_dir)
+        self.crash_faults = [f for f in parse_faults(faults) if f.kind == "keeper-crash" and f.where == self.node]
+        self.ranks = [RankSlots() for _ in range(spec.nproc_per_node)]
+        self.cond = threading.Condition()
+        self.generation = -1
+        self.plans: dict[int, int] = {}
+        self.restorable = 0
+        self.fatal: str | None = None
+        self.seals: queue.Queue[tuple[int, int, int]] = queue.Queue()
+        self._stopping = False
+
+    # -- slot files -----------------------------------------------------------------------------------------
+    def path(self, local: int, index: int) -> str:
+        return os.path.join(self.dir, slot_name(self.job, self.node, local, index))
+
+    def adopt(self) -> None:
+        """Take over the slot files a previous keeper of this node left: keep the valid committed ones."""
+        kept, dropped = [], []
+        for path, local, index in find_segments(self.job, self.node):
+            if local >= len(self.ranks) or index >= SLOTS_PER_RANK:
+                os.unlink(path)
+                continue
+            try:
+                slot = SlotFile(path)
+            except (OSError, ValueError) as err:
+                dropped.append(f"{os.path.basename(path)}: {err}")
+                continue
+            self.ranks[local].files[index] = slot
+            header = slot.header()
+            if header.state == EMPTY or header.state == WRITING:
+                continue
+            problem = slot.verify()
+            if problem is None:
+                self.ranks[local].steps[index] = header.step
+                self.ranks[local].generations[index] = header.generation
+                kept.append(f"rank {local} slot {index} step {header.step}")
+            else:
+                slot.set_state(EMPTY)
+                dropped.append(f"rank {local} slot {index}: {problem}")
+        if kept or dropped:
+            self.events.emit("keeper_adopted", f"re-adopted {len(kept)} committed slot(s)"
+                             f"{': ' + ', '.join(kept) if kept else ''}"
+                             f"{'; dropped ' + '; '.join(dropped) if dropped else ''}",
+                             node=self.node, kept=kept, dropped=dropped)
+
+    def _ensure(self, local: int, index: int, payload: int) -> SlotFile:
+        """The slot file with room for ``payload`` bytes; allocated (all pages) here, after a capacity check."""
+        rank = self.ranks[local]
+        slot = rank.files[index]
+        if slot is not None and slot.capacity >= payload:
+            return slot
+        size = HEADER_SIZE + payload
+        missing = size - (slot.size if slot else 0)
+        other = rank.files[1 - index]
+        missing_both = missing + max(0, size - (other.size if other else 0))
+        problem = capacity_problem(self.node, local, len(self.ranks), size, missing_both, free_bytes(self.dir),
+                                   self.dir)
+        if problem is not None:
+            raise MemoryError(problem)
+        if slot is not None:
+            slot.close()
+        try:
+            slot = SlotFile(self.path(local, index), size)
+        except OSError as err:
+            raise MemoryError(capacity_problem(self.node, local, len(self.ranks), size, missing_both, 0,
+                                               self.dir) + f" ({err.strerror})") from err
+        rank.files[index] = slot
+        self.events.emit("slot_allocated", f"rank {local} slot {index}: {human(size)}", console=False,
+                         node=self.node, local_rank=local, slot=index, bytes=size)
+        return slot
+
+    def unlink_all(self) -> None:
+        for rank in self.ranks:
+            for slot in rank.files:
+                if slot is not None:
+                    slot.close()
+        unlink_segments(self.job, self.node)
+
+    # -- requests -------------------------------------------------------------------------------------------
+    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
+        op = request.get("op")
+        handler = getattr(self, f"op_{op}", None)
+        if handler is None:
+            return {"error": f"unknown op {op!r}"}
+        try:
+            return handler(**{k: v for k, v in request.items() if k != "op"})
+        except Stale as err:
+            return {"error": f"stale: {err}"}
+        except MemoryError as err:
+            with self.cond:
+                self.fatal = self.fatal or str(err)
+            return {"error": str(err)}
+        except (TypeError, KeyError, ValueError) as err:
+            return {"error": f"bad request {op}: {err}"}
+
+    def op_held(self, generation: int) -> dict[str, Any]:
+        held: dict[str, list[int]] = {}
+        with self.cond:
+            self.generation = max(self.generation, generation)
+            for local, rank in enumerate(self.ranks):
+                for index, step in enumerate(rank.steps):
+                    slot = rank.files[index]
+                    if step is None or slot is None:
+                        continue
+                    problem = slot.verify()
+                    if problem is not None:
+                        rank.steps[index] = None
+                        slot.set_state(EMPTY)
+                        self.events.emit("slot_invalid", f"rank {self.global_rank(local)} slot {index} (step {step}) "
+                                         f"not loadable: "
+                                         f"{problem}; using an older snapshot", node=self.node,
+                                         local_rank=local, slot=index, step=step, problem=problem)
+                held[str(self.global_rank(local))] = sorted(rank.held())
+        return {"held": held}
+
+    def _apply_plan(self, generation: int, step: int) -> None:
+        """Record the agreed restore step of ``generation`` (once); caller holds the lock."""
+        self.generation = max(self.generation, generation)
+        if generation in self.plans:
+            return
+        for rank in self.ranks:
+            for index, held in enumerate(rank.steps):
+                if held is not None and held > step and rank.generations[index] < generation:
+                    rank.steps[index] = None
+                    slot = rank.files[index]
+                    if slot is not None:
+                        slot.set_state(EMPTY)
+        self.plans[generation] = step
+        self.restorable = step
+        self.cond.notify_all()
+
+    def op_poll(self, generation: int, plan: int, restorable: int) -> dict[str, Any]:
+        with self.cond:
+            self._apply_plan(generation, plan)
+            if generation == self.generation and restorable > self.restorable:
+                self.restorable = restorable
+                self.cond.notify_all()
+            local = set.intersection(*(rank.held() for rank in self.ranks)) if self.ranks else set()
+            return {"local": sorted(local), "fatal": self.fatal}
+
+    def op_restore(self, rank: int, generation: int) -> dict[str, Any]:
+        with self.cond:
+            self._wait_for_plan(generation)
+            step = self.plans[generation]
+            if step == 0:
+                return {"step": 0}
+            slots = self.ranks[rank]
+            for index, held in enumerate(slots.steps):
+                slot = slots.files[index]
+                if held == step and slot is not None:
+                    return {"step": step, "slot": index, "path": slot.path}
+        return {"error": f"agreed step {step} is not held by local rank {rank}"}
+
+    def op_reserve(self, rank: int, step: int, generation: int, size: int) -> dict[str, Any]:
+        slots = self.ranks[rank]
+        with self.cond:
+            self._wait_for_plan(generation)
+            while None not in slots.steps and slots.newest() > self.restorable:
+                self._check_current(generation)
+                self.cond.wait(1.0)
+            # an empty slot, or the older one once the newer holds the restorable step
+            index = min(range(SLOTS_PER_RANK), key=lambda i: -1 if slots.steps[i] is None else slots.steps[i])
+            slots.steps[index] = None
+        slot = self._ensure(rank, index, size)
+        slot.set_state(WRITING)
+        return {"slot": index, "path": slot.path}
+
+    def op_commit(self, rank: int, slot: int, step: int) -> dict[str, Any]:
+        slots = self.ranks[rank]
+        file = slots.files[slot]
+        if file is None:
+            return {"error": f"local rank {rank} slot {slot} does not exist"}
+        header = file.header()
+        if file.problem() is not None or header.step != step:
+            return {"error": f"local rank {rank} slot {slot} is not committed at step {step} ({header.describe()})"}
+        with self.cond:
+            slots.steps[slot] = step
+            slots.generations[slot] = header.generation
+            self.cond.notify_all()
+        self.seals.put((rank, slot, step))
+        for fault in self.crash_faults:
+            if step >= fault.step and header.generation == fault.gen:
+                self.events.emit("inject", f"injected {fault.spec}: keeper killing itself at step {step}",
+                                 node=self.node)
+                os.kill(os.getpid(), signal.SIGKILL)
+        return {}
+
+    def op_corrupt(self, rank: int, slot: int, reason: str) -> dict[str, Any]:
+        with self.cond:
+            step = self.ranks[rank].steps[slot]
+            self.ranks[rank].steps[slot] = None
+            file = self.ranks[rank].files[slot]
+            if file is not None:
+                file.set_state(EMPTY)
+        self.events.emit("slot_invalid", f"rank {self.global_rank(rank)} found its slot {slot} (step {step}) "
+                         f"not loadable: {reason}; never loaded", node=self.node, local_rank=rank, slot=slot,
+                         step=step, problem=reason)
+        return {}
+
+    def _wait_for_plan(self, generation: int) -> None:
+        while generation not in self.plans:
+            self._check_current(generation)
+            self.cond.wait(1.0)
+
+    def _check_current(self, generation: int) -> None:
+        if generation < self.generation or self._stopping:
+            raise Stale(f"generation {generation} is over")
+
+    def global_rank(self, local: int) -> int:
+        return self.node * len(self.ranks) + local
+
+    # -- background sealing ---------------------------------------------------------------------------------
+    def seal_forever(self) -> None:
+        """Compute the checksum of each committed slot, unless it was reserved again meanwhile."""
+        while True:
+            local, index, step = self.seals.get()
+            slot = self.ranks[local].files[index]
+            if slot is None:
+                continue
+            header = slot.header()
+            crc = checksum(slot.map, header)
+            with self.cond:
+                if self.ranks[local].steps[index] == step and slot.header() == header and header.state == COMMITTED:
+                    slot.seal(crc)
+
+    # -- serving --------------------------------------------------------------------------------------------
+    def serve(self, server: socket.socket) -> None:
+        threading.Thread(target=self.seal_forever, name="ftrun-seal", daemon=True).start()
+        while not self._stopping:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                break
+            if not same_user(conn):
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_connection, args=(LineSocket(conn),), daemon=True).start()
+
+    def _serve_connection(self, conn: LineSocket) -> None:
+        try:
+            while True:
+                request = conn.receive()
+                if request is None:
+                    return
+                conn.send(self.handle(request))
+        except (OSError, ValueError):
+            pass
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        with self.cond:
+            self._stopping = True
+            self.cond.notify_all()
+
+
+def find_segments(job: str, node: int | str = "*") -> list[tuple[str, int, int]]:
+    """(path, local rank, slot index) of every slot file of ``job`` on ``node`` ("*": every node)."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(shm_dir(), slot_name(safe_job_id(job), node, "*", "*")))):
+        match = re.search(r"-rank(\d+)-slot(\d+)$", path)
+        if match is not None:
+            found.append((path, int(match.group(1)), int(match.group(2))))
+    return found
+
+
+def unlink_segments(job: str, node: int | str = "*") -> list[str]:
+    """Unlink every slot file of ``job`` (of one node, or of all); returns the paths removed."""
+    removed = []
+    for path, _, _ in find_segments(job, node):
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def main() -> None:
+    spec = NodeSpec.from_env()
+    faults = [f for f in os.environ.get(ENV_KEEPER_FAULTS, "").split(";") if f]
+    keeper = Keeper(spec, faults)
+    server = listen(socket_name(keeper.job, keeper.node))
+
+    def on_signal(signum: int, frame: object) -> None:
+        keeper.stop()
+        server.shutdown(socket.SHUT_RDWR)
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    keeper.adopt()
+    sys.stdout.write("ready\n")
+    sys.stdout.flush()
+    try:
+        keeper.serve(server)
+    finally:
+        keeper.unlink_all()
+
+
+if __name__ == "__main__":
+    main()

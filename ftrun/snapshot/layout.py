@@ -1,0 +1,333 @@
+"""A trainer's state as a table of tensors over one flat byte region plus a JSON skeleton, and back, bit-exactly.
+
+:func:`capture` walks ``state`` (names mapped to stateful objects, tensors, numpy arrays, plain values) into a
+:class:`Layout` of one :class:`Entry` per tensor, the tensors whose bytes the engine stores at the entries'
+offsets, and a *skeleton*: JSON for everything else. :func:`restore` rebuilds the values and puts them back
+into the live objects. No pickle, no ``torch.save``: :func:`encode_meta` writes layout and skeleton as JSON.
+
+Skeleton: ``{"format": 1, "state": {key: node, ...}, "rng": node}`` ("rng" only when captured), where ::
+
+    node := null | true | false | int | str | finite float     themselves (floats round-trip exactly via repr)
+          | [node, ...] | {"t": [node, ...]}                   list | tuple
+          | {"d": [[key, node], ...], "o": 1, "m": node}       dict in order; "o": OrderedDict, "m": its _metadata
+          | {"F": "7ff8000000000000"}                          non-finite float: IEEE-754 bits (nan payload kept)
+          | {"b": "<base64>"} | {"n": ["<f4", "<hex>"]}        bytes | numpy scalar (dtype.str, raw bytes)
+          | {"T": i, "g": 1} | {"N": i}                        tensor ("g": requires_grad) | numpy array: entry i
+          | {"S": node}                                        stateful object: node is its state_dict()
+    key  := node of a str, int, float, bool, None or bytes
+
+Invariants:
+
+* Entries are in walk order (dict order); each offset is the previous entry's end rounded up to :data:`ALIGN`;
+  ``Layout.nbytes`` is the last end rounded up (0 without tensors). Entry ``i``, ``Capture.tensors[i]`` and the
+  one ``{"T"|"N": i}`` node go together: restore finds entries by index, never by path.
+* Paths join keys and list indices with "/" (a key's "%" and "/" are written %25 and %2F): unique unless a dict
+  holds both ``k`` and ``str(k)``. ``Layout.digest`` is SHA-256 over every entry's (path, dtype, shape, offset),
+  so equal layouts have equal digests in every process.
+* Parameters of an ``nn.Module`` (the memory of one of ``module.parameters()``) and the tensors under
+  ``state`` of a ``torch.optim.Optimizer`` are returned by reference: only the optimizer step changes them, and
+  it waits for the engine's copy. Every other tensor (buffers, raw tensors, numpy arrays, tensors in plain
+  values or in other objects' state dicts, RNG state) is cloned at capture.
+* RNG, under the reserved top-level key ``__rng__``: ``{"python": random.getstate(), "numpy":
+  np.random.get_state(), "torch": torch.get_rng_state(), "cuda": [...] (if CUDA is initialized)}``. Python's
+  state is inline (625 ints), numpy's uint32 key array is entry ``__rng__/numpy/1``. Restored last.
+* Restore ``copy_``-s a stored tensor into the live tensor at the same place (same dtype and shape, any
+  device), else into a new tensor (on the live counterpart's device, else the CPU), then calls
+  ``load_state_dict``, except on an ``nn.Module`` whose state tensors were all copied in place (so its load
+  hooks do not run). Top-level dicts and lists are mutated in place; other plain values are assigned with
+  ``state[key] = value``: they must live in the mapping the trainer passed, which must then be mutable.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import random
+import struct
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+ALIGN = 64
+FORMAT = 1
+RNG_KEY = "__rng__"
+_HINT = "give it state_dict()/load_state_dict(), or make it a tensor or plain value"
+_KEYS = (type(None), bool, int, float, str, bytes)
+
+
+class UnsupportedState(TypeError):
+    """A value :func:`capture` cannot snapshot; the one-line message names its path and type."""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor of the snapshot: ``nbytes`` bytes at ``offset`` in the data region."""
+
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The tensor table of a snapshot; build it with :func:`capture` or :meth:`from_json`."""
+
+    entries: tuple[Entry, ...]
+    nbytes: int
+    digest: int
+
+    def to_json(self) -> dict:
+        rows = [[e.path, e.dtype, list(e.shape), e.offset, e.nbytes] for e in self.entries]
+        return {"nbytes": self.nbytes, "digest": self.digest, "entries": rows}
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Layout:
+        layout = _layout([Entry(p, d, tuple(s), o, n) for p, d, s, o, n in doc["entries"]])
+        if (layout.nbytes, layout.digest) != (doc["nbytes"], doc["digest"]):
+            raise ValueError("snapshot layout: size or digest does not match its entries")
+        return layout
+
+
+@dataclass
+class Capture:
+    """What :func:`capture` returns: the layout, one tensor per entry (same order) and the skeleton."""
+
+    layout: Layout
+    tensors: list[torch.Tensor]
+    skeleton: dict
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _layout(entries: list[Entry]) -> Layout:
+    end = entries[-1].offset + entries[-1].nbytes if entries else 0
+    rows = [[e.path, e.dtype, list(e.shape), e.offset] for e in entries]
+    digest = hashlib.sha256(json.dumps(rows, separators=(",", ":")).encode()).digest()
+    return Layout(tuple(entries), _align(end), int.from_bytes(digest[:8], "big") >> 1)
+
+
+def _join(path: str, key: Any) -> str:
+    segment = str(key).replace("%", "%25").replace("/", "%2F")
+    return f"{path}/{segment}" if path else segment
+
+
+def _is_stateful(v: Any) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+_Live = Callable[[torch.Tensor, str], bool]
+
+
+def _never(t: torch.Tensor, path: str) -> bool:
+    return False
+
+
+def _live_tensors(obj: Any, path: str) -> _Live:
+    """Which tensors of ``obj.state_dict()`` may be returned by reference (see the module docstring)."""
+    if isinstance(obj, torch.nn.Module):
+        params = {(p.data_ptr(), p.dtype, p.shape, p.stride()) for p in obj.parameters()}
+        return lambda t, _: (t.data_ptr(), t.dtype, t.shape, t.stride()) in params
+    if isinstance(obj, torch.optim.Optimizer):
+        prefix = _join(path, "state") + "/"
+        return lambda _, p: p.startswith(prefix)
+    return _never
+
+
+class _Walker:
+    def __init__(self) -> None:
+        self.entries: list[Entry] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def add(self, t: torch.Tensor, path: str, live: _Live) -> int:
+        kind = "sparse" if t.layout != torch.strided else "quantized" if t.is_quantized else "meta" if t.is_meta else ""
+        if kind:
+            raise UnsupportedState(f"cannot snapshot {kind} tensor at {path}: only dense tensors with data can be")
+        offset = _align(self.entries[-1].offset + self.entries[-1].nbytes) if self.entries else 0
+        dtype = str(t.dtype).removeprefix("torch.")
+        self.entries.append(Entry(path, dtype, tuple(t.shape), offset, t.numel() * t.element_size()))
+        self.tensors.append(t if live(t, path) else t.detach().clone(memory_format=torch.contiguous_format))
+        return len(self.entries) - 1
+
+    def node(self, v: Any, path: str, live: _Live) -> Any:
+        kind = type(v)
+        if isinstance(v, torch.Tensor):
+            return {"T": self.add(v, path, live), "g": 1} if v.requires_grad else {"T": self.add(v, path, live)}
+        if kind is np.ndarray:
+            try:
+                copy = torch.from_numpy(np.array(v, order="C"))
+            except (TypeError, ValueError, RuntimeError):
+                raise UnsupportedState(f"cannot snapshot numpy array of {v.dtype} at {path}: {_HINT}") from None
+            return {"N": self.add(copy, path, lambda *_: True)}
+        if isinstance(v, np.generic) and v.dtype.kind in "biufc":
+            return {"n": [v.dtype.str, v.tobytes().hex()]}
+        if kind is float:
+            return v if math.isfinite(v) else {"F": struct.pack(">d", v).hex()}
+        if v is None or kind in (bool, int, str):
+            return v
+        if kind is bytes:
+            return {"b": base64.b64encode(v).decode("ascii")}
+        if kind is list:
+            return [self.node(x, _join(path, i), live) for i, x in enumerate(v)]
+        if kind is tuple:
+            return {"t": [self.node(x, _join(path, i), live) for i, x in enumerate(v)]}
+        if kind is dict or kind is OrderedDict:
+            doc: dict[str, Any] = {"d": [[self.key(k, path), self.node(x, _join(path, k), live)] for k, x in v.items()]}
+            if kind is OrderedDict:
+                doc["o"] = 1
+                if getattr(v, "_metadata", None) is not None:
+                    doc["m"] = self.node(v._metadata, _join(path, "_metadata"), _never)
+            return doc
+        if _is_stateful(v):
+            return {"S": self.node(v.state_dict(), path, _live_tensors(v, path))}
+        raise UnsupportedState(f"cannot snapshot {kind.__qualname__} at {path}: {_HINT}")
+
+    def key(self, k: Any, path: str) -> Any:
+        if type(k) not in _KEYS:
+            raise UnsupportedState(f"cannot snapshot a dict key of type {type(k).__qualname__} at {path}: {_HINT}")
+        return self.node(k, path, _never)
+
+
+def capture(state: Mapping[str, Any], *, rng: bool = True) -> Capture:
+    """Flatten ``state`` (and the RNG states when ``rng``) into a layout, its tensors and a skeleton."""
+    walker = _Walker()
+    nodes: dict[str, Any] = {}
+    for key, value in state.items():
+        if type(key) is not str or key == RNG_KEY:
+            raise UnsupportedState(f"cannot snapshot top-level key {key!r}: keys are str and {RNG_KEY} is reserved")
+        nodes[key] = walker.node(value, _join("", key), _never)
+    skeleton: dict[str, Any] = {"format": FORMAT, "state": nodes}
+    if rng:
+        rngs = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            rngs["cuda"] = torch.cuda.get_rng_state_all()
+        skeleton["rng"] = walker.node(rngs, RNG_KEY, _never)
+    return Capture(_layout(walker.entries), walker.tensors, skeleton)
+
+
+class _Builder:
+    def __init__(self, layout: Layout, stored: Callable[[Entry], torch.Tensor]) -> None:
+        self.entries = layout.entries
+        self.stored = stored
+
+    def value(self, node: Any, live: Any, path: str, inplace: bool) -> Any:
+        """The value of ``node``, reusing ``live`` (the current value at the same place) where it can."""
+        if type(node) is list:
+            items = self.items(node, live, path, inplace)
+            if inplace and type(live) is list:
+                live[:] = items
+                return live
+            return items
+        if type(node) is not dict:
+            return node
+        if "t" in node:
+            return tuple(self.items(node["t"], live, path, inplace))
+        if "d" in node:
+            return self.mapping(node, live, path, inplace)
+        if "F" in node:
+            return struct.unpack(">d", bytes.fromhex(node["F"]))[0]
+        if "b" in node:
+            return base64.b64decode(node["b"])
+        if "n" in node:
+            return np.frombuffer(bytes.fromhex(node["n"][1]), dtype=np.dtype(node["n"][0]))[0]
+        if "T" in node:
+            src = self.stored(self.entries[node["T"]])
+            if isinstance(live, torch.Tensor) and live.dtype == src.dtype and live.shape == src.shape:
+                with torch.no_grad():
+                    live.copy_(src)
+                return live
+            out = src.to(live.device if isinstance(live, torch.Tensor) else "cpu", copy=True)
+            return out.requires_grad_() if node.get("g") else out
+        if "N" in node:
+            arr = self.stored(self.entries[node["N"]]).numpy()
+            if type(live) is np.ndarray and (live.dtype, live.shape) == (arr.dtype, arr.shape) and live.flags.writeable:
+                np.copyto(live, arr)
+                return live
+            return arr.copy()
+        if "S" in node:
+            return self.load(node["S"], live, path)
+        raise ValueError(f"corrupt snapshot skeleton at {path}")
+
+    def items(self, nodes: list, live: Any, path: str, inplace: bool) -> list:
+        old = live if type(live) in (list, tuple) else ()
+        return [self.value(x, old[i] if i < len(old) else None, _join(path, i), inplace) for i, x in enumerate(nodes)]
+
+    def mapping(self, node: dict, live: Any, path: str, inplace: bool) -> dict:
+        old = live if isinstance(live, Mapping) else {}
+        pairs = []
+        for key_node, x in node["d"]:
+            key = self.value(key_node, None, path, False)
+            pairs.append((key, self.value(x, old.get(key), _join(path, key), inplace)))
+        kind = OrderedDict if node.get("o") else dict
+        out = live if inplace and type(live) is kind else kind()
+        out.clear()
+        out.update(pairs)
+        if "m" in node:
+            out._metadata = self.value(node["m"], None, path, False)
+        return out
+
+    def load(self, node: Any, obj: Any, path: str) -> Any:
+        if not _is_stateful(obj):
+            raise ValueError(f"cannot restore {path}: the snapshot holds a state_dict(), the live value is a "
+                             f"{type(obj).__qualname__}")
+        current = obj.state_dict()
+        rebuilt = self.value(node, current, path, False)
+        in_place = isinstance(rebuilt, Mapping) and rebuilt.keys() == current.keys() and all(
+            isinstance(t, torch.Tensor) and rebuilt[k] is t for k, t in current.items())
+        if not (isinstance(obj, torch.nn.Module) and in_place):
+            obj.load_state_dict(rebuilt)
+        return obj
+
+
+def restore(state: Mapping[str, Any], layout: Layout, skeleton: dict,
+            stored: Callable[[Entry], torch.Tensor]) -> None:
+    """Put the snapshot back into the live objects of ``state`` (the keys given to :func:`capture`)."""
+    if skeleton.get("format") != FORMAT:
+        raise ValueError(f"snapshot skeleton format {skeleton.get('format')!r}, expected {FORMAT}")
+    nodes = skeleton["state"]
+    if set(state) != set(nodes):
+        raise ValueError(f"state keys do not match the snapshot: missing {sorted(set(nodes) - set(state))}, "
+                         f"not in the snapshot {sorted(map(repr, set(state) - set(nodes)))}")
+    builder = _Builder(layout, stored)
+    for key, node in nodes.items():
+        live, path = state[key], _join("", key)
+        if type(node) is dict and "T" in node:
+            e = layout.entries[node["T"]]
+            if not (isinstance(live, torch.Tensor) and str(live.dtype) == f"torch.{e.dtype}" and live.shape == e.shape):
+                what = f"{live.dtype} {list(live.shape)}" if isinstance(live, torch.Tensor) else type(live).__qualname__
+                raise ValueError(f"cannot restore {path}: the snapshot holds {e.dtype} {list(e.shape)}, the live "
+                                 f"value is {what}")
+        value = builder.value(node, live, path, True)
+        if value is not live:
+            state[key] = value  # type: ignore[index]  # documented: plain values need a mutable mapping
+    if "rng" in skeleton:
+        rngs = builder.value(skeleton["rng"], None, RNG_KEY, False)
+        random.setstate(rngs["python"])
+        np.random.set_state(rngs["numpy"])
+        torch.set_rng_state(rngs["torch"])
+        if "cuda" in rngs and torch.cuda.is_available():
+            for device, s in enumerate(rngs["cuda"][: torch.cuda.device_count()]):
+                torch.cuda.set_rng_state(s, device)
+
+
+def encode_meta(layout: Layout, skeleton: dict) -> bytes:
+    """The layout and the skeleton as compact JSON bytes."""
+    return json.dumps({"layout": layout.to_json(), "skeleton": skeleton}, separators=(",", ":")).encode()
+
+
+def decode_meta(raw: bytes) -> tuple[Layout, dict]:
+    """Inverse of :func:`encode_meta`; ValueError when the bytes are not a layout and skeleton."""
+    try:
+        doc = json.loads(raw)
+        return Layout.from_json(doc["layout"]), doc["skeleton"]
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"corrupt snapshot metadata: {e!r}") from None

@@ -1,0 +1,134 @@
+"""The keeper's local socket: JSON lines over an abstract Unix socket, one request and one reply at a time.
+
+The socket is ``\\0ftrun-keeper-<job>-node<N>`` (abstract: no file to leave behind); the keeper accepts only
+peers of its own user (``SO_PEERCRED``). Each message is one JSON object on one line; requests carry ``op``,
+replies carry ``error`` when the request failed. Nothing is unpickled. Requests, by sender:
+
+trainer     ``restore {rank, generation}`` -> ``{step, slot, path}`` (step 0 and no slot: start from scratch);
+            waits until the supervisor has told the keeper the generation's agreed step.
+            ``reserve {rank, step, generation, size}`` -> ``{slot, path}``: the slot to copy into, of at least
+            ``size`` payload bytes; waits until overwriting it keeps the newest globally restorable step.
+            ``commit {rank, slot, step}`` -> ``{}`` after the trainer marked the slot committed.
+            ``corrupt {rank, slot, reason}`` -> ``{}``: the trainer found the slot invalid at restore.
+supervisor  ``held {generation}`` -> ``{held: {rank: [steps]}}``: verified steps of every local rank.
+            ``poll {generation, plan, restorable}`` -> ``{local: [steps], fatal}``: tells the agreed restore
+            step of the generation (the first time: slots of newer steps from older generations are discarded)
+            and the newest step every rank of the job holds; answers the steps every local rank holds, and a
+            fatal error if any.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import struct
+import time
+from typing import Any
+
+MAX_LINE = 1 << 20
+ENV_KEEPER_SOCKET = "FTRUN_KEEPER_SOCKET"
+
+
+class KeeperUnavailable(ConnectionError):
+    """The keeper did not answer within the deadline (it may be restarting)."""
+
+
+class KeeperError(RuntimeError):
+    """The keeper answered with an error."""
+
+
+def socket_name(job: str, node: int) -> str:
+    return f"ftrun-keeper-{job}-node{node}"
+
+
+def _address(name: str) -> str:
+    return "\0" + name
+
+
+def listen(name: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(_address(name))
+    sock.listen(64)
+    return sock
+
+
+def same_user(conn: socket.socket) -> bool:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    return uid == os.getuid()
+
+
+class LineSocket:
+    """A connected socket read and written as JSON lines."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._buffer = b""
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(message).encode() + b"\n")
+
+    def receive(self) -> dict[str, Any] | None:
+        """The next message, or None when the peer closed the connection."""
+        while b"\n" not in self._buffer:
+            if len(self._buffer) > MAX_LINE:
+                raise ValueError("message too long")
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        message = json.loads(line)
+        if not isinstance(message, dict):
+            raise ValueError("message is not a JSON object")
+        return message
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class KeeperClient:
+    """A trainer's or supervisor's connection to its node's keeper; reconnects across keeper restarts.
+
+    A request whose connection breaks is sent again on a new connection (every request is idempotent), for
+    up to ``patience`` seconds; then :class:`KeeperUnavailable`.
+    """
+
+    def __init__(self, name: str, patience: float = 60.0) -> None:
+        self.name = name
+        self.patience = patience
+        self._conn: LineSocket | None = None
+
+    def _connect(self) -> LineSocket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(_address(self.name))
+        except OSError:
+            sock.close()
+            raise
+        return LineSocket(sock)
+
+    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + self.patience
+        while True:
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                self._conn.send({"op": op, **fields})
+                reply = self._conn.receive()
+                if reply is not None:
+                    if "error" in reply:
+                        raise KeeperError(reply["error"])
+                    return reply
+            except (OSError, ValueError):
+                pass
+            self.close()
+            if time.monotonic() > deadline:
+                raise KeeperUnavailable(f"keeper {self.name} not answering for {self.patience:g}s")
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None

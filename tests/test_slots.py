@@ -1,0 +1,138 @@
+"""Slot files and the keeper's rules, in process: real shared-memory files in a private tmpfs directory."""
+
+from __future__ import annotations
+
+import os
+import stat
+import struct
+import threading
+import time
+
+import pytest
+
+from ftrun.launch.spec import ENV_SHM_DIR, NodeSpec
+from ftrun.snapshot.keeper import Keeper, capacity_problem
+from ftrun.snapshot.link import newest_common
+from ftrun.snapshot.slot import COMMITTED, HEADER_SIZE, WRITING, Header, SlotFile
+
+
+@pytest.fixture
+def shm(monkeypatch):
+    directory = f"/dev/shm/ftrun-test-{os.getpid()}-{time.monotonic_ns()}"
+    os.makedirs(directory, mode=0o700)
+    monkeypatch.setenv(ENV_SHM_DIR, directory)
+    yield directory
+    for name in os.listdir(directory):
+        os.unlink(os.path.join(directory, name))
+    os.rmdir(directory)
+
+
+def write_snapshot(slot: SlotFile, step: int, payload: bytes, generation: int = 0) -> None:
+    slot.set_state(WRITING)
+    slot.payload()[:len(payload)] = payload
+    slot.commit(Header(step=step, generation=generation, digest=7, data_len=len(payload) - 3, meta_len=3))
+
+
+def test_slot_commit_seal_verify_and_a_flipped_byte(shm):
+    path = os.path.join(shm, "s")
+    slot = SlotFile(path, HEADER_SIZE + (5 << 20))
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert slot.problem() == "state empty"
+    write_snapshot(slot, 10, os.urandom(5 << 20))
+    assert slot.header().state == COMMITTED and not slot.header().sealed
+    assert slot.verify() is None and slot.header().sealed  # the first verification seals
+    assert slot.verify() is None
+    slot.map[HEADER_SIZE + 12345] ^= 0x01
+    assert "checksum mismatch" in slot.verify()
+    slot.map[HEADER_SIZE + 12345] ^= 0x01
+    assert slot.verify() is None
+    slot.set_state(WRITING)
+    assert slot.verify() == "state writing"
+    slot.close()
+
+
+def test_checksum_covers_identity_fields(shm):
+    slot = SlotFile(os.path.join(shm, "s"), HEADER_SIZE + 4096)
+    write_snapshot(slot, 10, b"x" * 100)
+    slot.verify()
+    struct.pack_into("<q", slot.map, 16, 20)  # the step field
+    assert "checksum mismatch" in slot.verify()
+    slot.close()
+
+
+def test_capacity_message_says_needed_and_free():
+    assert capacity_problem(0, 1, 2, 100 << 20, 200 << 20, 300 << 20, "/dev/shm") is None
+    message = capacity_problem(0, 1, 2, 100 << 20, 200 << 20, 64 << 20, "/dev/shm")
+    assert "200.0 MiB more" in message and "64.0 MiB is free" in message and "/dev/shm" in message
+    assert "\n" not in message
+
+
+def test_newest_common():
+    assert newest_common([{10, 20}, {20, 30}, {20}]) == 20
+    assert newest_common([{10}, {20}]) == 0
+    assert newest_common([]) == 0
+
+
+def spec(nproc: int = 2) -> NodeSpec:
+    return NodeSpec("unit", 0, 1, nproc, "127.0.0.1", 1, "127.0.0.1", "x.py", [], False, False, "/", 1, 0, 1.0,
+                    1.0, 1.0, 1.0, 1.0, 1.0, False)
+
+
+def commit_via_keeper(keeper: Keeper, rank: int, step: int, generation: int = 0) -> int:
+    reply = keeper.handle({"op": "reserve", "rank": rank, "step": step, "generation": generation, "size": 4096})
+    assert "error" not in reply, reply
+    slot = keeper.ranks[rank].files[reply["slot"]]
+    write_snapshot(slot, step, os.urandom(1000), generation)
+    assert keeper.handle({"op": "commit", "rank": rank, "slot": reply["slot"], "step": step}) == {}
+    return reply["slot"]
+
+
+def test_keeper_never_overwrites_the_newest_step_every_rank_holds(shm):
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    for rank in (0, 1):
+        commit_via_keeper(keeper, rank, 10)
+    assert keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})["local"] == [10]
+    # rank 0 goes on to step 20 while the job-wide restorable step is still 0: it must wait
+    done = threading.Event()
+    threading.Thread(target=lambda: (commit_via_keeper(keeper, 0, 20), done.set()), daemon=True).start()
+    time.sleep(0.3)
+    assert done.is_set()  # 20 goes into the empty second slot: 10 is kept
+    second = threading.Event()
+    threading.Thread(target=lambda: (commit_via_keeper(keeper, 0, 30), second.set()), daemon=True).start()
+    time.sleep(0.3)
+    assert not second.is_set(), "rank 0 overwrote a slot while its newest step 20 was not held by every rank"
+    assert keeper.ranks[0].held() == {10, 20}
+    commit_via_keeper(keeper, 1, 20)
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 20})
+    assert second.wait(5) and keeper.ranks[0].held() == {20, 30}
+    keeper.stop()
+
+
+def test_keeper_plan_discards_newer_steps_of_older_generations_and_readopts(shm):
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    for rank in (0, 1):
+        commit_via_keeper(keeper, rank, 10)
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10})
+    commit_via_keeper(keeper, 0, 20)  # rank 1 never commits 20
+    held = keeper.handle({"op": "held", "generation": 1})["held"]
+    assert held == {"0": [10, 20], "1": [10]}
+    keeper.handle({"op": "poll", "generation": 1, "plan": 10, "restorable": 10})
+    assert keeper.handle({"op": "restore", "rank": 0, "generation": 1})["step"] == 10
+    assert keeper.ranks[0].held() == {10}
+    # a new keeper (after a crash) finds the same committed, checksummed slots
+    again = Keeper(spec(), [])
+    again.adopt()
+    assert [r.held() for r in again.ranks] == [{10}, {10}]
+    keeper.unlink_all()
+    assert os.listdir(shm) == []
+
+
+def test_keeper_refuses_to_allocate_beyond_free_space(shm, monkeypatch):
+    monkeypatch.setattr("ftrun.snapshot.keeper.free_bytes", lambda directory: 1 << 20)
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    reply = keeper.handle({"op": "reserve", "rank": 0, "step": 1, "generation": 0, "size": 10 << 20})
+    assert "too small for snapshots" in reply["error"] and "1.0 MiB is free" in reply["error"]
+    assert keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})["fatal"] == reply["error"]

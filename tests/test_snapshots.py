@@ -1,0 +1,156 @@
+"""RAM snapshots end to end: real jobs of examples/train_gpt.py with injected failures restore from RAM and
+end with exactly the failure-free run's state; at most one snapshot interval of steps is recomputed."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import ROOT, assert_job_left_nothing
+from ftrun.snapshot.keeper import find_segments
+from ftrun.snapshot.slot import COMMITTED, HEADER_SIZE, SlotFile
+
+TRAIN_GPT = ROOT / "examples" / "train_gpt.py"
+NODES = ("--nnodes", "2", "--nproc-per-node", "2")
+STEPS = 60
+EVERY = 10
+
+
+def gpt_args(tmp_path: Path, name: str, *extra: str) -> tuple[list[str], Path]:
+    out = tmp_path / f"{name}.hash"
+    return [str(TRAIN_GPT), "--steps", str(STEPS), "--snapshot-every", str(EVERY), "--out", str(out), *extra], out
+
+
+@pytest.fixture(scope="session")
+def gpt_baseline(tmp_path_factory) -> str:
+    """Final state hash of the failure-free train_gpt run (2 nodes x 2 trainers), computed once."""
+    args, out = gpt_args(tmp_path_factory.mktemp("gpt-baseline"), "baseline")
+    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", f"t{uuid.uuid4().hex[:10]}", *NODES,
+                             *args], capture_output=True, text=True, timeout=180)
+    assert result.returncode == 0, result.stderr
+    return out.read_text().strip()
+
+
+def primary_failures(job) -> list[dict]:
+    return [e for e in job.events() if e["event"] == "failure" and e.get("primary", True)]
+
+
+def restores(job) -> dict[int, dict]:
+    """The restore decision of every generation (node 0's copy of it)."""
+    return {e["generation"]: e for e in job.events() if e["event"] == "restore" and e["source"] == "node 0"}
+
+
+def assert_recovered_from_ram(job, expected: list[tuple[int, int]], most_recomputed: int = EVERY) -> None:
+    """Each failure (generation, restore step) as expected, and at most EVERY steps recomputed per failure."""
+    decided = restores(job)
+    failures = primary_failures(job)
+    assert [(f["generation"], decided[f["generation"]]["step"]) for f in failures] == expected, job.output
+    for failure in failures:
+        restored = decided[failure["generation"]]
+        assert restored["restored_from"] == "ram"
+        assert 0 <= failure["step"] - restored["step"] <= most_recomputed, (failure, restored)
+
+
+def run_bitwise(start_job, tmp_path, gpt_baseline, name: str, *flags: str) -> object:
+    args, out = gpt_args(tmp_path, name)
+    job = start_job(*NODES, *flags, *args)
+    assert job.wait(180) == 0, job.output
+    assert out.read_text().strip() == gpt_baseline, job.output
+    assert_job_left_nothing(job)
+    return job
+
+
+@pytest.mark.timeout(240)
+def test_trainer_crash_restores_from_ram_bitwise(start_job, tmp_path, gpt_baseline):
+    job = run_bitwise(start_job, tmp_path, gpt_baseline, "crash", "--inject", "crash@rank=1,step=25")
+    assert_recovered_from_ram(job, [(1, 20)])
+    assert "restore step 20 from RAM" in job.output
+
+
+@pytest.mark.timeout(240)
+def test_hang_restores_from_ram_bitwise(start_job, tmp_path, gpt_baseline):
+    job = run_bitwise(start_job, tmp_path, gpt_baseline, "hang", "--hang-timeout", "2",
+                      "--inject", "hang@rank=2,step=35")
+    assert primary_failures(job)[0]["kind"] == "hang"
+    assert_recovered_from_ram(job, [(1, 30)])
+
+
+@pytest.mark.timeout(240)
+def test_keeper_crash_is_repaired_without_a_restart_and_its_slots_are_readopted(start_job, tmp_path, gpt_baseline):
+    job = run_bitwise(start_job, tmp_path, gpt_baseline, "keeper", "--inject", "keeper-crash@node=1,step=20",
+                      "--inject", "crash@rank=3,step=45")
+    events = job.events()
+    assert [e["node"] for e in events if e["event"] == "keeper_failed"] == [1]
+    assert any(e["event"] == "keeper_adopted" and e["source"] == "keeper 1" for e in events)
+    # the keeper crash did not restart anything; the later trainer crash restored from RAM
+    assert [f["kind"] for f in primary_failures(job)] == ["crash"]
+    assert_recovered_from_ram(job, [(1, 40)])
+
+
+@pytest.mark.timeout(240)
+def test_crash_in_the_middle_of_a_snapshot_copy_restores_the_previous_step(start_job, tmp_path, gpt_baseline):
+    job = run_bitwise(start_job, tmp_path, gpt_baseline, "copy", "--inject", "copy-crash@rank=1,step=30")
+    assert_recovered_from_ram(job, [(1, 20)])
+
+
+@pytest.mark.timeout(240)
+def test_crash_between_commits_of_different_ranks_restores_a_step_every_rank_holds(start_job, tmp_path,
+                                                                                   gpt_baseline):
+    job = run_bitwise(start_job, tmp_path, gpt_baseline, "commit", "--inject", "commit-crash@rank=1,step=30")
+    assert_recovered_from_ram(job, [(1, 20)])
+
+
+@pytest.mark.timeout(240)
+def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, gpt_baseline):
+    args, out = gpt_args(tmp_path, "flip")
+    job = start_job(*NODES, "--hang-timeout", "600", "--inject", "hang@rank=1,step=35", *args)
+    victim = job.trainer(rank=1)
+    deadline = time.monotonic() + 60
+    while victim.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, job.output
+        time.sleep(0.05)
+    # rank 1 (node 0, local rank 1) holds steps 20 and 30; corrupt the committed, sealed slot of step 30
+    slots = [SlotFile(path) for path, local, _ in find_segments(job.job_id, 0) if local == 1]
+    newest = max(slots, key=lambda s: s.header().step)
+    while not newest.header().sealed:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert newest.header().step == 30 and newest.header().state == COMMITTED
+    newest.map[HEADER_SIZE + newest.header().data_len // 2] ^= 0x40
+    for slot in slots:
+        slot.close()
+    os.kill(victim.pid, signal.SIGKILL)
+    assert job.wait(180) == 0, job.output
+    assert out.read_text().strip() == gpt_baseline
+    invalid = [e for e in job.events() if e["event"] == "slot_invalid"]
+    assert len(invalid) == 1 and "checksum mismatch" in invalid[0]["message"] and invalid[0]["step"] == 30
+    assert_recovered_from_ram(job, [(1, 20)], most_recomputed=2 * EVERY)  # the corrupt step costs one interval
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_too_small_shm_stops_the_job_with_one_line_saying_how_much_is_needed(start_job, tmp_path):
+    small = tmp_path / "small-shm"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(small)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        args, out = gpt_args(tmp_path, "small")
+        job = start_job(*NODES, *args, env={"FTRUN_SHM_DIR": str(small)})
+        assert job.wait(120) != 0
+        lines = [line for line in job.output.splitlines() if "too small for snapshots" in line]
+        assert lines and "more for local rank" in lines[0] and "is free" in lines[0], job.output
+        assert [f["kind"] for f in primary_failures(job)] == ["fatal"]
+        assert os.listdir(small) == [], "segments left in the small tmpfs"
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
