@@ -2,9 +2,12 @@
 
 Every process of a job (launcher, supervisors) appends to the same file; each event is one ``write`` on an
 ``O_APPEND`` descriptor, so lines from different processes never interleave. Fields common to all events:
-``time`` (wall clock, seconds), ``event`` (a name from the list below), ``source`` ("launcher" or
-"node N"), ``message`` (the terminal text). Event names: start, node_start, trainers_started, failure,
-generation, stopped, all_running, recovered, node_lost, node_replaced, done, failed, exit.
+``time`` (wall clock, seconds), ``event`` (a name from the list below), ``source`` ("launcher", "node N" or
+"keeper N"), ``message`` (the terminal text). Event names: start, node_start, keeper_start, trainers_started,
+failure (with the failed rank's last ``step``), generation, restore (the agreed ``step`` and
+``restored_from``: "ram" or "none"), restored (per rank: bytes, seconds), stopped, all_running,
+first_heartbeat, recovered, keeper_failed, keeper_adopted, slot_allocated, slot_invalid, inject, zygote,
+node_lost, node_done, failed.
 """
 
 from __future__ import annotations

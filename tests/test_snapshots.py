@@ -109,6 +109,14 @@ def test_crash_between_commits_of_different_ranks_restores_a_step_every_rank_hol
 
 
 @pytest.mark.timeout(240)
+def test_lost_node_without_redundancy_starts_over_consistently_with_a_warning(start_job, tmp_path, gpt_baseline):
+    job = run_bitwise(start_job, tmp_path, gpt_baseline, "lost", "--inject", "node-loss@node=1,step=25")
+    decided = restores(job)
+    assert decided[1]["step"] == 0 and decided[1]["restored_from"] == "none", job.output
+    assert "WARNING" in decided[1]["message"] and "no snapshot step is held by every rank" in job.output
+
+
+@pytest.mark.timeout(240)
 def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, gpt_baseline):
     args, out = gpt_args(tmp_path, "flip")
     job = start_job(*NODES, "--hang-timeout", "600", "--inject", "hang@rank=1,step=35", *args)
@@ -154,3 +162,16 @@ def test_too_small_shm_stops_the_job_with_one_line_saying_how_much_is_needed(sta
         assert os.listdir(small) == [], "segments left in the small tmpfs"
     finally:
         subprocess.run(["umount", "-l", str(small)], check=False)
+
+
+def test_outside_ftrun_the_snapshotter_warns_once_and_does_nothing():
+    code = ("import torch, ftrun\n"
+            "m = torch.nn.Linear(2, 2); o = torch.optim.AdamW(m.parameters())\n"
+            "s = ftrun.Snapshotter({'model': m, 'optim': o}); ftrun.Snapshotter({'model': m})\n"
+            "assert s.restore() == 0\n"
+            "m(torch.ones(1, 2)).sum().backward(); o.step(); s.save(1); s.wait()\n"
+            "print('ok')\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+    assert result.stderr.count("not running under ftrun") == 1

@@ -10,6 +10,8 @@ All keys live under ``ftrun/<job>/``. Protocol, in the order a generation goes t
    publishes the generation's fresh trainer store in ``gen/<g>/master`` before it marks itself ready.
 3. When all nodes are ready every supervisor starts its trainers with ``TORCHELASTIC_RESTART_COUNT=g``, and
    notes ``gen/<g>/started/<node>`` and, once each local trainer has beaten, ``gen/<g>/up/<node>`` (wall time).
+   Meanwhile the nodes agree on the snapshot step the trainers restore (:mod:`ftrun.snapshot.link`) and note
+   it in ``gen/<g>/restore``.
 4. A node whose trainers all exited 0 marks ``gen/<g>/done/<node>``; the job is done when every node has.
 
 Liveness: every supervisor adds to ``node/<r>/beat`` twice a second; peers watch the counters (never clocks),
@@ -133,6 +135,14 @@ class Coordinator:
             if raw is not None:
                 found[node] = raw.decode()
         return found
+
+    def publish_restore(self, gen: int, step: int) -> None:
+        """The agreed snapshot step of ``gen`` (0: none), for the summary."""
+        self.store.set(self.key("gen", gen, "restore"), str(step))
+
+    def restore_step(self, gen: int) -> int | None:
+        raw = self._get(f"gen/{gen}/restore")
+        return None if raw is None else int(raw)
 
     def publish_master(self, gen: int, addr: str, port: int) -> None:
         self.store.set(self.key("gen", gen, "master"), f"{addr}:{port}")

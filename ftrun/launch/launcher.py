@@ -31,11 +31,10 @@ from ftrun.events import EventLog
 from ftrun.launch.coordination import Coordinator, Failure, Generation
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
-from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec,
-                               safe_job_id)
+from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec, safe_job_id,
+                               unlink_node_files)
 from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.summary import print_summary
-from ftrun.snapshot.keeper import unlink_segments
 
 EXIT_INTERRUPTED = 130
 _ACK_TIMEOUT = 10.0
@@ -160,8 +159,8 @@ class Launcher:
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             kill_descendants()
-            for node in nodes:  # segments of supervisors that were killed before they could clean up
-                unlink_segments(self.job_id, node)
+            for node in nodes:  # what supervisors killed before they could clean up left behind
+                unlink_node_files(self.job_id, node)
         return code
 
     def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
@@ -66,3 +67,12 @@ def shm_dir() -> str:
 def shm_path(job_id: str, node_rank: int, what: str) -> str:
     """Path of a shared-memory file of this job and node (every segment of ftrun is named this way)."""
     return os.path.join(shm_dir(), f"ftrun-{safe_job_id(job_id)}-node{node_rank}-{what}")
+
+
+def unlink_node_files(job_id: str, node_rank: int) -> None:
+    """Unlink every shared-memory file of this job and node (what a killed supervisor or keeper left)."""
+    for path in glob.glob(shm_path(job_id, node_rank, "*")):
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -1,4 +1,6 @@
-"""The end-of-job summary: every failure, how it was seen, and how long recovery took, read from the store."""
+"""The end-of-job summary: every failure, how it was seen, what was restored and how long recovery took.
+
+Read from the control store."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ class Recovery:
     reason: str
     detected_by: str
     seconds: float | None  # None: not every rank beat again in that generation
+    restored: int | None  # the snapshot step restored (0: none; None: not agreed)
 
 
 def recoveries(coord: Coordinator) -> list[Recovery]:
@@ -28,7 +31,8 @@ def recoveries(coord: Coordinator) -> list[Recovery]:
             continue
         ups = coord.marks(gen.gen, "up")
         took = max(float(v) for v in ups.values()) - gen.time if len(ups) == coord.nnodes else None
-        result.append(Recovery(gen.gen, gen.kind, gen.reason, gen.detected_by, took))
+        result.append(Recovery(gen.gen, gen.kind, gen.reason, gen.detected_by, took,
+                               coord.restore_step(gen.gen)))
     return result
 
 
@@ -36,7 +40,8 @@ def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
     rows = recoveries(coord)
     console = Console(stderr=True, highlight=False)
     verdict = "succeeded" if exit_code == 0 else f"failed (exit code {exit_code})"
-    console.print(f"ftrun: job {job_id} {verdict}: {len(rows)} failure(s), {len(rows)} restart(s)")
+    restarts = sum(row.kind != "fatal" for row in rows)
+    console.print(f"ftrun: job {job_id} {verdict}: {len(rows)} failure(s), {restarts} restart(s)")
     if not rows:
         return
     table = Table(title="failures and recoveries", title_justify="left")
@@ -44,8 +49,10 @@ def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
     table.add_column("failure")
     table.add_column("cause")
     table.add_column("seen by")
+    table.add_column("restored")
     table.add_column("recovery", justify="right")
     for row in rows:
         took = f"{row.seconds:.2f} s" if row.seconds is not None else "-"
-        table.add_row(str(row.gen), row.kind, row.reason, row.detected_by, took)
+        restored = f"step {row.restored} (RAM)" if row.restored else "-"
+        table.add_row(str(row.gen), row.kind, row.reason, row.detected_by, restored, took)
     console.print(table)

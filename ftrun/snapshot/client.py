@@ -85,6 +85,7 @@ class Snapshotter:
         step = int(plan["step"])
         if step == 0:
             return 0
+        t0 = time.perf_counter()
         slot = self._map(plan["path"])
         problem = slot.verify()
         header = slot.header()
@@ -100,6 +101,8 @@ class Snapshotter:
         data = _data(slot, header.data_len)
         restore(self.state, layout, skeleton, lambda entry: _view(data, entry))
         del data
+        self._keeper.request("restored", rank=self._rank, step=step, nbytes=header.payload_len,
+                             seconds=time.perf_counter() - t0)
         heartbeat(step)
         return step
 

@@ -291,6 +291,13 @@ class Keeper:
                          step=step, problem=reason)
         return {}
 
+    def op_restored(self, rank: int, step: int, nbytes: int, seconds: float) -> dict[str, Any]:
+        self.events.emit("restored", f"rank {self.global_rank(rank)} restored step {step} from RAM in "
+                         f"{seconds * 1000:.0f} ms ({human(nbytes)}, {nbytes / max(seconds, 1e-9) / 1e9:.1f} GB/s, "
+                         "checksum included)", console=False, node=self.node, rank=self.global_rank(rank),
+                         step=step, bytes=nbytes, seconds=seconds)
+        return {}
+
     def _wait_for_plan(self, generation: int) -> None:
         while generation not in self.plans:
             self._check_current(generation)

@@ -90,6 +90,7 @@ class KeeperLink(threading.Thread):
         self.keeper.request("poll", generation=gen, plan=step, restorable=step)
         self._plans[gen] = self._restorable = step
         self._published = None
+        self.coord.publish_restore(gen, step)
         self._report(gen, step, every)
 
     def _report(self, gen: int, step: int, every: dict[int, set[int]]) -> None:
@@ -103,8 +104,8 @@ class KeeperLink(threading.Thread):
                              f"({partial}); trainers start from step 0", console=leader, generation=gen, step=0,
                              restored_from="none", held=partial)
         elif gen > 0:
-            self.events.emit("restore", f"generation {gen}: no snapshot yet; trainers start from step 0",
-                             console=leader, generation=gen, step=0, restored_from="none")
+            self.events.emit("restore", f"generation {gen}: no RAM snapshot to restore", console=leader,
+                             generation=gen, step=0, restored_from="none")
 
     def _relay(self, gen: int) -> None:
         reply = self.keeper.request("poll", generation=gen, plan=self._plans[gen], restorable=self._restorable)

@@ -10,6 +10,7 @@ trainer     ``restore {rank, generation}`` -> ``{step, slot, path}`` (step 0 and
             ``size`` payload bytes; waits until overwriting it keeps the newest globally restorable step.
             ``commit {rank, slot, step}`` -> ``{}`` after the trainer marked the slot committed.
             ``corrupt {rank, slot, reason}`` -> ``{}``: the trainer found the slot invalid at restore.
+            ``restored {rank, step, nbytes, seconds}`` -> ``{}``: for the events log.
 supervisor  ``held {generation}`` -> ``{held: {rank: [steps]}}``: verified steps of every local rank.
             ``poll {generation, plan, restorable}`` -> ``{local: [steps], fatal}``: tells the agreed restore
             step of the generation (the first time: slots of newer steps from older generations are discarded)
