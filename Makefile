@@ -22,6 +22,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/restart_latency.py
+	$(BIN)/python benchmarks/snapshot.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

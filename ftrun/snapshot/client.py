@@ -8,8 +8,11 @@ step pre-hook on every optimizer in the state waits for the copy. So a snapshot 
 ``step``, and the copy overlaps the next forward and backward.
 
 ``restore()`` asks the keeper for the step the job agreed on (it waits for the agreement), maps the slot,
-verifies its checksum and copies it into the live objects. A slot that fails verification is reported to
-the keeper and never loaded; the trainer exits with an error and the next generation agrees on an older step.
+checks its header (committed, sealed, the agreed step, the layout's digest) and copies it into the live
+objects. The checksum itself was verified by the keeper when the generation started, before the step was
+agreed (a slot that fails it falls through to an older step without a restart), so restore reads the bytes
+once. A slot that fails the checks is reported to the keeper and never loaded; the trainer exits with an
+error and the next generation agrees on an older step.
 """
 
 from __future__ import annotations
@@ -87,8 +90,10 @@ class Snapshotter:
             return 0
         t0 = time.perf_counter()
         slot = self._map(plan["path"])
-        problem = slot.verify()
+        problem = slot.problem()
         header = slot.header()
+        if problem is None and not header.sealed:
+            problem = "not verified by the keeper (no checksum)"
         if problem is None and header.step != step:
             problem = f"holds step {header.step}, not the agreed {step}"
         meta = bytes(slot.payload()[header.data_len:header.payload_len]) if problem is None else b""
@@ -139,7 +144,8 @@ class Snapshotter:
             slot = self._map(reply["path"])
             half = len(layout.entries) // 2
             stream = torch.cuda.Stream() if ready is not None else None
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            # no_grad: copying a parameter into the slot must not record autograd history (a third slower)
+            with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None:
                     stream.wait_event(ready)
                 data = _data(slot, layout.nbytes)

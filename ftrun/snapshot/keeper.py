@@ -293,8 +293,7 @@ class Keeper:
 
     def op_restored(self, rank: int, step: int, nbytes: int, seconds: float) -> dict[str, Any]:
         self.events.emit("restored", f"rank {self.global_rank(rank)} restored step {step} from RAM in "
-                         f"{seconds * 1000:.0f} ms ({human(nbytes)}, {nbytes / max(seconds, 1e-9) / 1e9:.1f} GB/s, "
-                         "checksum included)", console=False, node=self.node, rank=self.global_rank(rank),
+                         f"{seconds * 1000:.0f} ms ({human(nbytes)}, {nbytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)", console=False, node=self.node, rank=self.global_rank(rank),
                          step=step, bytes=nbytes, seconds=seconds)
         return {}
 
