@@ -56,9 +56,18 @@ def run(
                                                help="Seconds between SIGTERM and SIGKILL when stopping trainers."),
     zygote: Optional[bool] = typer.Option(None, "--zygote/--no-zygote",
                                           help="Fork trainers from a process that imported torch."),
+    ec_group: Optional[int] = typer.Option(None, "--ec-group",
+                                           help="Nodes per erasure-coding group (default: up to 4)."),
+    ec_parity: Optional[int] = typer.Option(None, "--ec-parity",
+                                            help="Parity per group: lost nodes it survives from RAM (default 1 "
+                                                 "with 2+ nodes; 0: off)."),
+    ec_backend: Optional[str] = typer.Option(None, "--ec-backend", help="pyeclib backend (isa_l_rs_vand)."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file",
+                                              help="Multi-node: file the job secret is derived from "
+                                                   "(~/.ftrun/secret)."),
     inject: Optional[list[str]] = typer.Option(None, "--inject",
                                                help="Inject a fault: crash@rank=R,step=S | hang@rank=R,step=S | "
-                                                    "node-loss@node=N,step=S (with gen=G); repeatable."),
+                                                    "node-loss@node=N,step=S | ... (with gen=G); repeatable."),
 ) -> None:
     """Run SCRIPT on every trainer of the job, restarting all of them in place when anything fails."""
     from ftrun.config import build_config
@@ -69,7 +78,9 @@ def run(
         "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id, "rdzv_timeout": rdzv_timeout,
         "max_restarts": max_restarts, "standalone": standalone, "module": module, "no_python": no_python,
         "log_dir": log_dir, "hang_timeout": hang_timeout, "hang_timeout_initial": hang_timeout_initial,
-        "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote, "inject": inject or None,
+        "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote,
+        "ec_group": ec_group, "ec_parity": ec_parity, "ec_backend": ec_backend,
+        "secret_file": secret_file, "inject": inject or None,
     })
     raise typer.Exit(Launcher(cfg, script, list(script_args or [])).run())
 

@@ -18,6 +18,7 @@ import yaml
 
 from ftrun.errors import UsageError
 from ftrun.launch.faults import Fault, parse_faults
+from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
 
 
 @dataclass
@@ -41,11 +42,28 @@ class JobConfig:
     node_timeout: float = 5.0
     stop_grace: float = 3.0
     zygote: bool = True
+    ec_group: int | None = None
+    ec_parity: int | None = None
+    ec_backend: str = DEFAULT_BACKEND
+    secret_file: str | None = None
     inject: list[str] = field(default_factory=list)
 
     @property
     def faults(self) -> list[Fault]:
         return parse_faults(self.inject)
+
+    @property
+    def erasure(self) -> tuple[int, int]:
+        """(G, m) of the EC groups: as given, else :func:`default_group`'s; (1, 0) when m is 0 (no redundancy).
+
+        A group size given without parity gets m = 1 (none for a group of one)."""
+        default_size, default_parity = default_group(self.nnodes)
+        group = default_size if self.ec_group is None else self.ec_group
+        if self.ec_parity is not None:
+            parity = self.ec_parity
+        else:
+            parity = default_parity if self.ec_group is None else min(1, max(group - 1, 0))
+        return (1, 0) if parity == 0 and group >= 1 else (group, parity)
 
     @property
     def local_mode(self) -> bool:
@@ -74,6 +92,9 @@ class JobConfig:
             raise UsageError("-m and --no-python cannot be combined")
         if self.rdzv_endpoint is not None:
             split_endpoint(self.rdzv_endpoint)
+        problem = group_problem(self.nnodes, *self.erasure, self.ec_backend)
+        if problem is not None:
+            raise UsageError(problem)
         self.faults  # noqa: B018 - parsing raises UsageError on a bad spec
 
 

@@ -21,6 +21,58 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN_PLAIN = ROOT / "examples" / "train_plain.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 TRAIN_STEPS = 40
+TRAIN_GPT = ROOT / "examples" / "train_gpt.py"
+NODES = ("--nnodes", "2", "--nproc-per-node", "2")
+STEPS = 60
+EVERY = 10
+
+
+def gpt_args(tmp_path: Path, name: str, *extra: str) -> tuple[list[str], Path]:
+    out = tmp_path / f"{name}.hash"
+    return [str(TRAIN_GPT), "--steps", str(STEPS), "--snapshot-every", str(EVERY), "--out", str(out), *extra], out
+
+
+@pytest.fixture(scope="session")
+def gpt_baselines(tmp_path_factory):
+    """``baseline(nnodes, nproc)``: the final state hash of a failure-free train_gpt run of that shape, run once."""
+    hashes: dict[tuple[int, int], str] = {}
+
+    def baseline(nnodes: int, nproc: int) -> str:
+        if (nnodes, nproc) not in hashes:
+            args, out = gpt_args(tmp_path_factory.mktemp("gpt-baseline"), "baseline")
+            result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", f"t{uuid.uuid4().hex[:10]}",
+                                     "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), *args],
+                                    capture_output=True, text=True, timeout=180)
+            assert result.returncode == 0, result.stderr
+            hashes[nnodes, nproc] = out.read_text().strip()
+        return hashes[nnodes, nproc]
+
+    return baseline
+
+
+@pytest.fixture
+def gpt_baseline(gpt_baselines) -> str:
+    """Final state hash of the failure-free train_gpt run (2 nodes x 2 trainers)."""
+    return gpt_baselines(2, 2)
+
+
+def primary_failures(job) -> list[dict]:
+    return [e for e in job.events() if e["event"] == "failure" and e.get("primary", True)]
+
+
+def restores(job) -> dict[int, dict]:
+    """The restore decision of every generation (node 0's copy of it)."""
+    return {e["generation"]: e for e in job.events() if e["event"] == "restore" and e["source"] == "node 0"}
+
+
+def run_bitwise(start_job, tmp_path, expected: str, name: str, *flags: str, nodes: tuple[str, ...] = NODES):
+    """Run train_gpt with ``flags``: it succeeds, ends with the ``expected`` state hash and leaves nothing."""
+    args, out = gpt_args(tmp_path, name)
+    job = start_job(*nodes, *flags, *args)
+    assert job.wait(180) == 0, job.output
+    assert out.read_text().strip() == expected, job.output
+    assert_job_left_nothing(job)
+    return job
 
 
 def job_processes(job_id: str) -> list[psutil.Process]:

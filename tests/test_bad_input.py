@@ -51,6 +51,10 @@ def listening_port():
     (["--inject", "node-loss@rank=1,step=2", str(TRAIN_PLAIN)], ["unknown key 'rank' for node-loss"]),
     (["--no-python", "no-such-executable-ftrun"], ["executable not found"]),
     (["--rdzv-endpoint", "nohostport", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
+    (["--nnodes", "2", "--ec-parity", "2", str(TRAIN_PLAIN)], ["--ec-parity 2 must be smaller than --ec-group 2"]),
+    (["--nnodes", "2", "--ec-group", "4", str(TRAIN_PLAIN)], ["--ec-group 4 is larger than --nnodes 2"]),
+    (["--nnodes", "4", "--ec-group", "3", str(TRAIN_PLAIN)], ["--nnodes 4 cannot be divided into groups"]),
+    (["--nnodes", "2", "--ec-backend", "jerasure_rs_vand", str(TRAIN_PLAIN)], ["'jerasure_rs_vand' is not available"]),
 ])
 def test_bad_flags(args, fragments):
     assert_one_line_error(*run_ftrun(*args)[:2], *fragments)

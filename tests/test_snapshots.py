@@ -8,44 +8,13 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
-from pathlib import Path
 
 import psutil
 import pytest
 
-from conftest import ROOT, assert_job_left_nothing
+from conftest import EVERY, NODES, assert_job_left_nothing, gpt_args, primary_failures, restores, run_bitwise
 from ftrun.snapshot.keeper import find_segments
 from ftrun.snapshot.slot import COMMITTED, HEADER_SIZE, SlotFile
-
-TRAIN_GPT = ROOT / "examples" / "train_gpt.py"
-NODES = ("--nnodes", "2", "--nproc-per-node", "2")
-STEPS = 60
-EVERY = 10
-
-
-def gpt_args(tmp_path: Path, name: str, *extra: str) -> tuple[list[str], Path]:
-    out = tmp_path / f"{name}.hash"
-    return [str(TRAIN_GPT), "--steps", str(STEPS), "--snapshot-every", str(EVERY), "--out", str(out), *extra], out
-
-
-@pytest.fixture(scope="session")
-def gpt_baseline(tmp_path_factory) -> str:
-    """Final state hash of the failure-free train_gpt run (2 nodes x 2 trainers), computed once."""
-    args, out = gpt_args(tmp_path_factory.mktemp("gpt-baseline"), "baseline")
-    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", f"t{uuid.uuid4().hex[:10]}", *NODES,
-                             *args], capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr
-    return out.read_text().strip()
-
-
-def primary_failures(job) -> list[dict]:
-    return [e for e in job.events() if e["event"] == "failure" and e.get("primary", True)]
-
-
-def restores(job) -> dict[int, dict]:
-    """The restore decision of every generation (node 0's copy of it)."""
-    return {e["generation"]: e for e in job.events() if e["event"] == "restore" and e["source"] == "node 0"}
 
 
 def assert_recovered_from_ram(job, expected: list[tuple[int, int]], most_recomputed: int = EVERY) -> None:
@@ -57,15 +26,6 @@ def assert_recovered_from_ram(job, expected: list[tuple[int, int]], most_recompu
         restored = decided[failure["generation"]]
         assert restored["restored_from"] == "ram"
         assert 0 <= failure["step"] - restored["step"] <= most_recomputed, (failure, restored)
-
-
-def run_bitwise(start_job, tmp_path, gpt_baseline, name: str, *flags: str) -> object:
-    args, out = gpt_args(tmp_path, name)
-    job = start_job(*NODES, *flags, *args)
-    assert job.wait(180) == 0, job.output
-    assert out.read_text().strip() == gpt_baseline, job.output
-    assert_job_left_nothing(job)
-    return job
 
 
 @pytest.mark.timeout(240)
@@ -89,7 +49,8 @@ def test_keeper_crash_is_repaired_without_a_restart_and_its_slots_are_readopted(
                       "--inject", "crash@rank=3,step=45")
     events = job.events()
     assert [e["node"] for e in events if e["event"] == "keeper_failed"] == [1]
-    assert any(e["event"] == "keeper_adopted" and e["source"] == "keeper 1" for e in events)
+    adopted = [e for e in events if e["event"] == "keeper_adopted" and e["source"] == "keeper 1"]
+    assert adopted and any(kept.startswith("parity") for kept in adopted[0]["kept"]), adopted  # parity too
     # the keeper crash did not restart anything; the later trainer crash restored from RAM
     assert [f["kind"] for f in primary_failures(job)] == ["crash"]
     assert_recovered_from_ram(job, [(1, 40)])
@@ -110,16 +71,20 @@ def test_crash_between_commits_of_different_ranks_restores_a_step_every_rank_hol
 
 @pytest.mark.timeout(240)
 def test_lost_node_without_redundancy_starts_over_consistently_with_a_warning(start_job, tmp_path, gpt_baseline):
-    job = run_bitwise(start_job, tmp_path, gpt_baseline, "lost", "--inject", "node-loss@node=1,step=25")
+    job = run_bitwise(start_job, tmp_path, gpt_baseline, "lost", "--ec-parity", "0",
+                      "--inject", "node-loss@node=1,step=25")
     decided = restores(job)
     assert decided[1]["step"] == 0 and decided[1]["restored_from"] == "none", job.output
-    assert "WARNING" in decided[1]["message"] and "no snapshot step is held by every rank" in job.output
+    assert decided[1]["lost_ranks"] == [2, 3] and decided[1]["lost_step"] == 20, decided[1]
+    assert "WARNING" in decided[1]["message"] and "ranks [2, 3] lost their snapshots" in job.output
+    assert "erasure coding is off" in job.output
 
 
 @pytest.mark.timeout(240)
-def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, gpt_baseline):
+@pytest.mark.parametrize("parity", ["0", "1"])
+def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, gpt_baseline, parity):
     args, out = gpt_args(tmp_path, "flip")
-    job = start_job(*NODES, "--hang-timeout", "600", "--inject", "hang@rank=1,step=35", *args)
+    job = start_job(*NODES, "--ec-parity", parity, "--hang-timeout", "600", "--inject", "hang@rank=1,step=35", *args)
     victim = job.trainer(rank=1)
     deadline = time.monotonic() + 60
     while victim.status() != psutil.STATUS_STOPPED:
@@ -140,7 +105,11 @@ def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, g
     assert out.read_text().strip() == gpt_baseline
     invalid = [e for e in job.events() if e["event"] == "slot_invalid"]
     assert len(invalid) == 1 and "checksum mismatch" in invalid[0]["message"] and invalid[0]["step"] == 30
-    assert_recovered_from_ram(job, [(1, 20)], most_recomputed=2 * EVERY)  # the corrupt step costs one interval
+    if parity == "0":
+        assert_recovered_from_ram(job, [(1, 20)], most_recomputed=2 * EVERY)  # the corrupt step costs one interval
+    else:  # node 0 rebuilds step 30 from node 1's parity: the corruption costs nothing
+        plan = restores(job)[1]
+        assert (plan["step"], plan["restored_from"], plan["rebuilt"]) == (30, "parity", {"0": [1]}), job.output
     assert_job_left_nothing(job)
 
 

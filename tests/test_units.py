@@ -122,3 +122,16 @@ def test_cli_help_lists_torchrun_flags():
                  "--standalone", "-m", "--no-python", "--log-dir", "--config", "--hang-timeout", "--inject"):
         assert flag in result.stdout
 
+
+
+def test_multi_node_secret_is_derived_from_a_private_file_and_the_job(tmp_path):
+    from ftrun.errors import UsageError
+    from ftrun.launch.secret import shared_secret
+
+    path = tmp_path / "dir" / "secret"
+    first = shared_secret("job-a", str(path))
+    assert oct(path.stat().st_mode & 0o777) == "0o600" and len(path.read_bytes()) == 32
+    assert shared_secret("job-a", str(path)) == first and shared_secret("job-b", str(path)) != first
+    path.chmod(0o644)
+    with pytest.raises(UsageError, match="accessible by other users"):
+        shared_secret("job-a", str(path))

@@ -136,13 +136,17 @@ class Coordinator:
                 found[node] = raw.decode()
         return found
 
-    def publish_restore(self, gen: int, step: int) -> None:
-        """The agreed snapshot step of ``gen`` (0: none), for the summary."""
-        self.store.set(self.key("gen", gen, "restore"), str(step))
+    def publish_restore(self, gen: int, step: int, source: str) -> None:
+        """The agreed snapshot step of ``gen`` (0: none) and where it comes from ("RAM", "RAM + parity")."""
+        self.store.set(self.key("gen", gen, "restore"), json.dumps({"step": step, "source": source}))
 
-    def restore_step(self, gen: int) -> int | None:
+    def restore_step(self, gen: int) -> tuple[int, str] | None:
+        """(step, source) agreed for ``gen``, or None when it was not agreed."""
         raw = self._get(f"gen/{gen}/restore")
-        return None if raw is None else int(raw)
+        if raw is None:
+            return None
+        doc = json.loads(raw)
+        return int(doc["step"]), str(doc["source"])
 
     def publish_master(self, gen: int, addr: str, port: int) -> None:
         self.store.set(self.key("gen", gen, "master"), f"{addr}:{port}")

@@ -12,6 +12,8 @@ Kinds and their required keys:
   snapshot of step >= S (fires in one keeper incarnation only).
 - ``node-loss@node=N,step=S``: the supervisor of node N kills every process of the node, itself included,
   once one of its trainers reports step >= S.
+- ``parity-loss@node=N,step=S``: node N is lost the same way while its keeper computes the erasure-coded
+  parity of a step >= S (after the first piece), so that step never becomes protected.
 
 Every fault also takes ``gen=G`` (default 0) and fires at most once: only in generation G. Trainer faults
 travel to the trainer in :data:`ENV_TRAINER_FAULTS` as ``kind:step`` pairs and fire inside
@@ -29,7 +31,7 @@ ENV_TRAINER_FAULTS = "FTRUN_INJECT"
 
 TRAINER_FAULTS = ("crash", "hang", "copy-crash", "commit-crash")
 _WHERE = {"crash": "rank", "hang": "rank", "copy-crash": "rank", "commit-crash": "rank", "keeper-crash": "node",
-          "node-loss": "node"}
+          "node-loss": "node", "parity-loss": "node"}
 
 
 @dataclass(frozen=True)

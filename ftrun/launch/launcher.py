@@ -31,10 +31,12 @@ from ftrun.events import EventLog
 from ftrun.launch.coordination import Coordinator, Failure, Generation
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
+from ftrun.launch.secret import local_secret, shared_secret
 from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec, safe_job_id,
                                unlink_node_files)
 from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.summary import print_summary
+from ftrun.snapshot.keeper import ENV_JOB_SECRET
 
 EXIT_INTERRUPTED = 130
 _ACK_TIMEOUT = 10.0
@@ -82,6 +84,8 @@ class Launcher:
         self.store_server: TCPStore | None = None
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.signalled: int | None = None
+        self.secret = ("" if cfg.erasure[1] == 0 else local_secret() if cfg.local_mode
+                       else shared_secret(self.job_id, cfg.secret_file))
 
     def _open_store(self) -> tuple[str, int, TCPStore]:
         """Host or join the control store; returns (host, port, client)."""
@@ -116,11 +120,12 @@ class Launcher:
             rdzv_timeout=cfg.rdzv_timeout, hang_timeout=cfg.hang_timeout,
             hang_timeout_initial=cfg.hang_timeout_initial, hang_step_factor=cfg.hang_step_factor,
             node_timeout=cfg.node_timeout, stop_grace=cfg.stop_grace, zygote=cfg.zygote,
-            log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject)
+            ec_group=cfg.erasure[0], ec_parity=cfg.erasure[1], ec_backend=cfg.ec_backend, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject)
 
     def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
         env[ENV_NODE_SPEC] = spec.encode()
+        env[ENV_JOB_SECRET] = self.secret
         launcher = os.getpid()
         return subprocess.Popen([sys.executable, "-P", "-m", "ftrun.launch.supervisor"], env=env,
                                 start_new_session=True, preexec_fn=lambda: die_with_parent(launcher))

@@ -43,6 +43,9 @@ class NodeSpec:
     node_timeout: float
     stop_grace: float
     zygote: bool
+    ec_group: int = 1  # EC group size G (1: no redundancy)
+    ec_parity: int = 0  # parity per group m
+    ec_backend: str = "isa_l_rs_vand"
     log_dir: str | None = None
     faults: list[str] = field(default_factory=list)
 

@@ -21,7 +21,7 @@ class Recovery:
     reason: str
     detected_by: str
     seconds: float | None  # None: not every rank beat again in that generation
-    restored: int | None  # the snapshot step restored (0: none; None: not agreed)
+    restored: tuple[int, str] | None  # the snapshot step restored and its source (step 0: none; None: not agreed)
 
 
 def recoveries(coord: Coordinator) -> list[Recovery]:
@@ -53,6 +53,6 @@ def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
     table.add_column("recovery", justify="right")
     for row in rows:
         took = f"{row.seconds:.2f} s" if row.seconds is not None else "-"
-        restored = f"step {row.restored} (RAM)" if row.restored else "-"
+        restored = f"step {row.restored[0]} ({row.restored[1]})" if row.restored and row.restored[0] else "-"
         table.add_row(str(row.gen), row.kind, row.reason, row.detected_by, restored, took)
     console.print(table)

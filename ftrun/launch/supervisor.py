@@ -19,11 +19,13 @@ while the trainers start (they wait for it in ``Snapshotter.restore``). A fatal 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import select
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -44,7 +46,7 @@ from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_S
                                shm_path)
 from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
-from ftrun.snapshot.keeper import ENV_KEEPER_FAULTS, unlink_segments
+from ftrun.snapshot.keeper import ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD, unlink_segments
 from ftrun.snapshot.link import KeeperLink
 from ftrun.snapshot.protocol import socket_name
 
@@ -105,6 +107,9 @@ class Supervisor:
         self.keeper: subprocess.Popen[bytes] | None = None
         self.keeper_starts = 0
         self.link: KeeperLink | None = None
+        # the keeper's peer socket (erasure coding): opened once, so a restarted keeper keeps its address
+        self.secret = os.environ.pop(ENV_JOB_SECRET, "")  # for the keeper only, never for trainers
+        self.peer_socket: socket.socket | None = None
         self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=f"ftrun-{spec.job_id}-node{self.node}-")
         self._stopping = False
 
@@ -113,6 +118,7 @@ class Supervisor:
         become_subreaper()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGUSR1, lambda *_: self._lose_node("parity-loss (from the keeper)"))
         beater: _Beater | None = None
         try:
             store = connect_store(self.spec.store_host, self.spec.store_port, self.spec.rdzv_timeout)
@@ -152,15 +158,32 @@ class Supervisor:
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping = True
 
+    def _peer_address(self) -> str:
+        """Open the keeper's peer socket (erasure coding) once; its address as peers reach it ('' when off)."""
+        if self.spec.ec_parity == 0:
+            return ""
+        if self.peer_socket is None:
+            if not self.secret:
+                raise JobFailed("erasure coding needs the job secret; start nodes with the ftrun launcher")
+            host = self.spec.master_addr
+            loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+            self.peer_socket = socket.create_server(("127.0.0.1" if loopback else "", 0), backlog=128)
+        return f"{self.spec.master_addr}:{self.peer_socket.getsockname()[1]}"
+
     def _start_keeper(self) -> None:
         """Start the node's keeper (it re-adopts what a previous one left) and wait until it serves."""
         t0 = time.monotonic()
         env = dict(os.environ)
         env[ENV_NODE_SPEC] = self.spec.encode()
         env[ENV_KEEPER_FAULTS] = ";".join(self.spec.faults) if self.keeper_starts == 0 else ""
+        address = self._peer_address()
+        if self.peer_socket is not None:
+            env[ENV_JOB_SECRET] = self.secret
+            env[ENV_PEER_FD] = str(self.peer_socket.fileno())
         supervisor = os.getpid()
         proc = subprocess.Popen([sys.executable, "-P", "-m", "ftrun.snapshot.keeper"], env=env,
                                 stdout=subprocess.PIPE, start_new_session=True,
+                                pass_fds=[self.peer_socket.fileno()] if self.peer_socket is not None else [],
                                 preexec_fn=lambda: die_with_parent(supervisor))
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], KEEPER_START_TIMEOUT)
@@ -174,9 +197,10 @@ class Supervisor:
         self.keeper_starts += 1
         took = time.monotonic() - t0
         self.events.emit("keeper_start", f"keeper up (pid {proc.pid}) in {took * 1000:.0f} ms", console=False,
-                         node=self.node, pid=proc.pid, seconds=took, incarnation=self.keeper_starts)
+                         node=self.node, pid=proc.pid, seconds=took, incarnation=self.keeper_starts,
+                         peer_address=address)
         if self.link is None:
-            self.link = KeeperLink(self.spec, safe_job_id(self.spec.job_id), self.events)
+            self.link = KeeperLink(self.spec, safe_job_id(self.spec.job_id), self.events, address)
             self.link.start()
 
     def _keeper_exited(self, code: int) -> None:
@@ -358,6 +382,9 @@ class Supervisor:
                 self.coord.mark(g, "up", time.time())
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
+            if self.link is not None and self.link.failure is not None:
+                reason, self.link.failure = self.link.failure, None
+                return self._fail(seen, Failure("rebuild", reason, self.node, None, "keeper"))
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw

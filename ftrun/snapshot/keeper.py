@@ -16,6 +16,13 @@ Per generation: the supervisor asks which steps every local rank holds (``held``
 checksum is verified, bad ones are discarded and logged), agrees the restore step with the other nodes, and
 tells it (``plan``); restoring trainers wait for the plan. Slots of newer steps written by an older
 generation are then discarded: that future did not happen for every rank.
+
+With erasure coding (``--ec-parity`` > 0) the keeper also holds parity for its EC group
+(:mod:`ftrun.snapshot.redundancy`): an encoder thread brings it up to date with the newest globally committed
+step (``committed``, told by the supervisor), and ``restorable`` is then the job's *protected* step (held by
+every rank, with complete parity on every node), so a slot is only overwritten once the newer one is
+protected. A replacement node's keeper rebuilds its ranks' slots of the agreed step from its group's parity
+(``rebuild``) before the plan is told.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,9 +43,14 @@ from ftrun.events import EventLog
 from ftrun.launch.faults import parse_faults
 from ftrun.launch.spec import NodeSpec, safe_job_id, shm_dir
 from ftrun.snapshot.protocol import LineSocket, listen, same_user, socket_name
+from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, SLOTS_PER_RANK, WRITING, SlotFile, checksum, slot_name
+from ftrun.snapshot.transport import PeerError, PeerUnavailable
 
 ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
+ENV_JOB_SECRET = "FTRUN_JOB_SECRET"  # hex; keepers authenticate each other with it (never given to trainers)
+ENV_PEER_FD = "FTRUN_KEEPER_PEER_FD"  # the listening TCP socket for peers, inherited from the supervisor
+ENCODE_RETRY = 0.2
 # Advice printed with the /dev/shm capacity error.
 SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
 
@@ -93,15 +106,25 @@ class Keeper:
         self.job = safe_job_id(spec.job_id)
         self.dir = shm_dir()
         self.events = EventLog(f"keeper {self.node}", spec.log_dir)
-        self.crash_faults = [f for f in parse_faults(faults) if f.kind == "keeper-crash" and f.where == self.node]
+        mine = [f for f in parse_faults(faults) if f.where == self.node]
+        self.crash_faults = [f for f in mine if f.kind == "keeper-crash"]
+        self.parity_faults = [f for f in mine if f.kind == "parity-loss"]
         self.ranks = [RankSlots() for _ in range(spec.nproc_per_node)]
         self.cond = threading.Condition()
         self.generation = -1
         self.plans: dict[int, int] = {}
         self.restorable = 0
+        self.committed = 0
         self.fatal: str | None = None
         self.seals: queue.Queue[tuple[int, int, int]] = queue.Queue()
+        self.redundancy: Redundancy | None = None
+        self.coding = threading.Lock()  # one encoding or rebuild at a time
         self._stopping = False
+
+    def enable_redundancy(self, secret: bytes, listener: socket.socket) -> None:
+        spec = self.spec
+        place = GroupPlace(self.node, spec.ec_group, spec.ec_parity, spec.ec_backend)
+        self.redundancy = Redundancy(self, place, secret, listener)
 
     # -- slot files -----------------------------------------------------------------------------------------
     def path(self, local: int, index: int) -> str:
@@ -131,13 +154,15 @@ class Keeper:
             else:
                 slot.set_state(EMPTY)
                 dropped.append(f"rank {local} slot {index}: {problem}")
+        if self.redundancy is not None:
+            kept += self.redundancy.adopt()
         if kept or dropped:
             self.events.emit("keeper_adopted", f"re-adopted {len(kept)} committed slot(s)"
                              f"{': ' + ', '.join(kept) if kept else ''}"
                              f"{'; dropped ' + '; '.join(dropped) if dropped else ''}",
                              node=self.node, kept=kept, dropped=dropped)
 
-    def _ensure(self, local: int, index: int, payload: int) -> SlotFile:
+    def ensure_slot(self, local: int, index: int, payload: int) -> SlotFile:
         """The slot file with room for ``payload`` bytes; allocated (all pages) here, after a capacity check."""
         rank = self.ranks[local]
         slot = rank.files[index]
@@ -205,7 +230,12 @@ class Keeper:
                                          f"{problem}; using an older snapshot", node=self.node,
                                          local_rank=local, slot=index, step=step, problem=problem)
                 held[str(self.global_rank(local))] = sorted(rank.held())
-        return {"held": held}
+        return {"held": held, **self._redundancy_state()}
+
+    def _redundancy_state(self) -> dict[str, Any]:
+        if self.redundancy is None:
+            return {"parity": []}
+        return {"parity": self.redundancy.held()}
 
     def _apply_plan(self, generation: int, step: int) -> None:
         """Record the agreed restore step of ``generation`` (once); caller holds the lock."""
@@ -220,17 +250,44 @@ class Keeper:
                     if slot is not None:
                         slot.set_state(EMPTY)
         self.plans[generation] = step
-        self.restorable = step
+        self.restorable = self.committed = step
         self.cond.notify_all()
 
-    def op_poll(self, generation: int, plan: int, restorable: int) -> dict[str, Any]:
+    def op_poll(self, generation: int, plan: int, restorable: int, committed: int = 0,
+                peers: dict[str, str] | None = None) -> dict[str, Any]:
         with self.cond:
             self._apply_plan(generation, plan)
-            if generation == self.generation and restorable > self.restorable:
-                self.restorable = restorable
+            if peers and self.redundancy is not None:
+                self.redundancy.peers = {int(node): address for node, address in peers.items()}
+            if generation == self.generation:
+                if restorable > self.restorable:
+                    self.restorable = restorable
+                if committed > self.committed:
+                    self.committed = committed
                 self.cond.notify_all()
             local = set.intersection(*(rank.held() for rank in self.ranks)) if self.ranks else set()
-            return {"local": sorted(local), "fatal": self.fatal}
+            return {"local": sorted(local), "fatal": self.fatal, **self._redundancy_state()}
+
+    def op_rebuild(self, generation: int, step: int, complete: list[int], peers: dict[str, str]) -> dict[str, Any]:
+        """Rebuild every local rank's slot of ``step`` from the group's nodes in ``complete``; then it is held."""
+        if self.redundancy is None:
+            return {"error": "erasure coding is off on this node"}
+        with self.coding:
+            with self.cond:
+                self._check_current(generation)
+                self.redundancy.peers = {int(node): address for node, address in peers.items()}
+            try:
+                nbytes, seconds = self.redundancy.rebuild(step, [int(n) for n in complete])
+            except (PeerUnavailable, PeerError, RedundancyError, LookupError, KeyError, ValueError, OSError) as err:
+                self.events.emit("rebuild_failed", f"could not rebuild step {step} of node {self.node}: {err}",
+                                 node=self.node, step=step)
+                return {"error": f"rebuild of step {step} failed: {err}"}
+        sources = sorted(int(n) for n in complete)
+        self.events.emit("rebuilt", f"rebuilt the {len(self.ranks)} slot(s) of step {step} from the parity of "
+                         f"nodes {sources} in {seconds * 1000:.0f} ms ({human(nbytes)}, "
+                         f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), checksums verified", node=self.node,
+                         step=step, sources=sources, bytes=nbytes, seconds=seconds)
+        return {"bytes": nbytes, "seconds": seconds}
 
     def op_restore(self, rank: int, generation: int) -> dict[str, Any]:
         with self.cond:
@@ -255,7 +312,7 @@ class Keeper:
             # an empty slot, or the older one once the newer holds the restorable step
             index = min(range(SLOTS_PER_RANK), key=lambda i: -1 if slots.steps[i] is None else slots.steps[i])
             slots.steps[index] = None
-        slot = self._ensure(rank, index, size)
+        slot = self.ensure_slot(rank, index, size)
         slot.set_state(WRITING)
         return {"slot": index, "path": slot.path}
 
@@ -323,9 +380,50 @@ class Keeper:
                 if self.ranks[local].steps[index] == step and slot.header() == header and header.state == COMMITTED:
                     slot.seal(crc)
 
+    # -- background parity ----------------------------------------------------------------------------------
+    def encode_forever(self) -> None:
+        """Keep this node's parity at the newest globally committed step (see the module doc)."""
+        assert self.redundancy is not None
+        failed: tuple[int, str] | None = None
+        while True:
+            with self.cond:
+                while not self._stopping and not self._encode_due():
+                    self.cond.wait(1.0)
+                if self._stopping:
+                    return
+                step, generation, protected = self.committed, self.generation, self.restorable
+            try:
+                with self.coding:
+                    self.redundancy.encode(step, generation, protected, lambda: self._fire_parity_fault(step))
+                failed = None
+            except Exception as err:  # noqa: BLE001 - the encoder must outlive anything one step does
+                expected = isinstance(err, (PeerUnavailable, PeerError, RedundancyError, LookupError, OSError))
+                if failed != (step, str(err)):  # once per step and cause, then retried quietly
+                    failed = (step, str(err))
+                    self.events.emit("parity_failed", f"parity of step {step} not computed yet: "
+                                     f"{'' if expected else type(err).__name__ + ': '}{err}; retrying",
+                                     console=not expected, node=self.node, step=step)
+                time.sleep(ENCODE_RETRY)
+
+    def _encode_due(self) -> bool:
+        assert self.redundancy is not None
+        return (self.committed > 0 and self.committed not in self.redundancy.steps
+                and len(self.redundancy.peers) >= self.spec.ec_group)
+
+    def _fire_parity_fault(self, step: int) -> None:
+        for fault in self.parity_faults:
+            if step >= fault.step and self.generation == fault.gen:
+                self.events.emit("inject", f"injected {fault.spec}: node {self.node} lost while it computes "
+                                 f"parity of step {step}", node=self.node)
+                os.kill(os.getppid(), signal.SIGUSR1)  # the supervisor kills every process of the node
+                threading.Event().wait()
+
     # -- serving --------------------------------------------------------------------------------------------
     def serve(self, server: socket.socket) -> None:
         threading.Thread(target=self.seal_forever, name="ftrun-seal", daemon=True).start()
+        if self.redundancy is not None:
+            self.redundancy.server.start()
+            threading.Thread(target=self.encode_forever, name="ftrun-parity", daemon=True).start()
         while not self._stopping:
             try:
                 conn, _ = server.accept()
@@ -365,9 +463,10 @@ def find_segments(job: str, node: int | str = "*") -> list[tuple[str, int, int]]
 
 
 def unlink_segments(job: str, node: int | str = "*") -> list[str]:
-    """Unlink every slot file of ``job`` (of one node, or of all); returns the paths removed."""
+    """Unlink every slot and parity file of ``job`` (of one node, or of all); returns the paths removed."""
     removed = []
-    for path, _, _ in find_segments(job, node):
+    parity = glob.glob(os.path.join(shm_dir(), parity_name(safe_job_id(job), node, "*")))
+    for path in [p for p, _, _ in find_segments(job, node)] + sorted(parity):
         try:
             os.unlink(path)
             removed.append(path)
@@ -380,6 +479,9 @@ def main() -> None:
     spec = NodeSpec.from_env()
     faults = [f for f in os.environ.get(ENV_KEEPER_FAULTS, "").split(";") if f]
     keeper = Keeper(spec, faults)
+    if ENV_PEER_FD in os.environ:
+        keeper.enable_redundancy(bytes.fromhex(os.environ.pop(ENV_JOB_SECRET)),
+                                 socket.socket(fileno=int(os.environ[ENV_PEER_FD])))
     server = listen(socket_name(keeper.job, keeper.node))
 
     def on_signal(signum: int, frame: object) -> None:

@@ -2,12 +2,20 @@
 
 Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
 
-- ``held/<node>``: JSON ``{rank: [steps]}``, the verified snapshot steps of every rank of the node, published
-  once at the start of g. Every node computes the same restore step from all of them: the newest step that
-  every rank of the job holds (0 if none), and tells its keeper (``plan``); trainers wait for it.
-- ``commit/<node>``: JSON ``[steps]``, the steps every rank of the node holds now; the link publishes it
-  whenever it changes and, while the node holds a step newer than the last known globally restorable one,
-  reads the other nodes' to tell the keeper the newest step every rank holds (which frees a slot).
+- ``held/<node>``: JSON :class:`Holdings`: the verified snapshot steps of every rank of the node, the steps
+  its keeper holds complete parity of, and the address its keeper serves peers on; published once at the
+  start of g. Every node computes the same :class:`RestorePlan` from all of them (:func:`plan_restore`): the
+  newest step that every rank holds, or can get rebuilt from its EC group's parity; the nodes that must
+  rebuild it do so (their keepers, from the group's nodes that hold the step and its parity), and only then
+  tell their keeper the plan; trainers wait for it.
+- ``commit/<node>``, ``parity/<node>``: JSON ``[steps]``, the steps every rank of the node holds now and the
+  steps its keeper holds complete parity of; the link publishes them whenever they change and, while the node
+  holds a step newer than the last known protected one, reads the other nodes' to tell the keeper the newest
+  step every rank holds (*committed*: the encoders start on it) and the newest one that is also covered by
+  parity on every node (*protected*: trainers may then overwrite the older slot). Without erasure coding the
+  two are the same.
+
+``group/<X>/protected`` (job-wide key): group X's protected step, for the status view.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from dataclasses import dataclass
 
 from torch.distributed import DistError
 
@@ -33,34 +42,101 @@ def newest_common(sets: list[set[int]]) -> int:
     return max(common, default=0)
 
 
-class KeeperLink(threading.Thread):
-    """Agrees the restore step of each generation and relays what every rank holds; see the module doc."""
+@dataclass(frozen=True)
+class Holdings:
+    """What one node holds at the start of a generation (the ``held`` document)."""
 
-    def __init__(self, spec: NodeSpec, job: str, events: EventLog) -> None:
+    ranks: dict[int, set[int]]
+    parity: set[int]
+    address: str = ""
+
+    @property
+    def steps(self) -> set[int]:
+        """The steps every rank of the node holds."""
+        return set.intersection(*self.ranks.values()) if self.ranks else set()
+
+    def encode(self) -> str:
+        return json.dumps({"ranks": {str(r): sorted(s) for r, s in self.ranks.items()},
+                           "parity": sorted(self.parity), "address": self.address})
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> Holdings:
+        doc = json.loads(raw)
+        return cls({int(r): set(s) for r, s in doc["ranks"].items()}, set(doc["parity"]), doc["address"])
+
+
+@dataclass(frozen=True)
+class RestorePlan:
+    """The step a generation restores, and who rebuilds it from parity (node -> the nodes it reads)."""
+
+    step: int
+    rebuild: dict[int, list[int]]
+
+
+def group_of(node: int, group: int) -> list[int]:
+    """The nodes of ``node``'s EC group of size ``group``."""
+    base = node - node % group
+    return list(range(base, base + group))
+
+
+def plan_restore(held: dict[int, Holdings], group: int, parity: int) -> RestorePlan:
+    """The newest step every rank can restore: held in RAM, or rebuilt from parity of its group.
+
+    A node can rebuild step s when at least ``k = group - parity`` other nodes of its group are *complete* for
+    s: every rank of theirs holds s and their keeper holds its parity (then every stripe has k fragments).
+    """
+
+    def complete(node: int, step: int) -> bool:
+        return step in held[node].steps and step in held[node].parity
+
+    available: list[set[int]] = []
+    for node, holdings in held.items():
+        steps = set(holdings.steps)
+        if parity:
+            others = [n for n in group_of(node, group) if n != node and n in held]
+            for step in set().union(*(held[n].steps & held[n].parity for n in others)) - steps:
+                if sum(complete(n, step) for n in others) >= group - parity:
+                    steps.add(step)
+        available.append(steps)
+    step = newest_common(available)
+    rebuild = {node: [n for n in group_of(node, group) if n != node and complete(n, step)]
+               for node, holdings in held.items() if step and step not in holdings.steps}
+    return RestorePlan(step, rebuild)
+
+
+class KeeperLink(threading.Thread):
+    """Agrees the restore step of each generation and relays what every node holds; see the module doc."""
+
+    def __init__(self, spec: NodeSpec, job: str, events: EventLog, address: str) -> None:
         super().__init__(name="ftrun-keeper-link", daemon=True)
         store = connect_store(spec.store_host, spec.store_port, spec.rdzv_timeout)
         self.coord = Coordinator(store, spec.job_id, spec.node_rank, spec.nnodes)
         self.node = spec.node_rank
         self.nnodes = spec.nnodes
+        self.group, self.parity = spec.ec_group, spec.ec_parity
         self.world = spec.nnodes * spec.nproc_per_node
         self.events = events
+        self.address = address
         self.keeper = KeeperClient(socket_name(job, spec.node_rank), patience=1.0)
-        self.fatal: str | None = None
+        self.fatal: str | None = None  # ends the job (no room for snapshots)
+        self.failure: str | None = None  # ends the generation (a rebuild failed); the supervisor clears it
         self._generation = -1
         self._plans: dict[int, int] = {}
-        self._restorable = 0
-        self._published: list[int] | None = None
-        self._stop = threading.Event()
+        self._committed = self._restorable = 0
+        self._group_protected = 0
+        self._peers: dict[str, str] = {}
+        self._published: dict[str, list[int]] = {}
+        self._halt = threading.Event()
 
     def begin(self, generation: int) -> None:
         """A new generation starts: agree its restore step before anything else."""
         self._generation = generation
 
     def stop(self) -> None:
-        self._stop.set()
+        self._halt.set()
 
     def run(self) -> None:
-        while not self._stop.is_set():
+        while not self._halt.is_set():
             gen = self._generation
             try:
                 if gen < 0:
@@ -73,50 +149,98 @@ class KeeperLink(threading.Thread):
                 pass  # the keeper is restarting; the supervisor sees its exit
             except DistError:
                 return  # the control store is gone; the supervisor sees that too
-            self._stop.wait(LINK_INTERVAL)
+            self._halt.wait(LINK_INTERVAL)
 
     def _agree(self, gen: int) -> None:
-        held = self.keeper.request("held", generation=gen)["held"]
-        self.coord.store.set(self.coord.key("gen", gen, "held", self.node), json.dumps(held))
-        every: dict[int, set[int]] = {}
-        while len(every) < self.world:
-            if self._stop.is_set() or self._generation != gen:
+        reply = self.keeper.request("held", generation=gen)
+        mine = Holdings({int(r): set(s) for r, s in reply["held"].items()}, set(reply["parity"]), self.address)
+        self.coord.store.set(self.coord.key("gen", gen, "held", self.node), mine.encode())
+        held: dict[int, Holdings] = {}
+        while len(held) < self.nnodes:
+            if self._halt.is_set() or self._generation != gen:
                 return
-            for node, raw in self.coord.marks(gen, "held").items():
-                every.update({int(rank): set(steps) for rank, steps in json.loads(raw).items()})
-            if len(every) < self.world:
+            held = {node: Holdings.decode(raw) for node, raw in self.coord.marks(gen, "held").items()}
+            if len(held) < self.nnodes:
                 time.sleep(LINK_INTERVAL)
-        step = newest_common(list(every.values()))
-        self.keeper.request("poll", generation=gen, plan=step, restorable=step)
-        self._plans[gen] = self._restorable = step
-        self._published = None
-        self.coord.publish_restore(gen, step)
-        self._report(gen, step, every)
+        plan = plan_restore(held, self.group, self.parity)
+        if self.parity:
+            self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
+        if self.node in plan.rebuild:
+            try:
+                self.keeper.request("rebuild", generation=gen, step=plan.step, complete=plan.rebuild[self.node],
+                                    peers=self._peers)
+            except KeeperError as err:
+                self.failure = f"node {self.node} could not rebuild step {plan.step} from parity: {err}"
+                self._plans[gen] = plan.step
+                return
+        self.keeper.request("poll", generation=gen, plan=plan.step, restorable=plan.step, committed=plan.step,
+                            peers=self._peers)
+        self._plans[gen] = self._committed = self._restorable = plan.step
+        self._published = {}
+        self.coord.publish_restore(gen, plan.step, "RAM + parity" if plan.rebuild else "RAM")
+        self._report(gen, plan, held)
 
-    def _report(self, gen: int, step: int, every: dict[int, set[int]]) -> None:
+    def _report(self, gen: int, plan: RestorePlan, held: dict[int, Holdings]) -> None:
         leader = self.node == 0
-        if step:
-            self.events.emit("restore", f"generation {gen}: trainers restore step {step} from RAM (held by all "
-                             f"{self.world} ranks)", console=leader, generation=gen, step=step, restored_from="ram")
+        every = {rank: steps for holdings in held.values() for rank, steps in holdings.ranks.items()}
+        fields = {"generation": gen, "step": plan.step}
+        if plan.step and plan.rebuild:
+            rebuilt = "; ".join(f"node {node} rebuilt from the parity of nodes {sources}"
+                                for node, sources in sorted(plan.rebuild.items()))
+            self.events.emit("restore", f"generation {gen}: trainers restore step {plan.step} from RAM ({rebuilt})",
+                             console=leader, restored_from="parity", rebuilt=plan.rebuild, **fields)
+        elif plan.step:
+            self.events.emit("restore", f"generation {gen}: trainers restore step {plan.step} from RAM (held by all "
+                             f"{self.world} ranks)", console=leader, restored_from="ram", **fields)
         elif any(every.values()):
-            partial = {rank: sorted(steps) for rank, steps in every.items()}
-            self.events.emit("restore", f"WARNING generation {gen}: no snapshot step is held by every rank "
-                             f"({partial}); trainers start from step 0", console=leader, generation=gen, step=0,
-                             restored_from="none", held=partial)
+            lost = sorted(rank for rank, steps in every.items() if not steps)
+            best = newest_common([steps for steps in every.values() if steps])
+            if not lost:
+                why = f"no snapshot step is held by every rank ({ {r: sorted(s) for r, s in every.items()} })"
+            elif best:
+                cover = (f"more nodes of a group lost than its {self.parity} parity cover" if self.parity
+                         else "erasure coding is off")
+                why = (f"ranks {lost} lost their snapshots; step {best}, held by every other rank, cannot be "
+                       f"rebuilt from parity ({cover})")
+            else:
+                why = f"ranks {lost} lost their snapshots"
+            self.events.emit("restore", f"WARNING generation {gen}: {why}; trainers start from step 0",
+                             console=leader, restored_from="none", lost_ranks=lost, lost_step=best, **fields)
         elif gen > 0:
             self.events.emit("restore", f"generation {gen}: no RAM snapshot to restore", console=leader,
-                             generation=gen, step=0, restored_from="none")
+                             restored_from="none", **fields)
 
     def _relay(self, gen: int) -> None:
-        reply = self.keeper.request("poll", generation=gen, plan=self._plans[gen], restorable=self._restorable)
+        reply = self.keeper.request("poll", generation=gen, plan=self._plans[gen], restorable=self._restorable,
+                                    committed=self._committed, peers=self._peers)
         if reply.get("fatal") and self.fatal is None:
             self.fatal = reply["fatal"]
         local = [int(s) for s in reply["local"]]
-        if local != self._published:
-            self.coord.store.set(self.coord.key("gen", gen, "commit", self.node), json.dumps(local))
-            self._published = local
+        for what, steps in (("commit", local), ("parity", [int(s) for s in reply["parity"]])):
+            if self._published.get(what) != steps:
+                self.coord.store.set(self.coord.key("gen", gen, what, self.node), json.dumps(steps))
+                self._published[what] = steps
         if max(local, default=0) > self._restorable:
-            commits = self.coord.marks(gen, "commit")
-            if len(commits) == self.nnodes:
-                restorable = newest_common([set(json.loads(raw)) for raw in commits.values()])
-                self._restorable = max(self._restorable, restorable)
+            self._catch_up(gen)
+
+    def _catch_up(self, gen: int) -> None:
+        """Read every node's holdings: the committed and protected steps (see the module doc)."""
+        commits = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "commit").items()}
+        if len(commits) < self.nnodes:
+            return
+        self._committed = max(self._committed, newest_common(list(commits.values())))
+        if not self.parity:
+            self._restorable = self._committed
+            return
+        parities = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "parity").items()}
+        if len(parities) < self.nnodes:
+            return
+        covered = {n: commits[n] & parities[n] for n in commits}
+        self._restorable = max(self._restorable, newest_common(list(covered.values())))
+        mine = newest_common([covered[n] for n in group_of(self.node, self.group)])
+        if mine > self._group_protected and self.node % self.group == 0:  # the group's first node tells
+            self._group_protected = mine
+            group = self.node // self.group
+            self.coord.store.set(self.coord.key("group", group, "protected"), str(mine))
+            self.events.emit("protected", f"group {group}: step {mine} protected by parity", console=False,
+                             node=self.node, group=group, step=mine)

@@ -1,0 +1,403 @@
+"""The keeper's erasure-coded redundancy: parity for its EC group, served to peers, and rebuilds of lost nodes.
+
+Runs inside the keeper (no torch). The layout is :mod:`ftrun.snapshot.erasure`'s; bytes move between keepers
+over :mod:`ftrun.snapshot.transport` (authenticated TCP; slot and parity bytes are sent from their files).
+
+*Blob* of a node at step s: for each local rank in order, the image of its slot holding s (header page and
+payload, ``HEADER_SIZE + payload_len`` bytes). A blob is only served once every image is sealed (checksummed by
+the keeper), so a rebuilt image carries its checksum and is verified like any slot before it is used.
+
+*Parity files* ``ftrun-<job>-node<N>-parity<I>`` (I = 0, 1; the slot file format of :mod:`ftrun.snapshot.slot`):
+the payload holds this node's ``m`` parity fragments of step s (fragment ``k + t`` of stripe
+``parity_stripes[t]`` at ``t * L``), then JSON: the group's shape, ``L``, the piece size, every position's image
+lengths and checksums, and the headers of every fragment of this node's stripes. A parity file is committed
+only after every data node still holds the same images as when the encoding started.
+
+Encoding follows the job: when the newest globally committed step (told by the supervisor's link) has no
+parity here, the encoder fetches the data fragments of this node's stripes from the other nodes of the group,
+piece by piece, and writes parity into the parity file that does not hold the job's protected step (the
+newest step every rank holds with complete parity everywhere; the link tells it too). Since trainers only
+overwrite a slot once the newer one is protected, the data of the step being encoded stays in place.
+
+Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths and checksums;
+``chunk {step, chunk, offset, length, chunk_len}`` -> bytes of a chunk of the blob (zeros past its end);
+``parity_meta {step}`` -> the parity file's JSON; ``parity {step, t, offset, length}`` -> parity bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ftrun.snapshot.erasure import HEADER_BYTES, Codec, StripeLayout, encode_stripe, rebuild_chunk
+from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, Header, SlotFile, checksum
+from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
+
+if TYPE_CHECKING:
+    from ftrun.snapshot.keeper import Keeper
+
+PARITY_FILES = 2
+RETRY_INTERVAL = 0.2
+META_ROOM = 64 << 10
+
+
+class RedundancyError(RuntimeError):
+    """A rebuild or an encoding could not complete (a peer gone, data changed under it, a bad image)."""
+
+
+def parity_name(job: str, node: int | str, index: int | str) -> str:
+    return f"ftrun-{job}-node{node}-parity{index}"
+
+
+@dataclass(frozen=True)
+class GroupPlace:
+    """This node's place in its EC group."""
+
+    node: int
+    group: int  # G
+    parity: int  # m
+    backend: str
+
+    @property
+    def position(self) -> int:
+        return self.node % self.group
+
+    @property
+    def base(self) -> int:
+        """Node rank of position 0 of this node's group."""
+        return self.node - self.position
+
+    @property
+    def index(self) -> int:
+        """The group's number."""
+        return self.node // self.group
+
+
+class Redundancy:
+    """Parity encoding, peer serving and rebuilds of one keeper; see the module doc."""
+
+    def __init__(self, keeper: Keeper, place: GroupPlace, secret: bytes, listener: socket.socket) -> None:
+        self.keeper = keeper
+        self.place = place
+        self.layout = StripeLayout(place.group, place.parity)
+        self.codec = Codec(self.layout.k, place.parity, place.backend)
+        self.secret = secret
+        self.files: list[SlotFile | None] = [None] * PARITY_FILES
+        self.steps: list[int | None] = [None] * PARITY_FILES  # complete parity held per file
+        self.peers: dict[int, str] = {}  # node -> "host:port"
+        self._clients: dict[str, PeerClient] = {}
+        self._failed_step: int | None = None
+        self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected, max_payload=0)
+
+    # -- files ------------------------------------------------------------------------------------------------
+    def path(self, index: int) -> str:
+        return os.path.join(self.keeper.dir, parity_name(self.keeper.job, self.place.node, index))
+
+    def adopt(self) -> list[str]:
+        """Keep the valid parity files a previous keeper of this node left; returns what was kept/dropped."""
+        notes = []
+        for index in range(PARITY_FILES):
+            if not os.path.exists(self.path(index)):
+                continue
+            try:
+                file = SlotFile(self.path(index))
+            except (OSError, ValueError) as err:
+                notes.append(f"parity {index}: {err}")
+                continue
+            self.files[index] = file
+            if file.header().state in (EMPTY, WRITING):
+                continue
+            problem = file.verify()
+            if problem is None:
+                self.steps[index] = file.header().step
+                notes.append(f"parity {index} step {file.header().step}")
+            else:
+                file.set_state(EMPTY)
+                notes.append(f"parity {index} dropped: {problem}")
+        return notes
+
+    def held(self) -> list[int]:
+        with self.keeper.cond:
+            return sorted(s for s in self.steps if s is not None)
+
+    def close(self) -> None:
+        self.server.close()
+        for client in self._clients.values():
+            client.close()
+        for file in self.files:
+            if file is not None:
+                file.close()
+
+    # -- serving peers ----------------------------------------------------------------------------------------
+    def _rejected(self, message: str) -> None:
+        self.keeper.events.emit("peer_rejected", f"refused a peer connection: {message}", node=self.place.node)
+
+    def serve(self, request: dict[str, Any]) -> Reply:
+        op = request.get("op")
+        step = int(request["step"])
+        if op == "info":
+            images = self._images(step)
+            return Reply({"images": [len_ for _, len_, _ in images], "crcs": [crc for _, _, crc in images]})
+        if op == "chunk":
+            return Reply({}, self._blob_ranges(step, int(request["chunk"]) * int(request["chunk_len"])
+                                               + int(request["offset"]), int(request["length"])))
+        index = self._parity_index(step)
+        file = self.files[index]
+        assert file is not None
+        header = file.header()
+        if op == "parity_meta":
+            return Reply({}, bytes(file.payload()[header.data_len:header.payload_len]))
+        if op == "parity":
+            offset, length = int(request["t"]) * (header.data_len // self.place.parity) + int(request["offset"]), \
+                int(request["length"])
+            if offset < 0 or length < 0 or offset + length > header.data_len:
+                raise ValueError("parity range out of bounds")
+            return Reply({}, [FileRange(file.path, HEADER_SIZE + offset, length)])
+        raise ValueError(f"unknown op {op!r}")
+
+    def _images(self, step: int) -> list[tuple[str, int, int]]:
+        """(path, image length, checksum) of every local rank's sealed slot of ``step``."""
+        images = []
+        with self.keeper.cond:
+            for local, rank in enumerate(self.keeper.ranks):
+                index = next((i for i, s in enumerate(rank.steps) if s == step), None)
+                file = rank.files[index] if index is not None else None
+                if file is None:
+                    raise LookupError(f"step {step} not held by local rank {local}")
+                header = file.header()
+                if header.state != COMMITTED or not header.sealed or header.step != step:
+                    raise LookupError(f"step {step} of local rank {local} not sealed yet")
+                images.append((file.path, HEADER_SIZE + header.payload_len, header.checksum))
+        return images
+
+    def _blob_ranges(self, step: int, offset: int, length: int) -> list[FileRange | bytes]:
+        """The bytes [offset, offset + length) of this node's blob of ``step`` as file ranges (zeros past it)."""
+        pieces: list[FileRange | bytes] = []
+        start = 0
+        end = offset + length
+        for path, size, _ in self._images(step):
+            lo, hi = max(offset, start), min(end, start + size)
+            if lo < hi:
+                pieces.append(FileRange(path, lo - start, hi - lo))
+            start += size
+        covered = sum(p.length for p in pieces if isinstance(p, FileRange))
+        if covered < length:
+            pieces.append(bytes(length - covered))
+        return pieces
+
+    def _parity_index(self, step: int) -> int:
+        with self.keeper.cond:
+            for index, held in enumerate(self.steps):
+                if held == step:
+                    return index
+        raise LookupError(f"no parity of step {step} on node {self.place.node}")
+
+    # -- talking to peers -------------------------------------------------------------------------------------
+    def _client(self, node: int) -> PeerClient:
+        address = self.peers.get(node)
+        if address is None:
+            raise PeerUnavailable(f"address of node {node}'s keeper unknown")
+        client = self._clients.get(address)
+        if client is None:
+            host, _, port = address.rpartition(":")
+            client = self._clients[address] = PeerClient(host, int(port), self.secret)
+        return client
+
+    def _fetch(self, node: int, op: str, size: int, **fields: Any) -> bytes:
+        """``size`` bytes that ``node`` answers ``op`` with."""
+        buffer = bytearray(size)
+        _, got = self._client(node).request(op, into=memoryview(buffer), **fields)
+        if got != size:
+            raise RedundancyError(f"node {node} sent {got} bytes of {op}, expected {size}")
+        return bytes(buffer)
+
+    def _info(self, node: int, step: int) -> tuple[list[int], list[int]]:
+        reply, _ = self._client(node).request("info", step=step)
+        return [int(n) for n in reply["images"]], [int(c) for c in reply["crcs"]]
+
+    def _node(self, position: int) -> int:
+        return self.place.base + position
+
+    # -- encoding ---------------------------------------------------------------------------------------------
+    def encode(self, step: int, generation: int, protected: int, fire: Callable[[], None]) -> None:
+        """Compute and commit this node's parity of ``step``; raises on a peer failure or changed data."""
+        place, layout = self.place, self.layout
+        t0 = time.perf_counter()
+        infos = {p: (self._local_info(step) if p == place.position else self._info(self._node(p), step))
+                 for p in range(place.group)}
+        chunk_len = layout.chunk_len([sum(images) for images, _ in infos.values()])
+        with self.keeper.cond:
+            index = min(range(PARITY_FILES), key=lambda i: (self.steps[i] == protected and protected > 0,
+                                                            -1 if self.steps[i] is None else self.steps[i]))
+            self.steps[index] = None
+        pieces = len(layout.pieces(chunk_len))
+        file = self._ensure(index, place.parity * chunk_len + META_ROOM + pieces * place.group * place.parity
+                            * HEADER_BYTES * 2)
+        file.set_state(WRITING)
+
+        def fetch(position: int, chunk: int, offset: int, length: int) -> bytes:
+            return self._fetch(self._node(position), "chunk", length, step=step, chunk=chunk, offset=offset,
+                               length=length, chunk_len=chunk_len)
+
+        headers: dict[str, list[str]] = {}
+        payload = file.payload()
+        for t, stripe in enumerate(layout.parity_stripes(place.position)):
+            headers[str(stripe)] = []
+            for offset, parity, piece_headers in encode_stripe(self.codec, layout, stripe, chunk_len, t, fetch):
+                start = t * chunk_len + offset
+                payload[start:start + len(parity)] = parity
+                headers[str(stripe)].append(base64.b64encode(b"".join(piece_headers)).decode())
+                fire()
+        for position, info in infos.items():  # the data did not change while it was read
+            now = self._local_info(step) if position == place.position else self._info(self._node(position), step)
+            if now != info:
+                raise RedundancyError(f"step {step} of node {self._node(position)} changed while encoding")
+        meta = json.dumps({"step": step, "group": place.group, "parity": place.parity, "backend": place.backend,
+                           "chunk_len": chunk_len, "piece": layout.piece,
+                           "images": {str(p): info[0] for p, info in infos.items()},
+                           "crcs": {str(p): info[1] for p, info in infos.items()}, "headers": headers}).encode()
+        data_len = place.parity * chunk_len
+        if data_len + len(meta) > file.capacity:
+            raise RedundancyError(f"parity metadata of step {step} does not fit ({len(meta)} bytes)")
+        payload[data_len:data_len + len(meta)] = meta
+        del payload
+        header = Header(step=step, generation=generation, digest=self._digest(chunk_len), data_len=data_len,
+                        meta_len=len(meta))
+        file.commit(header)
+        file.seal(checksum(file.map, file.header()))
+        with self.keeper.cond:
+            self.steps[index] = step
+            self.keeper.cond.notify_all()
+        took = time.perf_counter() - t0
+        blob = sum(infos[place.position][0])
+        self.keeper.events.emit("parity", f"parity of step {step} for group {place.index} in {took * 1000:.0f} ms "
+                                f"({data_len} bytes of parity for blobs of {blob} bytes)", console=False,
+                                node=place.node, step=step, seconds=took, parity_bytes=data_len)
+
+    def _local_info(self, step: int) -> tuple[list[int], list[int]]:
+        images = self._images(step)
+        return [n for _, n, _ in images], [c for _, _, c in images]
+
+    def _digest(self, chunk_len: int) -> int:
+        shape = f"{self.place.group}/{self.place.parity}/{self.place.backend}/{chunk_len}/{self.layout.piece}"
+        return int.from_bytes(hashlib.sha256(shape.encode()).digest()[:8], "little")
+
+    def _ensure(self, index: int, payload: int) -> SlotFile:
+        file = self.files[index]
+        if file is not None and file.capacity >= payload:
+            return file
+        if file is not None:
+            file.close()
+        file = self.files[index] = SlotFile(self.path(index), HEADER_SIZE + payload)
+        return file
+
+    # -- rebuilding -------------------------------------------------------------------------------------------
+    def rebuild(self, step: int, complete: list[int]) -> tuple[int, float]:
+        """Rebuild every local rank's slot of ``step`` from the nodes in ``complete`` (they hold the step and its
+        parity); the slots are verified and held afterwards. Returns (bytes rebuilt, seconds)."""
+        place, layout = self.place, self.layout
+        t0 = time.perf_counter()
+        metas: dict[int, dict[str, Any]] = {}
+
+        def meta_of(position: int) -> dict[str, Any]:
+            if position not in metas:
+                node = self._node(position)
+                _, raw = self._client(node).request("parity_meta", step=step)
+                metas[position] = json.loads(raw)
+            return metas[position]
+
+        stripes = [layout.chunk_stripe(place.position, c) for c in range(layout.k)]
+        holders = {}
+        for stripe in stripes:
+            holder = next((layout.parity_position(stripe, t) for t in range(place.parity)
+                           if self._node(layout.parity_position(stripe, t)) in complete), None)
+            if holder is None:
+                raise RedundancyError(f"no surviving holder of parity of stripe {stripe} of step {step}")
+            holders[stripe] = holder
+        first = meta_of(holders[stripes[0]])
+        if (first["group"], first["parity"], first["backend"]) != (place.group, place.parity, place.backend):
+            raise RedundancyError("parity was computed for another group shape")
+        images = [int(n) for n in first["images"][str(place.position)]]
+        if len(images) != len(self.keeper.ranks):
+            raise RedundancyError(f"parity holds {len(images)} ranks of node {place.node}, expected "
+                                  f"{len(self.keeper.ranks)}")
+        chunk_len = int(first["chunk_len"])
+        piece_layout = StripeLayout(place.group, place.parity, int(first["piece"]))
+        writer = _BlobWriter(self.keeper, step, images)
+        try:
+            for chunk, stripe in enumerate(stripes):
+                headers = [[raw[i:i + HEADER_BYTES] for i in range(0, len(raw), HEADER_BYTES)]
+                           for raw in (base64.b64decode(h) for h in meta_of(holders[stripe])["headers"][str(stripe)])]
+
+                def fetch_fragment(index: int, offset: int, length: int, stripe: int = stripe) -> bytes | None:
+                    holder = self._node(piece_layout.position(stripe, index))
+                    if holder not in complete:
+                        return None
+                    if index < piece_layout.k:
+                        return self._fetch(holder, "chunk", length, step=step, chunk=index, offset=offset,
+                                           length=length, chunk_len=chunk_len)
+                    return self._fetch(holder, "parity", length, step=step, t=index - piece_layout.k,
+                                       offset=offset, length=length)
+
+                for offset, data in rebuild_chunk(self.codec, piece_layout, place.position, chunk, chunk_len,
+                                                  fetch_fragment, headers):
+                    writer.write(chunk * chunk_len + offset, data)
+            writer.finish()
+        except BaseException:
+            writer.abandon()
+            raise
+        return sum(images), time.perf_counter() - t0
+
+
+class _BlobWriter:
+    """Writes a rebuilt blob into one slot per local rank (the one not holding the newest step), then verifies."""
+
+    def __init__(self, keeper: Keeper, step: int, images: list[int]) -> None:
+        self.keeper = keeper
+        self.step = step
+        with keeper.cond:
+            indexes = []
+            for rank in keeper.ranks:
+                index = min(range(len(rank.steps)), key=lambda i: -1 if rank.steps[i] is None else rank.steps[i])
+                rank.steps[index] = None
+                indexes.append(index)
+        self.targets: list[tuple[int, int, SlotFile, int, int]] = []  # (local, index, file, blob start, length)
+        start = 0
+        for local, (index, length) in enumerate(zip(indexes, images)):
+            file = keeper.ensure_slot(local, index, length - HEADER_SIZE)
+            file.set_state(WRITING)
+            self.targets.append((local, index, file, start, length))
+            start += length
+
+    def write(self, offset: int, data: bytes) -> None:
+        end = offset + len(data)
+        for _, _, file, begin, length in self.targets:
+            lo, hi = max(offset, begin), min(end, begin + length)
+            if lo < hi:
+                file.map[lo - begin:hi - begin] = data[lo - offset:hi - offset]
+
+    def finish(self) -> None:
+        for local, index, file, _, _ in self.targets:
+            problem = file.verify()
+            if problem is None and file.header().step != self.step:
+                problem = f"holds step {file.header().step}"
+            if problem is not None:
+                raise RedundancyError(f"rebuilt slot of local rank {local} is not valid: {problem}")
+        with self.keeper.cond:
+            for local, index, file, _, _ in self.targets:
+                rank = self.keeper.ranks[local]
+                rank.steps[index] = self.step
+                rank.generations[index] = file.header().generation
+            self.keeper.cond.notify_all()
+
+    def abandon(self) -> None:
+        for _, _, file, _, _ in self.targets:
+            file.set_state(EMPTY)
+

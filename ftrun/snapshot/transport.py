@@ -1,0 +1,415 @@
+"""Keeper-to-keeper TCP transport: authenticated, framed, bounded request/reply; no torch, nothing unpickled.
+
+Protocol (version 1; all integers big-endian):
+
+1. Handshake, mutual, proving knowledge of the job's secret (>= 16 bytes) without sending it:
+
+   - server -> client: ``b"FTRK"`` + version (u8) + ``nonce_s`` (32 random bytes)
+   - client -> server: ``nonce_c`` (32 random bytes) + ``HMAC-SHA256(secret, b"client" + nonce_s + nonce_c)``
+   - server -> client: ``HMAC-SHA256(secret, b"server" + nonce_c + nonce_s)``
+
+   Each side checks the other's MAC with :func:`hmac.compare_digest` and closes the connection on any mismatch;
+   the server answers only a client that proved itself first. The server bounds the whole handshake by
+   ``handshake_timeout`` seconds. This authenticates the peers only: the frames that follow are neither
+   encrypted nor integrity-protected (the cluster network is trusted not to tamper with them).
+
+2. Then frames, the same format in both directions: header ``struct "!4sIQ"`` = (``b"FTRF"``, json_len u32,
+   payload_len u64), json_len bytes of UTF-8 JSON that must decode to an object, then payload_len raw bytes.
+   json_len <= :data:`MAX_JSON`; payload_len <= the receiver's ``max_payload`` (at most :data:`MAX_PAYLOAD`).
+   A frame that breaks a rule closes its connection and nothing of it is acted on.
+
+3. The client sends a request ``{"op": str, ...}`` without payload (the server accepts one up to its
+   ``max_payload`` and ignores it); the server answers one reply per request, in order: the handler's fields
+   and payload, or ``{"error": "<type>: <message>"}`` when the handler failed. A connection carries one
+   request at a time, so a reply always belongs to the last request sent on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import Any, BinaryIO
+
+VERSION = 1
+HANDSHAKE_MAGIC = b"FTRK"
+FRAME_MAGIC = b"FTRF"
+NONCE_LEN = 32
+MAC_LEN = 32
+MIN_SECRET_LEN = 16
+HELLO = struct.Struct("!4sB32s")
+FRAME = struct.Struct("!4sIQ")
+MAX_JSON = 64 << 10
+MAX_PAYLOAD = 512 << 20
+MAX_ERROR_LEN = 4096  # an error reply's message is cut to this many characters
+HANDSHAKE_TIMEOUT = 5.0
+LISTEN_BACKLOG = 128
+KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}  # drops a vanished peer in ~1 min
+
+
+class PeerUnavailable(ConnectionError):
+    """No answer from the peer: connect, I/O or authentication failure, timeout, closed or invalid reply."""
+
+
+class PeerError(RuntimeError):
+    """The peer answered the request with an error."""
+
+
+class _Violation(Exception):
+    """The other end broke the protocol (or left mid-message); its connection must be closed."""
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """``length`` bytes of the file at ``path`` from ``offset``, sent from the file with ``sendfile`` (no copy)."""
+
+    path: str
+    offset: int
+    length: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 0:
+            raise ValueError(f"negative offset or length in {self}")
+
+
+Piece = FileRange | bytes | bytearray | memoryview
+
+
+@dataclass
+class Reply:
+    """A handler's answer: JSON ``fields`` and a payload, whose pieces go on the wire one after the other."""
+
+    fields: dict[str, Any]
+    payload: Piece | list[Piece] = b""
+
+
+Handler = Callable[[dict[str, Any]], Reply]
+_Outgoing = list[tuple[BinaryIO, int, int] | memoryview]
+
+
+def _mac(secret: bytes, label: bytes, first: bytes, second: bytes) -> bytes:
+    return hmac.new(secret, label + first + second, hashlib.sha256).digest()
+
+
+def _check_secret(secret: bytes) -> None:
+    if len(secret) < MIN_SECRET_LEN:
+        raise ValueError(f"the job secret must have at least {MIN_SECRET_LEN} bytes")
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> int:
+    """Fills ``view``; returns the bytes received, fewer than ``len(view)`` only if the peer closed first."""
+    got = 0
+    while got < len(view):
+        if deadline is not None:
+            sock.settimeout(max(deadline - time.monotonic(), 1e-3))
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _recv_all(sock: socket.socket, size: int, what: str, deadline: float | None = None) -> bytearray:
+    buf = bytearray(size)
+    if _recv_exact(sock, memoryview(buf), deadline) < size:
+        raise _Violation(f"connection closed during the {what}")
+    return buf
+
+
+def _recv_frame(
+    sock: socket.socket, max_payload: int, into: memoryview | None = None
+) -> tuple[dict[str, Any], bytes | int] | None:
+    """The next frame's JSON object and payload (its length when received ``into``); None on a clean close."""
+    header = bytearray(FRAME.size)
+    got = _recv_exact(sock, memoryview(header))
+    if got == 0:
+        return None
+    if got < FRAME.size:
+        raise _Violation("connection closed during a frame header")
+    magic, json_len, payload_len = FRAME.unpack(header)
+    if magic != FRAME_MAGIC:
+        raise _Violation(f"bad frame magic {bytes(magic)!r}")
+    if json_len > MAX_JSON:
+        raise _Violation(f"frame JSON of {json_len} bytes exceeds {MAX_JSON}")
+    if payload_len > max_payload:
+        raise _Violation(f"frame payload of {payload_len} bytes exceeds {max_payload}")
+    if into is not None and payload_len > len(into):
+        raise _Violation(f"frame payload of {payload_len} bytes exceeds the {len(into)}-byte buffer")
+    try:
+        fields = json.loads(_recv_all(sock, json_len, "frame JSON").decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _Violation(f"frame JSON does not parse: {exc}") from exc
+    if not isinstance(fields, dict):
+        raise _Violation(f"frame JSON is a {type(fields).__name__}, not an object")
+    if into is None:
+        return fields, bytes(_recv_all(sock, payload_len, "frame payload"))
+    if _recv_exact(sock, into[:payload_len]) < payload_len:
+        raise _Violation("connection closed during the frame payload")
+    return fields, payload_len
+
+
+def _prepare(fields: dict[str, Any], payload: Piece | list[Piece], files: ExitStack) -> tuple[bytes, _Outgoing]:
+    """The frame's header and JSON, and its payload pieces with their files opened (closed by ``files``).
+
+    Everything that can fail short of the socket itself (encoding, limits, files missing or too short) fails
+    here, before a byte is sent, so a caller can still answer with an error frame instead.
+    """
+    pieces: _Outgoing = []
+    total = 0
+    for piece in payload if isinstance(payload, list) else [payload]:
+        if isinstance(piece, FileRange):
+            file = files.enter_context(open(piece.path, "rb", buffering=0))
+            if piece.offset + piece.length > os.fstat(file.fileno()).st_size:
+                raise ValueError(f"{piece} extends past the end of the file")
+            if piece.length:  # sendfile would read a zero count as "to the end of the file"
+                pieces.append((file, piece.offset, piece.length))
+            total += piece.length
+        else:
+            view = memoryview(piece)
+            pieces.append(view)
+            total += view.nbytes
+    return _head(fields, total), pieces
+
+
+def _head(fields: dict[str, Any], payload_len: int) -> bytes:
+    """A frame's header and JSON; raises if ``fields`` does not encode or a limit is exceeded."""
+    if not isinstance(fields, dict):
+        raise TypeError(f"frame fields must be a dict, not {type(fields).__name__}")
+    body = json.dumps(fields, separators=(",", ":")).encode("utf-8")
+    if len(body) > MAX_JSON:
+        raise ValueError(f"frame JSON of {len(body)} bytes exceeds {MAX_JSON}")
+    if payload_len > MAX_PAYLOAD:
+        raise ValueError(f"frame payload of {payload_len} bytes exceeds {MAX_PAYLOAD}")
+    return FRAME.pack(FRAME_MAGIC, len(body), payload_len) + body
+
+
+def _send(sock: socket.socket, head: bytes, pieces: _Outgoing) -> None:
+    sock.sendall(head)
+    for piece in pieces:
+        if isinstance(piece, memoryview):
+            sock.sendall(piece)
+            continue
+        file, offset, length = piece
+        if sock.sendfile(file, offset, length) != length:
+            raise OSError(f"{file.name} shrank while it was being sent")
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:MAX_ERROR_LEN]
+
+
+class PeerServer:
+    """Answers authenticated peers' requests with ``handler``, one daemon thread per connection.
+
+    A handler exception becomes an error reply and the connection stays open. A connection that fails the
+    handshake, breaks the framing or exceeds a limit is closed and reported through ``on_event`` (one line
+    naming the peer); other and later connections are unaffected. Beyond ``max_connections`` open connections a
+    new one is closed at once; one that has not completed the handshake after ``handshake_timeout`` seconds is
+    dropped. The socket is bound at construction (``address``), served from :meth:`start`. ``on_event`` runs on
+    server threads; an exception from it is ignored.
+    """
+
+    def __init__(
+        self,
+        secret: bytes,
+        handler: Handler,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        on_event: Callable[[str], None] | None = None,
+        max_payload: int = MAX_PAYLOAD,
+        max_connections: int = 64,
+        handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        listener: socket.socket | None = None,
+    ) -> None:
+        _check_secret(secret)
+        self.secret = secret
+        self.handler = handler
+        self.on_event = on_event
+        self.max_payload = min(max_payload, MAX_PAYLOAD)
+        self.max_connections = max_connections
+        self.handshake_timeout = handshake_timeout
+        # ``listener``: an already listening socket (a keeper restarted by its supervisor inherits one)
+        self._listener = listener or socket.create_server((host, port), backlog=LISTEN_BACKLOG)
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._lock = threading.Lock()
+        self._connections: set[socket.socket] = set()
+        self._closed = False
+        self._thread = threading.Thread(target=self._accept_loop, name="ftrun-peer-server", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stops accepting and shuts every open connection down (their threads then close them); idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            connections = list(self._connections)
+        for sock in [self._listener, *connections]:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._listener.close()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _report(self, message: str) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(message)
+            except Exception:
+                pass
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn, addr = self._listener.accept()
+            except OSError as exc:
+                if self._closed:
+                    return
+                self._report(f"peer server {self.address[0]}:{self.address[1]}: accept failed: {exc}")
+                time.sleep(0.1)  # e.g. out of file descriptors: let some connections end
+                continue
+            peer = f"{addr[0]}:{addr[1]}"
+            with self._lock:
+                admitted = not self._closed and len(self._connections) < self.max_connections
+                if admitted:
+                    self._connections.add(conn)
+            if not admitted:
+                conn.close()
+                if not self._closed:
+                    self._report(f"peer {peer}: refused, {self.max_connections} connections already open")
+                continue
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"ftrun-peer-{peer}", daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: str) -> None:
+        try:
+            self._handshake(conn)
+            conn.settimeout(None)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            for option, value in KEEPALIVE.items():
+                conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+            while (request := _recv_frame(conn, self.max_payload)) is not None:
+                self._answer(conn, request[0])
+        except _Violation as exc:
+            self._report(f"peer {peer}: {exc}; connection closed")
+        except TimeoutError:
+            self._report(f"peer {peer}: handshake not completed within {self.handshake_timeout:g}s; connection closed")
+        except OSError as exc:
+            if not self._closed:
+                self._report(f"peer {peer}: {exc}; connection closed")
+        finally:
+            with self._lock:
+                self._connections.discard(conn)
+            conn.close()
+
+    def _handshake(self, conn: socket.socket) -> None:
+        deadline = time.monotonic() + self.handshake_timeout
+        conn.settimeout(self.handshake_timeout)
+        nonce_s = secrets.token_bytes(NONCE_LEN)
+        conn.sendall(HELLO.pack(HANDSHAKE_MAGIC, VERSION, nonce_s))
+        answer = bytes(_recv_all(conn, NONCE_LEN + MAC_LEN, "handshake", deadline))
+        nonce_c, proof = answer[:NONCE_LEN], answer[NONCE_LEN:]
+        if not hmac.compare_digest(proof, _mac(self.secret, b"client", nonce_s, nonce_c)):
+            raise _Violation("authentication failed")
+        conn.settimeout(max(deadline - time.monotonic(), 1e-3))
+        conn.sendall(_mac(self.secret, b"server", nonce_c, nonce_s))
+
+    def _answer(self, conn: socket.socket, request: dict[str, Any]) -> None:
+        with ExitStack() as files:
+            try:
+                if not isinstance(request.get("op"), str):
+                    raise ValueError("the request has no op")
+                reply = self.handler(request)
+                head, pieces = _prepare(reply.fields, reply.payload, files)
+            except Exception as exc:
+                head, pieces = _prepare({"error": _describe(exc)}, b"", files)
+            _send(conn, head, pieces)
+
+
+class PeerClient:
+    """One connection to a peer's :class:`PeerServer`, opened at the first request and after any failure.
+
+    Any connection, I/O, timeout, authentication or framing failure closes the connection and raises
+    :class:`PeerUnavailable`; an error reply raises :class:`PeerError` and keeps it. Requests from several
+    threads are serialized. ``timeout`` bounds each blocking socket operation, not the whole request.
+    """
+
+    def __init__(
+        self, host: str, port: int, secret: bytes, timeout: float = 30.0, max_payload: int = MAX_PAYLOAD
+    ) -> None:
+        _check_secret(secret)
+        self.host = host
+        self.port = port
+        self.secret = secret
+        self.timeout = timeout
+        self.max_payload = min(max_payload, MAX_PAYLOAD)
+        self._sock: socket.socket | None = None
+        self._lock = threading.Lock()
+
+    def request(self, op: str, into: memoryview | None = None, **fields: Any) -> tuple[dict[str, Any], bytes | int]:
+        """Sends one request; returns (reply fields, payload).
+
+        With ``into`` (a writable buffer), the payload is received straight into it with ``recv_into`` (no extra
+        copy) and the second item is the number of bytes received; a payload longer than ``into`` is a
+        :class:`PeerUnavailable` (the connection is closed). Raises :class:`PeerError` for an error reply.
+        """
+        view = None if into is None else memoryview(into).cast("B")
+        if view is not None and view.readonly:
+            raise ValueError("into must be a writable buffer")
+        head = _head({"op": op, **fields}, 0)
+        with self._lock:
+            try:
+                if self._sock is None:
+                    self._sock = self._connect()
+                self._sock.sendall(head)
+                reply = _recv_frame(self._sock, self.max_payload, view)
+                if reply is None:
+                    raise _Violation("connection closed by the peer")
+            except (OSError, _Violation) as exc:
+                self._close()
+                raise PeerUnavailable(f"keeper {self.host}:{self.port}: {exc}") from exc
+        if "error" in reply[0]:
+            raise PeerError(str(reply[0]["error"]))
+        return reply
+
+    def close(self) -> None:
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def _connect(self) -> socket.socket:
+        sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            magic, version, nonce_s = HELLO.unpack(_recv_all(sock, HELLO.size, "handshake"))
+            if magic != HANDSHAKE_MAGIC:
+                raise _Violation("not an ftrun keeper (bad handshake magic)")
+            if version != VERSION:
+                raise _Violation(f"peer speaks protocol version {version}, this keeper {VERSION}")
+            nonce_c = secrets.token_bytes(NONCE_LEN)
+            sock.sendall(nonce_c + _mac(self.secret, b"client", nonce_s, nonce_c))
+            proof = bytearray(MAC_LEN)  # a server that rejects the client closes instead of answering
+            got = _recv_exact(sock, memoryview(proof))
+            if got < MAC_LEN or not hmac.compare_digest(proof, _mac(self.secret, b"server", nonce_c, nonce_s)):
+                raise _Violation("authentication failed (the job secrets differ)")
+        except BaseException:
+            sock.close()
+            raise
+        return sock

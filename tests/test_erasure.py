@@ -1,0 +1,138 @@
+"""The stripe layout and codec of ftrun.snapshot.erasure, property-based: any m lost nodes of a group are rebuilt
+byte for byte from the survivors, whatever the group shape and blob sizes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ftrun.snapshot.erasure import (ALIGN, Codec, StripeLayout, default_group, encode_stripe, group_problem,
+                                    rebuild_chunk)
+from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore
+
+
+@st.composite
+def groups(draw):
+    group = draw(st.integers(2, 6))
+    parity = draw(st.integers(1, group - 1))
+    blobs = [draw(st.binary(min_size=0, max_size=3 * ALIGN + 17)) for _ in range(group)]
+    if not any(blobs):
+        blobs[0] = b"x"
+    lost = draw(st.lists(st.integers(0, group - 1), min_size=parity, max_size=parity, unique=True))
+    piece = draw(st.sampled_from([ALIGN, 2 * ALIGN]))
+    return group, parity, blobs, sorted(lost), piece
+
+
+def encode_group(layout: StripeLayout, codec: Codec, blobs: list[bytes]):
+    """Every position's parity payloads and headers, as the keepers compute them."""
+    chunk_len = layout.chunk_len([len(b) for b in blobs])
+    padded = [b.ljust(layout.k * chunk_len, b"\0") for b in blobs]
+
+    def fetch(position: int, chunk: int, offset: int, length: int) -> bytes:
+        start = chunk * chunk_len + offset
+        return padded[position][start:start + length]
+
+    parity: dict[tuple[int, int], bytearray] = {}
+    headers: dict[tuple[int, int], list[list[bytes]]] = {}
+    for position in range(layout.group):
+        for t, stripe in enumerate(layout.parity_stripes(position)):
+            parity[position, t] = bytearray(chunk_len)
+            headers[position, stripe] = []
+            for offset, payload, piece_headers in encode_stripe(codec, layout, stripe, chunk_len, t, fetch):
+                parity[position, t][offset:offset + len(payload)] = payload
+                headers[position, stripe].append(piece_headers)
+    return chunk_len, padded, parity, headers
+
+
+@settings(max_examples=60, deadline=None)
+@given(groups())
+def test_any_m_lost_positions_are_rebuilt_byte_for_byte(case):
+    group, parity_count, blobs, lost, piece = case
+    layout = StripeLayout(group, parity_count, piece)
+    codec = Codec(layout.k, parity_count)
+    chunk_len, padded, parity, headers = encode_group(layout, codec, blobs)
+    assert chunk_len % ALIGN == 0 and chunk_len * layout.k >= max(len(b) for b in blobs)
+    for position in lost:
+        rebuilt = bytearray(layout.k * chunk_len)
+        for chunk in range(layout.k):
+            stripe = layout.chunk_stripe(position, chunk)
+
+            def fetch_fragment(index: int, offset: int, length: int) -> bytes | None:
+                holder = layout.position(stripe, index)
+                if holder in lost:
+                    return None
+                if index < layout.k:
+                    start = index * chunk_len + offset
+                    return padded[holder][start:start + length]
+                return bytes(parity[holder, index - layout.k][offset:offset + length])
+
+            keeper = next(layout.parity_position(stripe, t) for t in range(parity_count)
+                          if layout.parity_position(stripe, t) not in lost)
+            for offset, data in rebuild_chunk(codec, layout, position, chunk, chunk_len, fetch_fragment,
+                                              headers[keeper, stripe]):
+                rebuilt[chunk * chunk_len + offset:chunk * chunk_len + offset + len(data)] = data
+        assert bytes(rebuilt[:len(blobs[position])]) == blobs[position]
+
+
+@pytest.mark.parametrize("group,parity", [(2, 1), (3, 1), (4, 2), (5, 3), (6, 1)])
+def test_every_position_holds_m_parity_fragments_and_is_data_in_k_stripes(group, parity):
+    layout = StripeLayout(group, parity)
+    for position in range(group):
+        data_stripes = {layout.chunk_stripe(position, c) for c in range(layout.k)}
+        parity_stripes = set(layout.parity_stripes(position))
+        assert len(data_stripes) == layout.k and len(parity_stripes) == parity
+        assert data_stripes | parity_stripes == set(range(group)) and not data_stripes & parity_stripes
+    for stripe in range(group):  # every stripe has one fragment on every position
+        assert sorted(layout.position(stripe, i) for i in range(group)) == list(range(group))
+    for position, chunk in itertools.product(range(group), range(layout.k)):
+        assert layout.data_position(layout.chunk_stripe(position, chunk), chunk) == position
+
+
+def test_default_groups_and_invalid_combinations():
+    assert default_group(1) == (1, 0)
+    assert [default_group(n) for n in (2, 3, 4, 6, 8, 9, 5)] == [(2, 1), (3, 1), (4, 1), (3, 1), (4, 1), (3, 1),
+                                                                  (5, 1)]
+    assert group_problem(4, 2, 1, "isa_l_rs_vand") is None and group_problem(1, 1, 0, "isa_l_rs_vand") is None
+    assert "smaller than --ec-group" in group_problem(4, 2, 2, "isa_l_rs_vand")
+    assert "larger than --nnodes" in group_problem(2, 4, 1, "isa_l_rs_vand")
+    assert "cannot be divided" in group_problem(6, 4, 1, "isa_l_rs_vand")
+    assert "not available" in group_problem(4, 2, 1, "jerasure_rs_vand")
+
+
+def test_pieces_are_bounded_and_cover_the_fragment():
+    layout = StripeLayout(4, 1)
+    chunk_len = 300 << 20
+    pieces = layout.pieces(chunk_len)
+    assert pieces[0] == (0, 64 << 20) and sum(n for _, n in pieces) == chunk_len
+    assert all(o % ALIGN == 0 for o, _ in pieces)
+
+
+def holdings(ranks: dict[int, list[int]], parity: list[int]) -> Holdings:
+    return Holdings({r: set(s) for r, s in ranks.items()}, set(parity))
+
+
+def test_restore_plan_counts_a_lost_nodes_ranks_at_the_steps_its_group_can_rebuild():
+    full = {0: holdings({0: [20, 30]}, [20, 30]), 1: holdings({1: []}, []), 2: holdings({2: [20, 30]}, [20])}
+    # group of 3, m = 1: node 1 needs 2 complete others; only step 20 has parity on both
+    assert plan_restore(full, 3, 1) == RestorePlan(20, {1: [0, 2]})
+    # without erasure coding nothing can be rebuilt
+    assert plan_restore(full, 1, 0) == RestorePlan(0, {})
+    # m = 2 of 4: two lost nodes, two complete ones
+    four = {0: holdings({0: [10]}, [10]), 1: holdings({1: []}, []), 2: holdings({2: []}, []),
+            3: holdings({3: [10]}, [10])}
+    assert plan_restore(four, 4, 2) == RestorePlan(10, {1: [0, 3], 2: [0, 3]})
+    assert plan_restore(four, 4, 1) == RestorePlan(0, {})  # more lost than parity covers
+    # two groups of 2: the step must be restorable in both
+    two = {0: holdings({0: [10, 20]}, [10, 20]), 1: holdings({1: []}, []),
+           2: holdings({2: [10, 20]}, [10]), 3: holdings({3: [10, 20]}, [10])}
+    assert plan_restore(two, 2, 1) == RestorePlan(20, {1: [0]})
+    # everyone holds its data: no rebuild, the newest step held by all
+    assert plan_restore({0: holdings({0: [10, 20], 1: [10]}, [])}, 1, 0) == RestorePlan(10, {})
+
+
+def test_holdings_round_trip_through_json():
+    doc = Holdings({0: {10, 20}, 1: {20}}, {20}, "127.0.0.1:5000")
+    assert Holdings.decode(doc.encode()) == doc and doc.steps == {20}

@@ -1,0 +1,113 @@
+"""Erasure-coded peer redundancy end to end: lost nodes are rebuilt from their group's parity in the survivors'
+RAM, and the job ends with exactly the failure-free run's state; keepers refuse peers without the job secret."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+from conftest import EVERY, gpt_args, primary_failures, restores, run_bitwise
+from ftrun.snapshot.transport import PeerClient, PeerUnavailable
+
+
+def shape(nnodes: int, nproc: int) -> tuple[str, ...]:
+    return ("--nnodes", str(nnodes), "--nproc-per-node", str(nproc))
+
+
+def closed_by_peer(host: str, port: int, data: bytes) -> bool:
+    """Send ``data`` on a raw connection; True once the peer closes (or resets) it, within 10 s."""
+    with socket.create_connection((host, port), timeout=10) as raw:
+        try:
+            raw.sendall(data)
+            while raw.recv(4096):
+                pass
+        except ConnectionResetError:
+            pass
+    return True
+
+
+def assert_rebuilt(job, lost: set[int], at: int) -> dict:
+    """Every node in ``lost`` was rebuilt from parity; the last restore recomputes at most EVERY of the steps done
+    before the loss at step ``at``."""
+    decided = restores(job)
+    rebuilt = {int(node) for plan in decided.values() for node in plan.get("rebuilt", {})}
+    assert rebuilt == lost, job.output
+    last = max(decided)
+    plan = decided[last]
+    assert plan["restored_from"] == "parity" and plan["step"] > 0, job.output
+    assert 0 <= at - plan["step"] <= EVERY, plan
+    assert {f["kind"] for f in primary_failures(job)} == {"node-lost"}, job.output
+    events = [e for e in job.events() if e["event"] == "rebuilt"]
+    assert {e["node"] for e in events} == lost
+    assert "rebuilt from the parity of nodes" in job.output
+    return plan
+
+
+@pytest.mark.timeout(240)
+def test_two_nodes_replication_rebuilds_a_lost_node_bitwise(start_job, tmp_path, gpt_baselines):
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(2, 2), "replica", "--inject", "node-loss@node=1,step=25")
+    plan = assert_rebuilt(job, {1}, 25)
+    assert plan["step"] == 20 and plan["rebuilt"] == {"1": [0]}
+    assert "(RAM +" in job.output  # the summary: step 20 (RAM + parity), wrapped in its column
+
+
+@pytest.mark.timeout(240)
+def test_three_nodes_one_parity_lose_one_bitwise(start_job, tmp_path, gpt_baselines):
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(3, 1), "g3m1", "--ec-group", "3", "--ec-parity", "1",
+                      "--inject", "node-loss@node=2,step=25", nodes=shape(3, 1))
+    plan = assert_rebuilt(job, {2}, 25)
+    assert plan["step"] == 20 and plan["rebuilt"] == {"2": [0, 1]}
+
+
+@pytest.mark.timeout(300)
+def test_four_nodes_two_parity_lose_two_at_once_bitwise(start_job, tmp_path, gpt_baselines):
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(4, 1), "g4m2", "--ec-group", "4", "--ec-parity", "2",
+                      "--inject", "node-loss@node=1,step=25", "--inject", "node-loss@node=2,step=25",
+                      nodes=shape(4, 1))
+    plan = assert_rebuilt(job, {1, 2}, 25)
+    assert plan["step"] == 20
+
+
+@pytest.mark.timeout(240)
+def test_node_lost_while_parity_of_a_newer_step_is_computed_restores_a_protected_step(start_job, tmp_path,
+                                                                                       gpt_baselines):
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(3, 1), "mid-parity", "--inject",
+                      "parity-loss@node=1,step=30", nodes=shape(3, 1))
+    assert any(e["event"] == "inject" and "while it computes parity of step 30" in e["message"]
+               for e in job.events()), job.output
+    plan = assert_rebuilt(job, {1}, 30)
+    # step 30 only if the other two nodes had finished its parity (then any 2 of 3 fragments rebuild it)
+    assert plan["step"] in (20, 30)
+    protected = {e["step"] for e in job.events() if e["event"] == "parity" and e["node"] != 1}
+    assert plan["step"] in protected
+
+
+@pytest.mark.timeout(240)
+def test_more_lost_nodes_than_parity_starts_over_saying_what_was_lost(start_job, tmp_path, gpt_baselines):
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(3, 1), "too-many", "--inject", "node-loss@node=1,step=25",
+                      "--inject", "node-loss@node=2,step=25", nodes=shape(3, 1))
+    last = restores(job)[max(restores(job))]
+    assert last["step"] == 0 and last["restored_from"] == "none", job.output
+    assert "WARNING" in last["message"] and "cannot be rebuilt from parity" in last["message"], last
+    assert set(last["lost_ranks"]) <= {1, 2} and last["lost_ranks"], last
+
+
+@pytest.mark.timeout(240)
+def test_keepers_refuse_peers_without_the_secret_and_keep_serving(start_job, tmp_path, gpt_baselines):
+    args, out = gpt_args(tmp_path, "secret", "--step-time", "0.05")
+    job = start_job(*shape(2, 1), "--inject", "node-loss@node=1,step=40", *args)
+    started = job.wait_for_event(lambda e: e["event"] == "keeper_start" and e["node"] == 0 and e["peer_address"])
+    host, _, port = started["peer_address"].rpartition(":")
+    intruder = PeerClient(host, int(port), b"not the job secret, but long enough")
+    with pytest.raises(PeerUnavailable, match="authentication"):
+        intruder.request("info", step=10)
+    intruder.close()
+    for garbage in (b"\x00" * 64 + b"GET / HTTP/1.0\r\n\r\n" * 100,  # not a handshake
+                    b"FTRF" + (1 << 31).to_bytes(4, "big") + (1 << 40).to_bytes(8, "big")):  # an oversize frame
+        assert closed_by_peer(host, int(port), garbage)
+    assert job.wait(180) == 0, job.output
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    rejected = [e for e in job.events() if e["event"] == "peer_rejected"]
+    assert len(rejected) >= 3 and any("authentication" in e["message"] for e in rejected), rejected
+    assert_rebuilt(job, {1}, 40)  # the keeper went on serving its peer after the intruders
