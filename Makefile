@@ -23,6 +23,7 @@ test: install
 bench: install
 	$(BIN)/python benchmarks/restart_latency.py
 	$(BIN)/python benchmarks/snapshot.py
+	$(BIN)/python benchmarks/erasure.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

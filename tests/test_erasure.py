@@ -60,10 +60,9 @@ def test_any_m_lost_positions_are_rebuilt_byte_for_byte(case):
         for chunk in range(layout.k):
             stripe = layout.chunk_stripe(position, chunk)
 
-            def fetch_fragment(index: int, offset: int, length: int) -> bytes | None:
+            def fetch_fragment(index: int, offset: int, length: int) -> bytes:
                 holder = layout.position(stripe, index)
-                if holder in lost:
-                    return None
+                assert holder not in lost
                 if index < layout.k:
                     start = index * chunk_len + offset
                     return padded[holder][start:start + length]
@@ -71,7 +70,8 @@ def test_any_m_lost_positions_are_rebuilt_byte_for_byte(case):
 
             keeper = next(layout.parity_position(stripe, t) for t in range(parity_count)
                           if layout.parity_position(stripe, t) not in lost)
-            for offset, data in rebuild_chunk(codec, layout, position, chunk, chunk_len, fetch_fragment,
+            sources = [i for i in range(group) if layout.position(stripe, i) not in lost]
+            for offset, data in rebuild_chunk(codec, layout, chunk, chunk_len, sources, fetch_fragment,
                                               headers[keeper, stripe]):
                 rebuilt[chunk * chunk_len + offset:chunk * chunk_len + offset + len(data)] = data
         assert bytes(rebuilt[:len(blobs[position])]) == blobs[position]

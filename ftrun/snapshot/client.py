@@ -32,10 +32,8 @@ from ftrun import heartbeat
 from ftrun.launch.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.layout import Capture, Entry, capture, decode_meta, encode_meta, restore
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
-from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile
+from ftrun.snapshot.slot import HEADER_SIZE, META_HEADROOM, Header, SlotFile
 
-# Spare room for the JSON section (python's RNG state alone varies by a few bytes between saves).
-META_HEADROOM = 64 << 10
 
 
 class SnapshotCorrupt(RuntimeError):

@@ -22,7 +22,7 @@ This module is pure computation (no I/O, no torch): the keeper feeds it bytes it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -35,8 +35,10 @@ DEFAULT_BACKEND = "isa_l_rs_vand"
 BACKENDS = ("isa_l_rs_vand", "isa_l_rs_cauchy", "liberasurecode_rs_vand")
 MAX_DEFAULT_GROUP = 4
 
-FetchChunk = Callable[[int, int, int, int], bytes]  # (position, chunk, offset, length) -> bytes
-FetchFragment = Callable[[int, int, int], "bytes | None"]  # (fragment index, offset, length) -> bytes, None: lost
+Buffer = bytes | bytearray | memoryview
+FetchChunk = Callable[[int, int, int, int], Buffer]  # (position, chunk, offset, length) -> those bytes
+FetchFragment = Callable[[int, int, int], Buffer]  # (fragment index, offset, length) -> those bytes
+Mapper = Callable[[Callable[[int], Buffer], Iterable[int]], Iterable[Buffer]]  # map, or a thread pool's map
 
 
 def default_group(nnodes: int) -> tuple[int, int]:
@@ -115,7 +117,12 @@ class StripeLayout:
 
 
 class Codec:
-    """pyeclib Reed-Solomon over one stripe's pieces: ``k`` data pieces of equal, aligned length."""
+    """pyeclib Reed-Solomon over one stripe's pieces: ``k`` data pieces of equal, aligned length.
+
+    With ``k = 1`` (replication) every parity fragment of a Reed-Solomon code is the data piece itself up to a
+    scale factor; this codec makes it exactly the piece and skips pyeclib (a copy instead of an encode), and
+    reconstructs from any one fragment.
+    """
 
     def __init__(self, k: int, m: int, backend: str = DEFAULT_BACKEND) -> None:
         self.k, self.m, self.backend = k, m, backend
@@ -124,51 +131,57 @@ class Codec:
     def _driver(self) -> ECDriver:
         return ECDriver(k=self.k, m=self.m, ec_type=self.backend)
 
-    def encode(self, pieces: Sequence[bytes | bytearray | memoryview]) -> tuple[list[bytes], list[bytes]]:
-        """(the m parity payloads, the k + m fragment headers) of one piece of a stripe."""
+    def encode(self, pieces: Sequence[Buffer]) -> tuple[list[Buffer], list[bytes]]:
+        """(the m parity payloads, the k + m fragment headers: none for k = 1) of one piece of a stripe."""
         if len(pieces) != self.k or len({len(p) for p in pieces}) != 1 or len(pieces[0]) % ALIGN:
             raise ValueError(f"need {self.k} pieces of one length, a multiple of {ALIGN}")
-        fragments = self._driver.encode(b"".join(pieces))
+        if self.k == 1:
+            return [pieces[0]] * self.m, []
+        fragments = self._driver.encode(b"".join(pieces))  # pyeclib takes bytes only
         size = len(pieces[0])
         if any(len(f) != HEADER_BYTES + size for f in fragments):
             raise RuntimeError(f"{self.backend}: unexpected fragment size (not systematic on aligned pieces)")
-        return [f[HEADER_BYTES:] for f in fragments[self.k:]], [f[:HEADER_BYTES] for f in fragments]
+        return [memoryview(f)[HEADER_BYTES:] for f in fragments[self.k:]], [f[:HEADER_BYTES] for f in fragments]
 
-    def reconstruct(self, available: Mapping[int, bytes | bytearray | memoryview], headers: Sequence[bytes],
-                    want: int) -> bytes:
+    def reconstruct(self, available: Mapping[int, Buffer], headers: Sequence[bytes], want: int) -> Buffer:
         """The payload of fragment ``want`` from ``k`` or more other fragments' payloads and every header."""
         if len(available) < self.k:
             raise ValueError(f"{len(available)} fragments available, {self.k} needed")
         chosen = sorted(available)[:self.k]
-        fragments = [bytes(headers[i]) + bytes(available[i]) for i in chosen]
-        return self._driver.reconstruct(fragments, [want])[0][HEADER_BYTES:]
+        if self.k == 1:
+            return available[chosen[0]]
+        if len(headers) != self.k + self.m or any(len(h) != HEADER_BYTES for h in headers):
+            raise ValueError("fragment headers missing or malformed")
+        # pyeclib aborts the process on anything but bytes here: header + payload as one bytes object each
+        fragments = [bytes(headers[i]) + available[i] for i in chosen]
+        return memoryview(self._driver.reconstruct(fragments, [want])[0])[HEADER_BYTES:]
 
 
-def encode_stripe(codec: Codec, layout: StripeLayout, stripe: int, chunk_len: int, t: int,
-                  fetch: FetchChunk) -> Iterator[tuple[int, bytes, list[bytes]]]:
+def encode_stripe(codec: Codec, layout: StripeLayout, stripe: int, chunk_len: int, t: int, fetch: FetchChunk,
+                  mapper: Mapper = map) -> Iterator[tuple[int, Buffer, list[bytes]]]:
     """Parity fragment ``k + t`` of ``stripe``, piece by piece: (offset, parity payload, fragment headers).
 
-    ``fetch(position, chunk, offset, length)`` returns those bytes of that position's chunk (zeros past its blob).
+    ``fetch(position, chunk, offset, length)`` returns those bytes of that position's chunk (zeros past its blob);
+    the k fetches of a piece go through ``mapper`` (a thread pool's ``map`` fetches them in parallel).
     """
     for offset, length in layout.pieces(chunk_len):
-        data = [fetch(layout.data_position(stripe, i), i, offset, length) for i in range(layout.k)]
+        data = list(mapper(lambda i: fetch(layout.data_position(stripe, i), i, offset, length), range(layout.k)))
         parity, headers = codec.encode(data)
         yield offset, parity[t], headers
 
 
-def rebuild_chunk(codec: Codec, layout: StripeLayout, position: int, chunk: int, chunk_len: int,
-                  fetch_fragment: FetchFragment, headers: Sequence[Sequence[bytes]]) -> Iterator[tuple[int, bytes]]:
-    """Chunk ``chunk`` of the lost ``position``, piece by piece: (offset, bytes).
+def rebuild_chunk(codec: Codec, layout: StripeLayout, chunk: int, chunk_len: int, sources: Sequence[int],
+                  fetch_fragment: FetchFragment, headers: Sequence[Sequence[bytes]],
+                  mapper: Mapper = map) -> Iterator[tuple[int, Buffer]]:
+    """Chunk ``chunk`` of a lost position (data fragment ``chunk`` of its stripe), piece by piece: (offset, bytes).
 
-    ``fetch_fragment(index, offset, length)`` returns those bytes of fragment ``index`` of the chunk's stripe, or
-    None when its holder is lost; ``headers[piece]`` are that piece's k + m fragment headers.
+    ``sources``: fragment indexes of the stripe whose holders survive (at least k); the first k are read.
+    ``fetch_fragment(index, offset, length)`` returns those bytes of that fragment; ``headers[piece]`` are that
+    piece's k + m fragment headers.
     """
+    chosen = [i for i in sources if i != chunk][:layout.k]
+    if len(chosen) < layout.k:
+        raise ValueError(f"{len(chosen)} surviving fragments, {layout.k} needed")
     for piece, (offset, length) in enumerate(layout.pieces(chunk_len)):
-        available: dict[int, bytes] = {}
-        for index in range(layout.group):
-            if index == chunk or len(available) == layout.k:
-                continue
-            got = fetch_fragment(index, offset, length)
-            if got is not None:
-                available[index] = got
-        yield offset, codec.reconstruct(available, headers[piece], chunk)
+        got = list(mapper(lambda i: fetch_fragment(i, offset, length), chosen))
+        yield offset, codec.reconstruct(dict(zip(chosen, got)), headers[piece], chunk)

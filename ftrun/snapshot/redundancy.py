@@ -31,13 +31,15 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ftrun.snapshot.erasure import HEADER_BYTES, Codec, StripeLayout, encode_stripe, rebuild_chunk
-from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, Header, SlotFile, checksum
+from ftrun.snapshot.erasure import HEADER_BYTES, Buffer, Codec, StripeLayout, encode_stripe, rebuild_chunk
+from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, META_HEADROOM, WRITING, Header, SlotFile, checksum
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
 
 if TYPE_CHECKING:
@@ -92,7 +94,9 @@ class Redundancy:
         self.files: list[SlotFile | None] = [None] * PARITY_FILES
         self.steps: list[int | None] = [None] * PARITY_FILES  # complete parity held per file
         self.peers: dict[int, str] = {}  # node -> "host:port"
-        self._clients: dict[str, PeerClient] = {}
+        self._clients: dict[tuple[str, int], PeerClient] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max(place.group - 1, 1), thread_name_prefix="ftrun-fetch")
         self._failed_step: int | None = None
         self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected, max_payload=0)
 
@@ -128,6 +132,7 @@ class Redundancy:
             return sorted(s for s in self.steps if s is not None)
 
     def close(self) -> None:
+        self._pool.shutdown(wait=False)
         self.server.close()
         for client in self._clients.values():
             client.close()
@@ -201,22 +206,25 @@ class Redundancy:
 
     # -- talking to peers -------------------------------------------------------------------------------------
     def _client(self, node: int) -> PeerClient:
+        """The connection to ``node``'s keeper of this thread (connections carry one request at a time)."""
         address = self.peers.get(node)
         if address is None:
             raise PeerUnavailable(f"address of node {node}'s keeper unknown")
-        client = self._clients.get(address)
-        if client is None:
-            host, _, port = address.rpartition(":")
-            client = self._clients[address] = PeerClient(host, int(port), self.secret)
+        key = (address, threading.get_ident())
+        with self._lock:
+            client = self._clients.get(key)
+            if client is None:
+                host, _, port = address.rpartition(":")
+                client = self._clients[key] = PeerClient(host, int(port), self.secret)
         return client
 
-    def _fetch(self, node: int, op: str, size: int, **fields: Any) -> bytes:
-        """``size`` bytes that ``node`` answers ``op`` with."""
+    def _fetch(self, node: int, op: str, size: int, **fields: Any) -> bytearray:
+        """``size`` bytes that ``node`` answers ``op`` with, received straight into a new buffer."""
         buffer = bytearray(size)
         _, got = self._client(node).request(op, into=memoryview(buffer), **fields)
         if got != size:
             raise RedundancyError(f"node {node} sent {got} bytes of {op}, expected {size}")
-        return bytes(buffer)
+        return buffer
 
     def _info(self, node: int, step: int) -> tuple[list[int], list[int]]:
         reply, _ = self._client(node).request("info", step=step)
@@ -250,7 +258,8 @@ class Redundancy:
         payload = file.payload()
         for t, stripe in enumerate(layout.parity_stripes(place.position)):
             headers[str(stripe)] = []
-            for offset, parity, piece_headers in encode_stripe(self.codec, layout, stripe, chunk_len, t, fetch):
+            for offset, parity, piece_headers in encode_stripe(self.codec, layout, stripe, chunk_len, t, fetch,
+                                                               self._pool.map):
                 start = t * chunk_len + offset
                 payload[start:start + len(parity)] = parity
                 headers[str(stripe)].append(base64.b64encode(b"".join(piece_headers)).decode())
@@ -336,18 +345,18 @@ class Redundancy:
                 headers = [[raw[i:i + HEADER_BYTES] for i in range(0, len(raw), HEADER_BYTES)]
                            for raw in (base64.b64decode(h) for h in meta_of(holders[stripe])["headers"][str(stripe)])]
 
-                def fetch_fragment(index: int, offset: int, length: int, stripe: int = stripe) -> bytes | None:
+                def fetch_fragment(index: int, offset: int, length: int, stripe: int = stripe) -> bytearray:
                     holder = self._node(piece_layout.position(stripe, index))
-                    if holder not in complete:
-                        return None
                     if index < piece_layout.k:
                         return self._fetch(holder, "chunk", length, step=step, chunk=index, offset=offset,
                                            length=length, chunk_len=chunk_len)
                     return self._fetch(holder, "parity", length, step=step, t=index - piece_layout.k,
                                        offset=offset, length=length)
 
-                for offset, data in rebuild_chunk(self.codec, piece_layout, place.position, chunk, chunk_len,
-                                                  fetch_fragment, headers):
+                sources = [i for i in range(place.group)
+                           if self._node(piece_layout.position(stripe, i)) in complete]
+                for offset, data in rebuild_chunk(self.codec, piece_layout, chunk, chunk_len, sources,
+                                                  fetch_fragment, headers, self._pool.map):
                     writer.write(chunk * chunk_len + offset, data)
             writer.finish()
         except BaseException:
@@ -371,17 +380,18 @@ class _BlobWriter:
         self.targets: list[tuple[int, int, SlotFile, int, int]] = []  # (local, index, file, blob start, length)
         start = 0
         for local, (index, length) in enumerate(zip(indexes, images)):
-            file = keeper.ensure_slot(local, index, length - HEADER_SIZE)
+            file = keeper.ensure_slot(local, index, length - HEADER_SIZE + META_HEADROOM)  # as a trainer asks
             file.set_state(WRITING)
             self.targets.append((local, index, file, start, length))
             start += length
 
-    def write(self, offset: int, data: bytes) -> None:
-        end = offset + len(data)
+    def write(self, offset: int, data: Buffer) -> None:
+        view = memoryview(data)
+        end = offset + len(view)
         for _, _, file, begin, length in self.targets:
             lo, hi = max(offset, begin), min(end, begin + length)
             if lo < hi:
-                file.map[lo - begin:hi - begin] = data[lo - offset:hi - offset]
+                file.map[lo - begin:hi - begin] = view[lo - offset:hi - offset]
 
     def finish(self) -> None:
         for local, index, file, _, _ in self.targets:

@@ -35,6 +35,9 @@ EMPTY, WRITING, COMMITTED = 0, 1, 2
 STATE_NAMES = {EMPTY: "empty", WRITING: "writing", COMMITTED: "committed"}
 SLOTS_PER_RANK = 2
 CHUNK = 64 << 20
+# Spare room a slot is allocated with beyond its payload: the JSON section varies by a few bytes between saves
+# (python's RNG state alone), so a slot sized for one save fits the next ones.
+META_HEADROOM = 64 << 10
 
 _HEADER = struct.Struct("<8sIIqqQQQQII")
 _STATE_OFFSET = 12

@@ -1,0 +1,97 @@
+"""Worker of benchmarks/erasure.py (method there): one trainer per node of an ftrun job with erasure coding.
+
+The state is :data:`TENSORS` float32 tensors of about ``--size-mib`` MiB in all, random from a seed per rank;
+step s adds s + 1 to one element, so the state at any step can be recomputed. Every step waits for the previous
+snapshot's copy, changes the state, saves the next step (a snapshot every step) and sleeps ``--step-time``.
+The worker writes ``rank<R>-gen<G>.json`` into ``--out-dir`` after ``restore()`` (restored step, state bytes)
+and again at the end, with ``exact``: whether the final state is bit for bit the one recomputed from step 0
+(so the restore was exact; checked at the end not to compete with a rebuild for the CPU). In generation 0 it stops
+after saving step ``--hold-at`` until the file ``--go`` exists, so the benchmark can look at /dev/shm while
+nothing moves; ftrun's ``--inject node-loss`` later kills one node, whose replacement restores rebuilt slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ftrun import Snapshotter
+
+TENSORS = 4
+HOLD_POLL = 0.05
+
+
+def build(size_mib: int) -> dict[str, torch.Tensor]:
+    """Uninitialized state tensors (a restore fills them without competing for the CPU with a rebuild)."""
+    numel = max(1, (size_mib << 20) // 4 // TENSORS)
+    return {f"t{i}": torch.empty(numel) for i in range(TENSORS)}
+
+
+def initialize(state: dict[str, torch.Tensor], rank: int) -> None:
+    """The state at step 0: random values from a generator seeded with ``rank``."""
+    generator = torch.Generator().manual_seed(rank)
+    for tensor in state.values():
+        tensor.normal_(generator=generator)
+
+
+def advance(state: dict[str, torch.Tensor], step: int) -> None:
+    """The change made by ``step``: one element of one tensor grows by step + 1."""
+    tensor = state[f"t{step % TENSORS}"]
+    tensor[step * 7919 % tensor.numel()] += step + 1
+
+
+def exact(state: dict[str, torch.Tensor], rank: int, size_mib: int, step: int) -> bool:
+    """Whether ``state`` is bit for bit the state at ``step``, recomputed from step 0."""
+    expected = build(size_mib)
+    initialize(expected, rank)
+    for s in range(step):
+        advance(expected, s)
+    return all(torch.equal(state[name], expected[name]) for name in state)
+
+
+def record(out_dir: str, rank: int, generation: int, doc: dict[str, object]) -> None:
+    path = Path(out_dir) / f"rank{rank}-gen{generation}.json"
+    path.with_suffix(".tmp").write_text(json.dumps(doc))
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def hold(go: str) -> None:
+    while not os.path.exists(go):
+        time.sleep(HOLD_POLL)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    for flag in ("--size-mib", "--steps", "--hold-at"):
+        parser.add_argument(flag, type=int, required=True)
+    parser.add_argument("--step-time", type=float, required=True, help="seconds of sleep per step")
+    parser.add_argument("--go", required=True, help="file whose existence ends the hold")
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args()
+    rank, generation = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    state = build(args.size_mib)
+    snap = Snapshotter(state, every=1, rng=False)
+    start = snap.restore()
+    if start == 0:
+        initialize(state, rank)
+    doc: dict[str, object] = {"rank": rank, "generation": generation, "restored": start,
+                              "state_bytes": sum(t.nbytes for t in state.values())}
+    record(args.out_dir, rank, generation, doc)
+    for step in range(start, args.steps):
+        snap.wait()  # the copy of the previous snapshot reads the live tensors
+        advance(state, step)
+        snap.save(step + 1)
+        if generation == 0 and step + 1 == args.hold_at:
+            hold(args.go)
+        time.sleep(args.step_time)
+    snap.wait()
+    record(args.out_dir, rank, generation, {**doc, "exact": exact(state, rank, args.size_mib, args.steps)})
+
+
+if __name__ == "__main__":
+    main()
