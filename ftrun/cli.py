@@ -19,7 +19,7 @@ from ftrun.errors import USAGE_EXIT_CODE, UsageError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).")
 
-SUBCOMMANDS = ("run", "store")
+SUBCOMMANDS = ("run", "store", "inspect", "export")
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -65,6 +65,14 @@ def run(
     secret_file: Optional[str] = typer.Option(None, "--secret-file",
                                               help="Multi-node: file the job secret is derived from "
                                                    "(~/.ftrun/secret)."),
+    ckpt_dir: Optional[str] = typer.Option(None, "--ckpt-dir", help="Directory to persist snapshots to."),
+    persist_every: Optional[int] = typer.Option(None, "--persist-every",
+                                                help="Persist every N globally committed snapshots (10)."),
+    keep: Optional[int] = typer.Option(None, "--keep", help="Complete persisted steps kept (2)."),
+    resume: Optional[bool] = typer.Option(None, "--resume/--no-resume",
+                                          help="Resume from --ckpt-dir when it holds steps of this job (on)."),
+    persist_grace: Optional[float] = typer.Option(None, "--persist-grace",
+                                                  help="Seconds allowed for the final persist when stopping (60)."),
     inject: Optional[list[str]] = typer.Option(None, "--inject",
                                                help="Inject a fault: crash@rank=R,step=S | hang@rank=R,step=S | "
                                                     "node-loss@node=N,step=S | ... (with gen=G); repeatable."),
@@ -80,7 +88,8 @@ def run(
         "log_dir": log_dir, "hang_timeout": hang_timeout, "hang_timeout_initial": hang_timeout_initial,
         "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote,
         "ec_group": ec_group, "ec_parity": ec_parity, "ec_backend": ec_backend,
-        "secret_file": secret_file, "inject": inject or None,
+        "secret_file": secret_file, "ckpt_dir": ckpt_dir, "persist_every": persist_every, "keep": keep,
+        "resume": resume, "persist_grace": persist_grace, "inject": inject or None,
     })
     raise typer.Exit(Launcher(cfg, script, list(script_args or [])).run())
 
@@ -100,6 +109,36 @@ def store(
         signal.pause()
     except KeyboardInterrupt:
         pass
+
+
+@app.command()
+def inspect(
+    directory: str = typer.Argument(..., metavar="DIR", help="Checkpoint directory (--ckpt-dir of a job)."),
+    verify: bool = typer.Option(True, "--verify/--no-verify", help="Read every rank file and check its CRC-32."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of a table."),
+) -> None:
+    """List the checkpoint steps in DIR: complete or partial, ranks, size, time and checksum status."""
+    from ftrun.snapshot.export import inventory, inventory_json, print_inventory
+
+    rows = inventory(directory, verify)
+    if as_json:
+        print(inventory_json(directory, rows))
+    else:
+        print_inventory(rows)
+
+
+@app.command()
+def export(
+    directory: str = typer.Argument(..., metavar="DIR", help="Checkpoint directory (--ckpt-dir of a job)."),
+    out: str = typer.Argument(..., metavar="OUT", help="Directory for the exported files (created 0700)."),
+    fmt: str = typer.Option(..., "--format", help="torch (rank-R.pt) or safetensors (rank-R.safetensors)."),
+    step: Optional[int] = typer.Option(None, "--step", help="Step to export (default: the newest complete one)."),
+) -> None:
+    """Write every rank of a checkpoint step as a standard torch or safetensors file that loads without ftrun."""
+    from ftrun.snapshot.export import export_step
+
+    for path in export_step(directory, out, fmt, step):
+        print(path, flush=True)
 
 
 def main(argv: list[str] | None = None) -> None:

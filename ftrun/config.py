@@ -46,6 +46,11 @@ class JobConfig:
     ec_parity: int | None = None
     ec_backend: str = DEFAULT_BACKEND
     secret_file: str | None = None
+    ckpt_dir: str | None = None
+    persist_every: int = 10
+    keep: int = 2
+    resume: bool = True
+    persist_grace: float = 60.0
     inject: list[str] = field(default_factory=list)
 
     @property
@@ -84,8 +89,10 @@ class JobConfig:
             raise UsageError("--standalone cannot be combined with --node-rank")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.persist_every < 1 or self.keep < 1:
+            raise UsageError(f"--persist-every and --keep must be at least 1, got {self.persist_every} and {self.keep}")
         for name in ("rdzv_timeout", "hang_timeout", "hang_timeout_initial", "hang_step_factor",
-                     "node_timeout", "stop_grace"):
+                     "node_timeout", "stop_grace", "persist_grace"):
             if getattr(self, name) <= 0:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.module and self.no_python:

@@ -5,11 +5,12 @@ Every process of a job (launcher, supervisors) appends to the same file; each ev
 ``time`` (wall clock, seconds), ``event`` (a name from the list below), ``source`` ("launcher", "node N" or
 "keeper N"), ``message`` (the terminal text). Event names: start, node_start, keeper_start, trainers_started,
 failure (with the failed rank's last ``step``), generation, restore (the agreed ``step`` and
-``restored_from``: "ram", "parity" (with ``rebuilt``: node -> the nodes it rebuilds from) or "none"),
+``restored_from``: "ram", "disk", "parity" (with ``rebuilt``: node -> the nodes it rebuilds from) or "none"),
 restored (per rank: bytes, seconds), stopped, all_running, first_heartbeat, recovered, keeper_failed,
 keeper_adopted, slot_allocated, slot_invalid, inject, zygote, node_lost, node_done, failed, parity (a keeper
 computed its parity of a step), parity_failed, protected (a group's protected step advanced), rebuilt,
-rebuild_failed, peer_rejected.
+rebuild_failed, peer_rejected, persisted (a step complete on disk), durability (degraded), loaded (a keeper
+loaded a step from disk), persist_corrupt, no_resume.
 """
 
 from __future__ import annotations

@@ -65,14 +65,36 @@ def restores(job) -> dict[int, dict]:
     return {e["generation"]: e for e in job.events() if e["event"] == "restore" and e["source"] == "node 0"}
 
 
-def run_bitwise(start_job, tmp_path, expected: str, name: str, *flags: str, nodes: tuple[str, ...] = NODES):
+def run_bitwise(start_job, tmp_path, expected: str, name: str, *flags: str, nodes: tuple[str, ...] = NODES,
+                **start: object):
     """Run train_gpt with ``flags``: it succeeds, ends with the ``expected`` state hash and leaves nothing."""
     args, out = gpt_args(tmp_path, name)
-    job = start_job(*nodes, *flags, *args)
+    job = start_job(*nodes, *flags, *args, **start)
     assert job.wait(180) == 0, job.output
     assert out.read_text().strip() == expected, job.output
     assert_job_left_nothing(job)
     return job
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    """``mount(megabytes)``: a fresh tmpfs of that size (skips the test where mounting is not allowed);
+    unmounted after the test."""
+    mounted: list[Path] = []
+
+    def mount(megabytes: int) -> Path:
+        path = tmp_path / f"tmpfs-{len(mounted)}"
+        path.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700", "tmpfs", str(path)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")
+        mounted.append(path)
+        return path
+
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
 
 
 def job_processes(job_id: str) -> list[psutil.Process]:

@@ -117,20 +117,29 @@ def holdings(ranks: dict[int, list[int]], parity: list[int]) -> Holdings:
 def test_restore_plan_counts_a_lost_nodes_ranks_at_the_steps_its_group_can_rebuild():
     full = {0: holdings({0: [20, 30]}, [20, 30]), 1: holdings({1: []}, []), 2: holdings({2: [20, 30]}, [20])}
     # group of 3, m = 1: node 1 needs 2 complete others; only step 20 has parity on both
-    assert plan_restore(full, 3, 1) == RestorePlan(20, {1: [0, 2]})
+    assert plan_restore(full, 3, 1) == RestorePlan(20, {1: [0, 2]}, "parity")
     # without erasure coding nothing can be rebuilt
-    assert plan_restore(full, 1, 0) == RestorePlan(0, {})
+    assert plan_restore(full, 1, 0) == RestorePlan(0, {}, "none")
     # m = 2 of 4: two lost nodes, two complete ones
     four = {0: holdings({0: [10]}, [10]), 1: holdings({1: []}, []), 2: holdings({2: []}, []),
             3: holdings({3: [10]}, [10])}
-    assert plan_restore(four, 4, 2) == RestorePlan(10, {1: [0, 3], 2: [0, 3]})
-    assert plan_restore(four, 4, 1) == RestorePlan(0, {})  # more lost than parity covers
+    assert plan_restore(four, 4, 2) == RestorePlan(10, {1: [0, 3], 2: [0, 3]}, "parity")
+    assert plan_restore(four, 4, 1) == RestorePlan(0, {}, "none")  # more lost than parity covers
     # two groups of 2: the step must be restorable in both
     two = {0: holdings({0: [10, 20]}, [10, 20]), 1: holdings({1: []}, []),
            2: holdings({2: [10, 20]}, [10]), 3: holdings({3: [10, 20]}, [10])}
-    assert plan_restore(two, 2, 1) == RestorePlan(20, {1: [0]})
+    assert plan_restore(two, 2, 1) == RestorePlan(20, {1: [0]}, "parity")
     # everyone holds its data: no rebuild, the newest step held by all
-    assert plan_restore({0: holdings({0: [10, 20], 1: [10]}, [])}, 1, 0) == RestorePlan(10, {})
+    assert plan_restore({0: holdings({0: [10, 20], 1: [10]}, [])}, 1, 0) == RestorePlan(10, {}, "ram")
+
+
+def test_restore_plan_prefers_ram_and_parity_and_falls_back_to_disk_skipping_corrupt_steps():
+    lost = {0: Holdings({0: {20}}, {20}, disk={10, 20}), 1: Holdings({1: set()}, set(), disk={10, 20})}
+    assert plan_restore(lost, 2, 1) == RestorePlan(20, {1: [0]}, "parity")  # parity first, even if disk has it
+    assert plan_restore(lost, 1, 0) == RestorePlan(20, {}, "disk")
+    assert plan_restore(lost, 1, 0, frozenset({20})) == RestorePlan(10, {}, "disk")
+    newer = {0: Holdings({0: {20}}, set(), disk={30}), 1: Holdings({1: {20}}, set(), disk={30})}
+    assert plan_restore(newer, 1, 0) == RestorePlan(30, {}, "disk")  # a job resumed: disk is newer
 
 
 def test_holdings_round_trip_through_json():

@@ -114,23 +114,15 @@ def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, g
 
 
 @pytest.mark.timeout(120)
-def test_too_small_shm_stops_the_job_with_one_line_saying_how_much_is_needed(start_job, tmp_path):
-    small = tmp_path / "small-shm"
-    small.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m,mode=0700", "tmpfs", str(small)],
-                             capture_output=True, text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
-    try:
-        args, out = gpt_args(tmp_path, "small")
-        job = start_job(*NODES, *args, env={"FTRUN_SHM_DIR": str(small)})
-        assert job.wait(120) != 0
-        lines = [line for line in job.output.splitlines() if "too small for snapshots" in line]
-        assert lines and "more for local rank" in lines[0] and "is free" in lines[0], job.output
-        assert [f["kind"] for f in primary_failures(job)] == ["fatal"]
-        assert os.listdir(small) == [], "segments left in the small tmpfs"
-    finally:
-        subprocess.run(["umount", "-l", str(small)], check=False)
+def test_too_small_shm_stops_the_job_with_one_line_saying_how_much_is_needed(start_job, tmp_path, small_tmpfs):
+    small = small_tmpfs(4)
+    args, out = gpt_args(tmp_path, "small")
+    job = start_job(*NODES, *args, env={"FTRUN_SHM_DIR": str(small)})
+    assert job.wait(120) != 0
+    lines = [line for line in job.output.splitlines() if "too small for snapshots" in line]
+    assert lines and "more for local rank" in lines[0] and "is free" in lines[0], job.output
+    assert [f["kind"] for f in primary_failures(job)] == ["fatal"]
+    assert os.listdir(small) == [], "segments left in the small tmpfs"
 
 
 def test_outside_ftrun_the_snapshotter_warns_once_and_does_nothing():

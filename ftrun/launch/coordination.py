@@ -67,6 +67,7 @@ class Coordinator:
 
     def __init__(self, store: TCPStore, job_id: str, node_rank: int, nnodes: int) -> None:
         self.store = store
+        self.job_id = job_id
         self.node_rank = node_rank
         self.nnodes = nnodes
         self._prefix = f"ftrun/{job_id}/"
@@ -147,6 +148,14 @@ class Coordinator:
             return None
         doc = json.loads(raw)
         return int(doc["step"]), str(doc["source"])
+
+    def durability(self) -> str | None:
+        """The durable tier in a few words ("step 60 on disk", "DEGRADED: ..."); None when nothing was persisted
+        or tried (keys of :mod:`ftrun.snapshot.durability`)."""
+        degraded, done = self._get("persist/degraded"), self._get("persist/done")
+        if degraded:
+            return f"DEGRADED: {degraded.decode()}" + (f" (newest step on disk: {int(done)})" if done else "")
+        return f"ok: newest step on disk {int(done)}" if done else None
 
     def publish_master(self, gen: int, addr: str, port: int) -> None:
         self.store.set(self.key("gen", gen, "master"), f"{addr}:{port}")

@@ -171,6 +171,12 @@ class HangDetector:
         self._step_ns = 0
 
     @property
+    def steps_per_second(self) -> float | None:
+        """From the recent step intervals (None before two steps)."""
+        recent = list(self._intervals)[-5:]
+        return len(recent) / sum(recent) if recent and sum(recent) > 0 else None
+
+    @property
     def timeout(self) -> float:
         if not self._seen_this_trainer or self.exiting or not self._intervals:
             return self.initial

@@ -11,8 +11,10 @@ subreaper, kills whatever descendant is left before it exits.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -32,13 +34,15 @@ from ftrun.launch.coordination import Coordinator, Failure, Generation
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
 from ftrun.launch.secret import local_secret, shared_secret
-from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec, safe_job_id,
-                               unlink_node_files)
+from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
+                               safe_job_id, shm_dir, unlink_node_files)
 from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.summary import print_summary
 from ftrun.snapshot.keeper import ENV_JOB_SECRET
+from ftrun.snapshot.persist import complete_steps, step_name
 
 EXIT_INTERRUPTED = 130
+EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
 _ACK_TIMEOUT = 10.0
 _POLL_INTERVAL = 0.02
 
@@ -72,6 +76,16 @@ def is_local_host(host: str) -> bool:
         raise UsageError(f"--rdzv-endpoint host {host!r} does not resolve") from None
     local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
     return any(ipaddress.ip_address(a).is_loopback or a in local for a in addresses)
+
+
+def announce_job(job_id: str, endpoint: str, nnodes: int) -> str:
+    """Write ``<shm dir>/ftrun-<job>-launcher`` (JSON: job, endpoint, nnodes, pid; mode 0600) so that
+    ``ftrun status`` on this host finds the job's control store; the launcher removes it when it exits."""
+    path = os.path.join(shm_dir(), f"ftrun-{job_id}-launcher")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump({"job": job_id, "endpoint": endpoint, "nnodes": nnodes, "pid": os.getpid()}, f)
+    return path
 
 
 class Launcher:
@@ -120,7 +134,9 @@ class Launcher:
             rdzv_timeout=cfg.rdzv_timeout, hang_timeout=cfg.hang_timeout,
             hang_timeout_initial=cfg.hang_timeout_initial, hang_step_factor=cfg.hang_step_factor,
             node_timeout=cfg.node_timeout, stop_grace=cfg.stop_grace, zygote=cfg.zygote,
-            ec_group=cfg.erasure[0], ec_parity=cfg.erasure[1], ec_backend=cfg.ec_backend, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject)
+            ec_group=cfg.erasure[0], ec_parity=cfg.erasure[1], ec_backend=cfg.ec_backend,
+            ckpt_dir=os.path.abspath(cfg.ckpt_dir) if cfg.ckpt_dir else None, persist_every=cfg.persist_every,
+            keep=cfg.keep, persist_grace=cfg.persist_grace, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject)
 
     def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
@@ -147,26 +163,45 @@ class Launcher:
         cfg = self.cfg
         coord.init_job({"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
                         "max_restarts": cfg.max_restarts, "target": self.target})
+        announce = announce_job(self.job_id, f"{store_host}:{store_port}", cfg.nnodes)
         nodes = range(cfg.nnodes) if cfg.local_mode else [cfg.node_rank or 0]
         mode = "local, simulated nodes" if cfg.local_mode else f"node {cfg.node_rank} of {cfg.nnodes}"
         self.events.emit("start", f"job {self.job_id}: {cfg.nnodes} node(s) x {cfg.nproc_per_node} trainer(s) "
                          f"({mode}), control store {store_host}:{store_port}, running {self.target}",
                          job_id=self.job_id, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
                          store=f"{store_host}:{store_port}")
+        if cfg.ckpt_dir and not cfg.resume and (cfg.local_mode or cfg.node_rank == 0):
+            self._move_aside(cfg.ckpt_dir)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:
             for node in nodes:
                 self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
             code = self._wait(coord, store_host, store_port)
+            state = "done" if code == 0 else "stopped" if self.signalled is not None else "failed"
+            coord.store.set(coord.key("state"), state)
             print_summary(coord, code, self.job_id)
             self._leave(coord)
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            with contextlib.suppress(FileNotFoundError):  # two launchers of a job may share this host
+                os.unlink(announce)
             kill_descendants()
             for node in nodes:  # what supervisors killed before they could clean up left behind
                 unlink_node_files(self.job_id, node)
         return code
+
+    def _move_aside(self, root: str) -> None:
+        """--no-resume: move this job's persisted steps into ``previous-<time>/`` (kept, but not resumed from)."""
+        steps = complete_steps(root, self.job_id)
+        if not steps:
+            return
+        aside = os.path.join(root, time.strftime("previous-%Y%m%d-%H%M%S"))
+        os.makedirs(aside, mode=0o700, exist_ok=True)
+        for step in steps:
+            os.rename(os.path.join(root, step_name(step)), os.path.join(aside, step_name(step)))
+        self.events.emit("no_resume", f"--no-resume: moved {len(steps)} persisted step(s) of job {self.job_id} "
+                         f"(newest {steps[-1]}) to {aside}", steps=steps, path=aside)
 
     def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:
         """Wait for the supervisors; replace lost ones in local mode. Returns the job's exit code."""
@@ -176,7 +211,7 @@ class Launcher:
                 if node in results or proc.poll() is None:
                     continue
                 code = proc.returncode
-                lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED)
+                lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED)
                 if lost and self.cfg.local_mode and self.signalled is None:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
                     raw, won = coord.bump(coord.current_raw(), Failure("node-lost", reason, node, None, "launcher"))
@@ -190,6 +225,8 @@ class Launcher:
                 results[node] = code
             time.sleep(_POLL_INTERVAL)
         if self.signalled is not None:
+            if EXIT_STOPPED_UNSAVED in results.values():
+                return EXIT_UNSAVED
             return EXIT_INTERRUPTED if self.signalled == signal.SIGINT else 128 + self.signalled
         if all(code == EXIT_DONE for code in results.values()):
             return 0

@@ -16,6 +16,7 @@ DEFAULT_SHM_DIR = "/dev/shm"
 EXIT_DONE = 0
 EXIT_JOB_FAILED = 3
 EXIT_STOPPED = 4
+EXIT_STOPPED_UNSAVED = 5  # stopped, but the final persist to the checkpoint directory did not complete
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,10 @@ class NodeSpec:
     ec_group: int = 1  # EC group size G (1: no redundancy)
     ec_parity: int = 0  # parity per group m
     ec_backend: str = "isa_l_rs_vand"
+    ckpt_dir: str | None = None  # durable tier (absolute path); None: off
+    persist_every: int = 10  # persist every N globally committed steps
+    keep: int = 2  # complete persisted steps kept
+    persist_grace: float = 60.0  # seconds allowed for the final persist when stopping
     log_dir: str | None = None
     faults: list[str] = field(default_factory=list)
 

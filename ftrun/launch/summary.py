@@ -22,6 +22,7 @@ class Recovery:
     detected_by: str
     seconds: float | None  # None: not every rank beat again in that generation
     restored: tuple[int, str] | None  # the snapshot step restored and its source (step 0: none; None: not agreed)
+    failed_step: int | None = None  # the failed rank's last reported step
 
 
 def recoveries(coord: Coordinator) -> list[Recovery]:
@@ -32,7 +33,7 @@ def recoveries(coord: Coordinator) -> list[Recovery]:
         ups = coord.marks(gen.gen, "up")
         took = max(float(v) for v in ups.values()) - gen.time if len(ups) == coord.nnodes else None
         result.append(Recovery(gen.gen, gen.kind, gen.reason, gen.detected_by, took,
-                               coord.restore_step(gen.gen)))
+                               coord.restore_step(gen.gen), gen.step))
     return result
 
 
@@ -42,6 +43,9 @@ def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
     verdict = "succeeded" if exit_code == 0 else f"failed (exit code {exit_code})"
     restarts = sum(row.kind != "fatal" for row in rows)
     console.print(f"ftrun: job {job_id} {verdict}: {len(rows)} failure(s), {restarts} restart(s)")
+    durability = coord.durability()
+    if durability is not None:
+        console.print(f"ftrun: durability {durability}")
     if not rows:
         return
     table = Table(title="failures and recoveries", title_justify="left")

@@ -42,13 +42,14 @@ from ftrun.launch.faults import parse_faults, trainer_faults_env
 from ftrun.launch.heartbeat import HangDetector, HeartbeatTable
 from ftrun.launch.processes import (become_subreaper, describe_exit, die_with_parent, kill_descendants, reap,
                                     signal_group)
-from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, NodeSpec, safe_job_id,
-                               shm_path)
+from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
+                               safe_job_id, shm_path)
 from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
 from ftrun.snapshot.keeper import ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD, unlink_segments
 from ftrun.snapshot.link import KeeperLink
 from ftrun.snapshot.protocol import socket_name
+from ftrun.ui.status import PUBLISH_INTERVAL, NodeStatus, RankStatus, publish
 
 POLL_INTERVAL = 0.02
 # A trainer that exits with an error code right after a peer died is usually a consequence (gloo reports the
@@ -110,6 +111,7 @@ class Supervisor:
         # the keeper's peer socket (erasure coding): opened once, so a restarted keeper keeps its address
         self.secret = os.environ.pop(ENV_JOB_SECRET, "")  # for the keeper only, never for trainers
         self.peer_socket: socket.socket | None = None
+        self._next_status = 0.0
         self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=f"ftrun-{spec.job_id}-node{self.node}-")
         self._stopping = False
 
@@ -253,17 +255,31 @@ class Supervisor:
                 seen = changed
                 continue
             if self._stopping:
-                return EXIT_STOPPED
+                return self._stopped()
             assert self.link is not None
             self.link.begin(gen.gen)
             self._start_trainers(gen.gen)
             outcome = self._watch(gen, seen)
             self._stop_trainers()
             if outcome == "done":
+                self._persist_final()
                 return EXIT_DONE
             if outcome == "stop":
-                return EXIT_STOPPED
+                return self._stopped()
             seen = outcome
+
+    def _stopped(self) -> int:
+        return EXIT_STOPPED if self._persist_final() else EXIT_STOPPED_UNSAVED
+
+    def _persist_final(self) -> bool:
+        """With a checkpoint directory: persist the newest globally committed step before the keeper stops."""
+        if self.spec.ckpt_dir is None or self.link is None:
+            return True
+        ok = self.link.finish(self.spec.persist_grace)
+        if not ok:
+            self.events.emit("durability", f"WARNING the final persist to {self.spec.ckpt_dir} did not complete "
+                             f"within {self.spec.persist_grace:g}s", node=self.node, degraded=True)
+        return ok
 
     def _rendezvous(self, gen: int, seen: bytes) -> bytes | None:
         """Meet every node at generation ``gen``; returns the new raw generation if it moved on meanwhile."""
@@ -274,6 +290,7 @@ class Supervisor:
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
         while not self._stopping:
+            self._publish_status("restarting", gen)
             ready = self.coord.marks(gen, "ready")
             if len(ready) == self.spec.nnodes:
                 return None
@@ -388,6 +405,7 @@ class Supervisor:
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw
+            self._publish_status("done" if done else "running", g)
             if now >= next_peer_check:
                 next_peer_check = now + PEER_CHECK_INTERVAL
                 current = self.coord.beats()
@@ -405,6 +423,27 @@ class Supervisor:
                 if leader is not None:
                     leader.poll()
             time.sleep(POLL_INTERVAL)
+
+    def _publish_status(self, state: str, gen: int) -> None:
+        """This node's :class:`~ftrun.ui.status.NodeStatus`, every :data:`PUBLISH_INTERVAL` at most."""
+        if time.monotonic() < self._next_status or self.heartbeats is None:
+            return
+        self._next_status = time.monotonic() + PUBLISH_INTERVAL
+        keeper = self.link.keeper_status if self.link is not None else {}
+        nproc, wall, ranks = self.spec.nproc_per_node, time.time(), []
+        running = {t.local_rank: t.pid for t in self.trainers.values() if t.exit_code is None}
+        for local in range(nproc):
+            beat = self.heartbeats.read(local)
+            last = keeper["ranks"][local] if keeper.get("ranks") else {}
+            ranks.append(RankStatus(
+                rank=self.node * nproc + local, pid=running.get(local), step=beat.step if beat.step >= 0 else None,
+                beat_age=(time.monotonic_ns() - beat.monotonic_ns) / 1e9 if beat.beats else None,
+                timeout=self.detectors[local].timeout, steps_per_s=self.detectors[local].steps_per_second,
+                snapshot_step=last.get("step"), snapshot_age=wall - last["time"] if last else None,
+                snapshot_bytes=last.get("bytes", 0), copy_gbs=last.get("copy_gbs")))
+        group = self.node // self.spec.ec_group if self.spec.ec_parity else None
+        publish(self.coord, NodeStatus(self.node, wall, state, gen, self.incarnation, group,
+                                       keeper.get("shm_bytes", 0), keeper.get("committed", 0), ranks))
 
     def _step_of(self, trainer: Trainer) -> int | None:
         """The last step ``trainer`` reported in its heartbeat (None before its first)."""

@@ -158,8 +158,9 @@ class Snapshotter:
             self._fire("commit-crash", step)
             slot.commit(Header(step=step, generation=self._generation, digest=layout.digest,
                                data_len=layout.nbytes, meta_len=len(meta)))
-            self._keeper.request("commit", rank=self._rank, slot=int(reply["slot"]), step=step)
             self.last_copy_seconds = time.perf_counter() - t0
+            self._keeper.request("commit", rank=self._rank, slot=int(reply["slot"]), step=step,
+                                 seconds=self.last_copy_seconds)
         except KeeperError as err:
             if str(err).startswith("stale"):
                 return  # this generation is over; the supervisor is stopping this trainer

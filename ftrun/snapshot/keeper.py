@@ -23,6 +23,13 @@ step (``committed``, told by the supervisor), and ``restorable`` is then the job
 every rank, with complete parity on every node), so a slot is only overwritten once the newer one is
 protected. A replacement node's keeper rebuilds its ranks' slots of the agreed step from its group's parity
 (``rebuild``) before the plan is told.
+
+With a checkpoint directory (``--ckpt-dir``) a persister thread writes the step the job asks for (``persist``,
+told by the link) from the slots to disk (:mod:`ftrun.snapshot.persist`), at the lowest CPU and I/O priority.
+The slots it reads are pinned meanwhile; a trainer that would overwrite one gets another slot (a spare third
+one, allocated the first time it is needed), so persistence never stalls training. At a generation start the
+keeper can also ``load`` a persisted step into its slots (verified) when disk holds the newest step every rank
+can restore.
 """
 
 from __future__ import annotations
@@ -39,12 +46,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
 from ftrun.events import EventLog
 from ftrun.launch.faults import parse_faults
 from ftrun.launch.spec import NodeSpec, safe_job_id, shm_dir
 from ftrun.snapshot.protocol import LineSocket, listen, same_user, socket_name
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
-from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, SLOTS_PER_RANK, WRITING, SlotFile, checksum, slot_name
+from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank
+from ftrun.snapshot.slot import (COMMITTED, EMPTY, HEADER_SIZE, META_HEADROOM, RESTORED, SLOTS_PER_RANK, SPARE_SLOT, WRITING,
+                                 SlotFile, checksum, slot_name)
 from ftrun.snapshot.transport import PeerError, PeerUnavailable
 
 ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
@@ -88,15 +99,42 @@ def capacity_problem(node: int, local_rank: int, nproc: int, slot_bytes: int, mi
 class RankSlots:
     """What the keeper knows of one local rank's two slots."""
 
-    files: list[SlotFile | None] = field(default_factory=lambda: [None] * SLOTS_PER_RANK)
-    steps: list[int | None] = field(default_factory=lambda: [None] * SLOTS_PER_RANK)  # committed step held
-    generations: list[int] = field(default_factory=lambda: [0] * SLOTS_PER_RANK)
+    files: list[SlotFile | None] = field(default_factory=lambda: [None] * (SPARE_SLOT + 1))
+    steps: list[int | None] = field(default_factory=lambda: [None] * (SPARE_SLOT + 1))  # committed step held
+    generations: list[int] = field(default_factory=lambda: [0] * (SPARE_SLOT + 1))
+    last: dict[str, Any] = field(default_factory=dict)  # the last commit: step, time, bytes, copy_gbs (status)
 
     def held(self) -> set[int]:
         return {s for s in self.steps if s is not None}
 
     def newest(self) -> int:
         return max(self.held(), default=0)
+
+    def index_of(self, step: int) -> int | None:
+        return next((i for i, held in enumerate(self.steps) if held == step), None)
+
+    def vacant(self, pinned: set[int]) -> int:
+        """A slot to restore a step into (from disk or parity) that evicts nothing needed: an empty slot, else
+        the spare (allocated if need be), else the oldest one; never a pinned one (at most one is)."""
+        usable = [i for i in range(SPARE_SLOT + 1) if i not in pinned]
+        empty = [i for i in usable if self.steps[i] is None]
+        return empty[0] if empty else min(usable, key=lambda i: self.steps[i])  # type: ignore[arg-type, return-value]
+
+    def pick(self, restorable: int, pinned: set[int]) -> int | None:
+        """The slot to write the next snapshot into, or None to wait: an empty slot; else, once the newest step
+        held is restorable, the oldest unpinned slot that does not hold it; else the spare slot, allocated
+        the first time a pinned slot (being persisted) is in the way."""
+        usable = [i for i in range(SPARE_SLOT + 1) if i not in pinned]
+        empty = [i for i in usable if self.steps[i] is None and (i < SLOTS_PER_RANK or self.files[i] is not None)]
+        if empty:
+            return empty[0]
+        newest = self.newest()
+        if newest > restorable:
+            return None
+        older = [i for i in usable if self.steps[i] is not None and self.steps[i] != newest]
+        if older:
+            return min(older, key=lambda i: self.steps[i])  # type: ignore[arg-type, return-value]
+        return SPARE_SLOT if SPARE_SLOT in usable and self.files[SPARE_SLOT] is None else None
 
 
 class Keeper:
@@ -119,6 +157,9 @@ class Keeper:
         self.seals: queue.Queue[tuple[int, int, int]] = queue.Queue()
         self.redundancy: Redundancy | None = None
         self.coding = threading.Lock()  # one encoding or rebuild at a time
+        self.persist_request = 0  # the step the job asked every keeper to persist (the link tells it)
+        self.persisted: dict[str, Any] = {}  # the outcome of the last one: step, entries or error, bytes, seconds
+        self.pinned: dict[int, set[int]] = {}  # local rank -> slots being persisted (not to be overwritten)
         self._stopping = False
 
     def enable_redundancy(self, secret: bytes, listener: socket.socket) -> None:
@@ -134,7 +175,7 @@ class Keeper:
         """Take over the slot files a previous keeper of this node left: keep the valid committed ones."""
         kept, dropped = [], []
         for path, local, index in find_segments(self.job, self.node):
-            if local >= len(self.ranks) or index >= SLOTS_PER_RANK:
+            if local >= len(self.ranks) or index > SPARE_SLOT:
                 os.unlink(path)
                 continue
             try:
@@ -170,7 +211,7 @@ class Keeper:
             return slot
         size = HEADER_SIZE + payload
         missing = size - (slot.size if slot else 0)
-        other = rank.files[1 - index]
+        other = rank.files[1 - index] if index < SLOTS_PER_RANK else None
         missing_both = missing + max(0, size - (other.size if other else 0))
         problem = capacity_problem(self.node, local, len(self.ranks), size, missing_both, free_bytes(self.dir),
                                    self.dir)
@@ -254,9 +295,11 @@ class Keeper:
         self.cond.notify_all()
 
     def op_poll(self, generation: int, plan: int, restorable: int, committed: int = 0,
-                peers: dict[str, str] | None = None) -> dict[str, Any]:
+                peers: dict[str, str] | None = None, persist: int = 0) -> dict[str, Any]:
         with self.cond:
             self._apply_plan(generation, plan)
+            if persist > self.persist_request:
+                self.persist_request = persist
             if peers and self.redundancy is not None:
                 self.redundancy.peers = {int(node): address for node, address in peers.items()}
             if generation == self.generation:
@@ -266,7 +309,15 @@ class Keeper:
                     self.committed = committed
                 self.cond.notify_all()
             local = set.intersection(*(rank.held() for rank in self.ranks)) if self.ranks else set()
-            return {"local": sorted(local), "fatal": self.fatal, **self._redundancy_state()}
+            return {"local": sorted(local), "fatal": self.fatal, "persisted": self.persisted,
+                    "ranks": [rank.last for rank in self.ranks], "shm_bytes": self._shm_bytes(),
+                    **self._redundancy_state()}
+
+    def _shm_bytes(self) -> int:
+        files = [f for rank in self.ranks for f in rank.files if f is not None]
+        if self.redundancy is not None:
+            files += [f for f in self.redundancy.files if f is not None]
+        return sum(f.size for f in files)
 
     def op_rebuild(self, generation: int, step: int, complete: list[int], peers: dict[str, str]) -> dict[str, Any]:
         """Rebuild every local rank's slot of ``step`` from the group's nodes in ``complete``; then it is held."""
@@ -289,6 +340,36 @@ class Keeper:
                          step=step, sources=sources, bytes=nbytes, seconds=seconds)
         return {"bytes": nbytes, "seconds": seconds}
 
+    def op_load(self, generation: int, step: int) -> dict[str, Any]:
+        """Load every local rank's persisted snapshot of ``step`` from the checkpoint directory into a slot, verified."""
+        root = self.spec.ckpt_dir
+        if root is None:
+            return {"error": "no checkpoint directory"}
+        t0 = time.perf_counter()
+        loaded = 0
+        for local, rank in enumerate(self.ranks):
+            with self.cond:
+                self._check_current(generation)
+                if rank.index_of(step) is not None:
+                    continue  # already held (an earlier try)
+                index = rank.vacant(self._pinned(local))
+                rank.steps[index] = None
+            path = os.path.join(root, step_name(step), rank_file(self.global_rank(local)))
+            try:
+                slot = self.ensure_slot(local, index, os.stat(path).st_size - HEADER_SIZE + META_HEADROOM)
+                load_rank(root, step, self.global_rank(local), slot)
+            except (OSError, CorruptStep, KeyError, ValueError) as err:
+                return {"error": f"rank {self.global_rank(local)}: {err}"}
+            loaded += slot.header().payload_len
+            with self.cond:
+                rank.steps[index] = step
+                rank.generations[index] = RESTORED
+        seconds = time.perf_counter() - t0
+        self.events.emit("loaded", f"loaded step {step} of {len(self.ranks)} rank(s) from {root} in "
+                         f"{seconds * 1000:.0f} ms ({human(loaded)}), checksums verified", node=self.node, step=step,
+                         bytes=loaded, seconds=seconds)
+        return {}
+
     def op_restore(self, rank: int, generation: int) -> dict[str, Any]:
         with self.cond:
             self._wait_for_plan(generation)
@@ -306,17 +387,15 @@ class Keeper:
         slots = self.ranks[rank]
         with self.cond:
             self._wait_for_plan(generation)
-            while None not in slots.steps and slots.newest() > self.restorable:
+            while (index := slots.pick(self.restorable, self._pinned(rank))) is None:
                 self._check_current(generation)
                 self.cond.wait(1.0)
-            # an empty slot, or the older one once the newer holds the restorable step
-            index = min(range(SLOTS_PER_RANK), key=lambda i: -1 if slots.steps[i] is None else slots.steps[i])
             slots.steps[index] = None
         slot = self.ensure_slot(rank, index, size)
         slot.set_state(WRITING)
         return {"slot": index, "path": slot.path}
 
-    def op_commit(self, rank: int, slot: int, step: int) -> dict[str, Any]:
+    def op_commit(self, rank: int, slot: int, step: int, seconds: float = 0.0) -> dict[str, Any]:
         slots = self.ranks[rank]
         file = slots.files[slot]
         if file is None:
@@ -327,6 +406,8 @@ class Keeper:
         with self.cond:
             slots.steps[slot] = step
             slots.generations[slot] = header.generation
+            slots.last = {"step": step, "time": time.time(), "bytes": header.payload_len,
+                          "copy_gbs": header.payload_len / seconds / 1e9 if seconds > 0 else None}
             self.cond.notify_all()
         self.seals.put((rank, slot, step))
         for fault in self.crash_faults:
@@ -418,9 +499,58 @@ class Keeper:
                 os.kill(os.getppid(), signal.SIGUSR1)  # the supervisor kills every process of the node
                 threading.Event().wait()
 
+    # -- background persistence -----------------------------------------------------------------------------
+    def _pinned(self, local: int) -> set[int]:
+        return self.pinned.get(local, set())
+
+    def persist_forever(self) -> None:
+        """Write each step the job asks for from the slots to the checkpoint directory, at low priority.
+
+        While a rank's slot is written it is pinned: a trainer that needs a slot gets another one (the spare, if
+        need be), so persistence never makes trainers wait and never sees a slot change under it."""
+        lower_priority()
+        handled = 0
+        while True:
+            with self.cond:
+                while not self._stopping and self.persist_request <= handled:
+                    self.cond.wait(1.0)
+                if self._stopping:
+                    return
+                step = handled = self.persist_request
+                indexes = [rank.index_of(step) for rank in self.ranks]
+                if None not in indexes:
+                    self.pinned = {local: {index} for local, index in enumerate(indexes)}  # type: ignore[misc]
+            result: dict[str, Any] = {"step": step}
+            t0 = time.perf_counter()
+            try:
+                if None in indexes:
+                    raise LookupError(f"step {step} is not held by every local rank")
+                result["entries"] = self._write_step(step, indexes)  # type: ignore[arg-type]
+            except (OSError, LookupError, ValueError) as err:  # ValueError: the slot changed (a new generation)
+                result["error"] = f"node {self.node}: {(err.strerror if isinstance(err, OSError) else None) or err}"
+            result["seconds"] = time.perf_counter() - t0
+            with self.cond:
+                self.pinned = {}
+                self.persisted = result
+                self.cond.notify_all()
+
+    def _write_step(self, step: int, indexes: list[int]) -> dict[str, dict[str, Any]]:
+        assert self.spec.ckpt_dir is not None
+        entries = {}
+        for local, index in enumerate(indexes):
+            slot = self.ranks[local].files[index]
+            assert slot is not None
+            while not slot.header().sealed:  # the checksum goes to disk too
+                time.sleep(0.005)
+            entries[str(self.global_rank(local))] = write_rank(partial_dir(self.spec.ckpt_dir, step),
+                                                               self.global_rank(local), slot)
+        return entries
+
     # -- serving --------------------------------------------------------------------------------------------
     def serve(self, server: socket.socket) -> None:
         threading.Thread(target=self.seal_forever, name="ftrun-seal", daemon=True).start()
+        if self.spec.ckpt_dir is not None:
+            threading.Thread(target=self.persist_forever, name="ftrun-persist", daemon=True).start()
         if self.redundancy is not None:
             self.redundancy.server.start()
             threading.Thread(target=self.encode_forever, name="ftrun-parity", daemon=True).start()
@@ -450,6 +580,16 @@ class Keeper:
         with self.cond:
             self._stopping = True
             self.cond.notify_all()
+
+
+def lower_priority() -> None:
+    """Run the calling thread at the lowest CPU priority and in the idle I/O class (best effort)."""
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, 19)
+        psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_IDLE)
+    except (OSError, psutil.Error):
+        pass
 
 
 def find_segments(job: str, node: int | str = "*") -> list[tuple[str, int, int]]:

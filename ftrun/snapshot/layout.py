@@ -215,9 +215,10 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> Capture:
 
 
 class _Builder:
-    def __init__(self, layout: Layout, stored: Callable[[Entry], torch.Tensor]) -> None:
+    def __init__(self, layout: Layout, stored: Callable[[Entry], torch.Tensor], *, plain: bool = False) -> None:
         self.entries = layout.entries
         self.stored = stored
+        self.plain = plain  # stateful objects become their state_dict() values instead of being loaded
 
     def value(self, node: Any, live: Any, path: str, inplace: bool) -> Any:
         """The value of ``node``, reusing ``live`` (the current value at the same place) where it can."""
@@ -254,7 +255,7 @@ class _Builder:
                 return live
             return arr.copy()
         if "S" in node:
-            return self.load(node["S"], live, path)
+            return self.value(node["S"], None, path, False) if self.plain else self.load(node["S"], live, path)
         raise ValueError(f"corrupt snapshot skeleton at {path}")
 
     def items(self, nodes: list, live: Any, path: str, inplace: bool) -> list:
@@ -317,6 +318,19 @@ def restore(state: Mapping[str, Any], layout: Layout, skeleton: dict,
         if "cuda" in rngs and torch.cuda.is_available():
             for device, s in enumerate(rngs["cuda"][: torch.cuda.device_count()]):
                 torch.cuda.set_rng_state(s, device)
+
+
+def to_plain(layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor]) -> dict[str, Any]:
+    """The snapshot as plain values, without live objects: ``{key: value, ..., RNG_KEY: rngs}`` (RNG states only
+    when captured). A stateful object becomes its ``state_dict()`` value, a tensor a new CPU tensor (with
+    ``requires_grad`` as captured), a numpy array or scalar stays numpy; containers keep their types."""
+    if skeleton.get("format") != FORMAT:
+        raise ValueError(f"snapshot skeleton format {skeleton.get('format')!r}, expected {FORMAT}")
+    builder = _Builder(layout, stored, plain=True)
+    plain = {key: builder.value(node, None, _join("", key), False) for key, node in skeleton["state"].items()}
+    if "rng" in skeleton:
+        plain[RNG_KEY] = builder.value(skeleton["rng"], None, RNG_KEY, False)
+    return plain
 
 
 def encode_meta(layout: Layout, skeleton: dict) -> bytes:

@@ -16,6 +16,11 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
   two are the same.
 
 ``group/<X>/protected`` (job-wide key): group X's protected step, for the status view.
+
+With a checkpoint directory, each ``held`` document also lists the complete steps of the job on disk; when
+one is newer than anything RAM and parity can restore, every node's keeper loads it (``gen/<g>/load/<step>/
+<node>``: "ok" or why not); if any rank's file fails its checksum, every node agrees on the next older step
+instead. Persisting itself is coordinated by :mod:`ftrun.snapshot.durability`.
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from dataclasses import dataclass
+from typing import Any
+from dataclasses import dataclass, field
 
 from torch.distributed import DistError
 
@@ -31,6 +37,7 @@ from ftrun.events import EventLog
 from ftrun.launch.coordination import Coordinator
 from ftrun.launch.spec import NodeSpec
 from ftrun.launch.store import connect_store
+from ftrun.snapshot.durability import Durability
 from ftrun.snapshot.protocol import KeeperClient, KeeperError, KeeperUnavailable, socket_name
 
 LINK_INTERVAL = 0.01
@@ -49,6 +56,7 @@ class Holdings:
     ranks: dict[int, set[int]]
     parity: set[int]
     address: str = ""
+    disk: set[int] = field(default_factory=set)  # complete steps of the job in the checkpoint directory
 
     @property
     def steps(self) -> set[int]:
@@ -57,20 +65,23 @@ class Holdings:
 
     def encode(self) -> str:
         return json.dumps({"ranks": {str(r): sorted(s) for r, s in self.ranks.items()},
-                           "parity": sorted(self.parity), "address": self.address})
+                           "parity": sorted(self.parity), "address": self.address, "disk": sorted(self.disk)})
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Holdings:
         doc = json.loads(raw)
-        return cls({int(r): set(s) for r, s in doc["ranks"].items()}, set(doc["parity"]), doc["address"])
+        return cls({int(r): set(s) for r, s in doc["ranks"].items()}, set(doc["parity"]), doc["address"],
+                   set(doc["disk"]))
 
 
 @dataclass(frozen=True)
 class RestorePlan:
-    """The step a generation restores, and who rebuilds it from parity (node -> the nodes it reads)."""
+    """The step a generation restores, and where from: "ram" (every rank holds it), "parity" (``rebuild``:
+    node -> the nodes it rebuilds from), "disk" (every node loads it), or "none" (step 0)."""
 
     step: int
     rebuild: dict[int, list[int]]
+    source: str = "none"
 
 
 def group_of(node: int, group: int) -> list[int]:
@@ -79,8 +90,9 @@ def group_of(node: int, group: int) -> list[int]:
     return list(range(base, base + group))
 
 
-def plan_restore(held: dict[int, Holdings], group: int, parity: int) -> RestorePlan:
-    """The newest step every rank can restore: held in RAM, or rebuilt from parity of its group.
+def plan_restore(held: dict[int, Holdings], group: int, parity: int, bad: frozenset[int] = frozenset()) -> RestorePlan:
+    """The newest step every rank can restore: held in RAM, or rebuilt from parity of its group, else from disk
+    (a step complete on disk for every node, not in ``bad``: found corrupt).
 
     A node can rebuild step s when at least ``k = group - parity`` other nodes of its group are *complete* for
     s: every rank of theirs holds s and their keeper holds its parity (then every stripe has k fragments).
@@ -99,9 +111,12 @@ def plan_restore(held: dict[int, Holdings], group: int, parity: int) -> RestoreP
                     steps.add(step)
         available.append(steps)
     step = newest_common(available)
+    disk = newest_common([h.disk - bad for h in held.values()])
+    if disk > step:
+        return RestorePlan(disk, {}, "disk")
     rebuild = {node: [n for n in group_of(node, group) if n != node and complete(n, step)]
                for node, holdings in held.items() if step and step not in holdings.steps}
-    return RestorePlan(step, rebuild)
+    return RestorePlan(step, rebuild, "parity" if rebuild else "ram" if step else "none")
 
 
 class KeeperLink(threading.Thread):
@@ -126,6 +141,15 @@ class KeeperLink(threading.Thread):
         self._group_protected = 0
         self._peers: dict[str, str] = {}
         self._published: dict[str, list[int]] = {}
+        self.durability = Durability(spec, self.coord, events) if spec.ckpt_dir else None
+        self._persist = 0  # the step the keeper is asked to persist
+        self._finish_by: float | None = None  # set by finish(): the deadline of the final persist
+        self.keeper_status: dict[str, Any] = {}  # the keeper's view for the status document (ftrun.ui.status)
+        self._bad_disk: set[int] = set()  # persisted steps found corrupt: never tried again
+        self._final: bool | None = None
+        self._final_grace = 0.0
+        self._asked_final = self._marked_stopped = False
+        self._finished = threading.Event()
         self._halt = threading.Event()
 
     def begin(self, generation: int) -> None:
@@ -134,6 +158,16 @@ class KeeperLink(threading.Thread):
 
     def stop(self) -> None:
         self._halt.set()
+
+    def finish(self, grace: float) -> bool:
+        """The trainers have stopped (or ended): persist the newest globally committed step, within ``grace``
+        seconds; True when it is on disk (or there is no checkpoint directory, or nothing to persist)."""
+        if self.durability is None:
+            return True
+        self._final_grace = grace
+        self._finish_by = time.monotonic() + grace
+        self._finished.wait(grace + 1)
+        return bool(self._final)
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -145,6 +179,8 @@ class KeeperLink(threading.Thread):
                     self._agree(gen)
                 else:
                     self._relay(gen)
+                    if self._finish_by is not None and not self._finished.is_set():
+                        self._finishing(gen)
             except (KeeperUnavailable, KeeperError):
                 pass  # the keeper is restarting; the supervisor sees its exit
             except DistError:
@@ -153,7 +189,8 @@ class KeeperLink(threading.Thread):
 
     def _agree(self, gen: int) -> None:
         reply = self.keeper.request("held", generation=gen)
-        mine = Holdings({int(r): set(s) for r, s in reply["held"].items()}, set(reply["parity"]), self.address)
+        disk = self.durability.disk_steps() if self.durability is not None else set()
+        mine = Holdings({int(r): set(s) for r, s in reply["held"].items()}, set(reply["parity"]), self.address, disk)
         self.coord.store.set(self.coord.key("gen", gen, "held", self.node), mine.encode())
         held: dict[int, Holdings] = {}
         while len(held) < self.nnodes:
@@ -162,7 +199,9 @@ class KeeperLink(threading.Thread):
             held = {node: Holdings.decode(raw) for node, raw in self.coord.marks(gen, "held").items()}
             if len(held) < self.nnodes:
                 time.sleep(LINK_INTERVAL)
-        plan = plan_restore(held, self.group, self.parity)
+        plan = self._plan(gen, held)
+        if plan is None:
+            return
         if self.parity:
             self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
         if self.node in plan.rebuild:
@@ -177,14 +216,47 @@ class KeeperLink(threading.Thread):
                             peers=self._peers)
         self._plans[gen] = self._committed = self._restorable = plan.step
         self._published = {}
-        self.coord.publish_restore(gen, plan.step, "RAM + parity" if plan.rebuild else "RAM")
+        self.coord.publish_restore(gen, plan.step, {"parity": "RAM + parity", "disk": "disk"}.get(plan.source, "RAM"))
         self._report(gen, plan, held)
+
+    def _plan(self, gen: int, held: dict[int, Holdings]) -> RestorePlan | None:
+        """The generation's plan; a disk step is loaded by every node first, and skipped if any rank's is corrupt.
+        None when the generation moved on meanwhile."""
+        while True:
+            plan = plan_restore(held, self.group, self.parity, frozenset(self._bad_disk))
+            if plan.source != "disk":
+                return plan
+            try:
+                self.keeper.request("load", generation=gen, step=plan.step)
+                outcome = "ok"
+            except KeeperError as err:
+                outcome = str(err)
+            what = f"load/{plan.step}"
+            self.coord.store.set(self.coord.key("gen", gen, what, self.node), outcome)
+            outcomes = self.coord.marks(gen, what)
+            while len(outcomes) < self.nnodes:
+                if self._halt.is_set() or self._generation != gen:
+                    return None
+                time.sleep(LINK_INTERVAL)
+                outcomes = self.coord.marks(gen, what)
+            problems = {node: o for node, o in outcomes.items() if o != "ok"}
+            if not problems:
+                return plan
+            self._bad_disk.add(plan.step)
+            self.events.emit("persist_corrupt", f"persisted step {plan.step} is not loadable ({problems}); never "
+                             "loaded, trying an older one", console=self.node == 0, generation=gen, step=plan.step,
+                             problems=problems)
 
     def _report(self, gen: int, plan: RestorePlan, held: dict[int, Holdings]) -> None:
         leader = self.node == 0
         every = {rank: steps for holdings in held.values() for rank, steps in holdings.ranks.items()}
         fields = {"generation": gen, "step": plan.step}
-        if plan.step and plan.rebuild:
+        if plan.source == "disk":
+            assert self.durability is not None
+            self.events.emit("restore", f"generation {gen}: trainers restore step {plan.step} from disk "
+                             f"({self.durability.step_path(plan.step)}; nothing newer in RAM)", console=leader,
+                             restored_from="disk", **fields)
+        elif plan.step and plan.rebuild:
             rebuilt = "; ".join(f"node {node} rebuilt from the parity of nodes {sources}"
                                 for node, sources in sorted(plan.rebuild.items()))
             self.events.emit("restore", f"generation {gen}: trainers restore step {plan.step} from RAM ({rebuilt})",
@@ -212,9 +284,12 @@ class KeeperLink(threading.Thread):
 
     def _relay(self, gen: int) -> None:
         reply = self.keeper.request("poll", generation=gen, plan=self._plans[gen], restorable=self._restorable,
-                                    committed=self._committed, peers=self._peers)
+                                    committed=self._committed, peers=self._peers, persist=self._persist)
+        if self.durability is not None:
+            self._persist = self.durability.tick(reply["persisted"])
         if reply.get("fatal") and self.fatal is None:
             self.fatal = reply["fatal"]
+        self.keeper_status = {"ranks": reply["ranks"], "shm_bytes": reply["shm_bytes"], "committed": self._committed}
         local = [int(s) for s in reply["local"]]
         for what, steps in (("commit", local), ("parity", [int(s) for s in reply["parity"]])):
             if self._published.get(what) != steps:
@@ -228,7 +303,11 @@ class KeeperLink(threading.Thread):
         commits = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "commit").items()}
         if len(commits) < self.nnodes:
             return
-        self._committed = max(self._committed, newest_common(list(commits.values())))
+        committed = newest_common(list(commits.values()))
+        if committed > self._committed:
+            self._committed = committed
+            if self.durability is not None:
+                self.durability.committed(committed)
         if not self.parity:
             self._restorable = self._committed
             return
@@ -244,3 +323,22 @@ class KeeperLink(threading.Thread):
             self.coord.store.set(self.coord.key("group", group, "protected"), str(mine))
             self.events.emit("protected", f"group {group}: step {mine} protected by parity", console=False,
                              node=self.node, group=group, step=mine)
+
+    def _finishing(self, gen: int) -> None:
+        """The final persist (see :meth:`finish`): node 0 asks for the newest committed step once every node has
+        stopped its trainers (or half the grace has passed); everyone waits for the outcome."""
+        assert self.durability is not None and self._finish_by is not None
+        if not self._marked_stopped:
+            self._marked_stopped = True
+            self.coord.mark(gen, "stopped")
+        now = time.monotonic()
+        if self.node == 0 and not self._asked_final:
+            everyone = len(self.coord.marks(gen, "stopped")) == self.nnodes
+            if everyone or now > self._finish_by - self._final_grace / 2:
+                self._catch_up(gen)
+                self._asked_final = True
+                self.durability.ask(self._committed, final=True)
+        outcome = self.durability.final_outcome()
+        if outcome is not None or now > self._finish_by:
+            self._final = bool(outcome)
+            self._finished.set()

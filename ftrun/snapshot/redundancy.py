@@ -39,12 +39,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ftrun.snapshot.erasure import HEADER_BYTES, Buffer, Codec, StripeLayout, encode_stripe, rebuild_chunk
-from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, META_HEADROOM, WRITING, Header, SlotFile, checksum
+from ftrun.snapshot.slot import (COMMITTED, EMPTY, HEADER_SIZE, META_HEADROOM, RESTORED, WRITING, Header, SlotFile,
+                                 checksum)
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
 
 if TYPE_CHECKING:
     from ftrun.snapshot.keeper import Keeper
-
 PARITY_FILES = 2
 RETRY_INTERVAL = 0.2
 META_ROOM = 64 << 10
@@ -373,8 +373,8 @@ class _BlobWriter:
         self.step = step
         with keeper.cond:
             indexes = []
-            for rank in keeper.ranks:
-                index = min(range(len(rank.steps)), key=lambda i: -1 if rank.steps[i] is None else rank.steps[i])
+            for local, rank in enumerate(keeper.ranks):
+                index = rank.vacant(keeper.pinned.get(local, set()))
                 rank.steps[index] = None
                 indexes.append(index)
         self.targets: list[tuple[int, int, SlotFile, int, int]] = []  # (local, index, file, blob start, length)
@@ -404,7 +404,7 @@ class _BlobWriter:
             for local, index, file, _, _ in self.targets:
                 rank = self.keeper.ranks[local]
                 rank.steps[index] = self.step
-                rank.generations[index] = file.header().generation
+                rank.generations[index] = RESTORED
             self.keeper.cond.notify_all()
 
     def abandon(self) -> None:

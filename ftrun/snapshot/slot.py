@@ -34,6 +34,8 @@ HEADER_SIZE = 4096
 EMPTY, WRITING, COMMITTED = 0, 1, 2
 STATE_NAMES = {EMPTY: "empty", WRITING: "writing", COMMITTED: "committed"}
 SLOTS_PER_RANK = 2
+SPARE_SLOT = 2  # a third slot, allocated only when persistence pins a slot a trainer would need
+RESTORED = -1  # the generation a keeper records for a slot loaded from disk or rebuilt: older than any
 CHUNK = 64 << 20
 # Spare room a slot is allocated with beyond its payload: the JSON section varies by a few bytes between saves
 # (python's RNG state alone), so a slot sized for one save fits the next ones.

@@ -1,0 +1,240 @@
+"""Reading a checkpoint directory of the durable tier (:mod:`ftrun.snapshot.persist`) without a running job.
+
+:func:`inventory` lists its steps (``ftrun inspect``); :func:`export_step` turns each rank file of a step into a
+standard file (``ftrun export``) that loads without ftrun:
+
+* ``torch``: ``rank-RRRRR.pt``, the rank's state as plain values (modules, optimizers and other stateful
+  objects as their ``state_dict()``; numpy arrays as tensors, numpy scalars as Python numbers; the RNG states
+  under ``"__rng__"``), loadable with ``torch.load(path, weights_only=True)``.
+* ``safetensors``: ``rank-RRRRR.safetensors``, every tensor keyed by its layout path (``model/0.weight``,
+  ``optim/state/0/exp_avg``, ``__rng__/torch``...); the metadata keeps everything else as JSON:
+  ``ftrun_skeleton`` and ``ftrun_layout`` (:mod:`ftrun.snapshot.layout`), ``ftrun_job``, ``ftrun_step``,
+  ``ftrun_rank``. A tensor is stored at ``entries[i]`` of the layout where the skeleton says ``{"T": i}``.
+
+Errors a user can fix (no such directory or step, a corrupt rank, an unwritable output) are
+:class:`~ftrun.errors.UsageError`. torch is imported only to export, so ``ftrun inspect`` starts at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sys
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from ftrun.errors import UsageError
+from ftrun.snapshot import persist
+from ftrun.snapshot.slot import HEADER_SIZE
+
+if TYPE_CHECKING:
+    import torch
+
+    from ftrun.snapshot.layout import Entry, Layout
+
+FORMATS = {"torch": "pt", "safetensors": "safetensors"}
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """One step directory of a checkpoint directory, as :func:`inventory` found it."""
+
+    step: int
+    path: str
+    state: str  # "complete", "partial" (being written, or abandoned) or "invalid" (unreadable manifest)
+    job: str | None
+    world: int | None  # ranks of the job (None unless complete)
+    ranks: int  # rank files listed (complete) or present (partial)
+    bytes: int
+    time: float  # manifest time (complete), else the directory's modification time
+    corrupt: dict[int, str] | None  # rank -> problem; {} all verified; None not verified
+    error: str | None = None  # why an invalid step's manifest cannot be read
+
+
+def _check_root(root: str) -> None:
+    if not os.path.isdir(root):
+        raise UsageError(f"{root}: no such checkpoint directory")
+
+
+def inventory(root: str, verify: bool = True) -> list[StepInfo]:
+    """Every step directory of ``root``, by step; ``verify`` reads every byte of complete steps (CRC-32)."""
+    _check_root(root)
+    rows = []
+    for step in persist.step_dirs(root):
+        path = os.path.join(root, persist.step_name(step))
+        try:
+            doc = persist.manifest(root, step)
+        except (OSError, ValueError) as err:
+            rows.append(StepInfo(step, path, "invalid", None, None, 0, 0, os.stat(path).st_mtime, None, str(err)))
+            continue
+        corrupt = {r: p for r, p in persist.verify_step(root, step).items() if p} if verify else None
+        rows.append(StepInfo(step, path, "complete", doc["job"], doc["world"], len(doc["ranks"]),
+                             sum(e["bytes"] for e in doc["ranks"].values()), doc["time"], corrupt))
+    for step in persist.step_dirs(root, partial=True):
+        path = persist.partial_dir(root, step)
+        with os.scandir(path) as found:
+            files = [e.stat().st_size for e in found if e.name.startswith("rank-") and e.is_file()]
+        rows.append(StepInfo(step, path, "partial", None, None, len(files), sum(files), os.stat(path).st_mtime, None))
+    if not rows:
+        raise UsageError(f"{root}: no checkpoint steps in it (step-NNNNNNNN directories)")
+    return sorted(rows, key=lambda row: (row.step, row.state != "complete"))
+
+
+def inventory_json(root: str, rows: list[StepInfo]) -> str:
+    return json.dumps({"dir": root, "steps": [asdict(row) for row in rows]}, indent=1)
+
+
+def print_inventory(rows: list[StepInfo], tty: bool | None = None) -> None:
+    """The steps as a table: rich on a terminal, plain aligned columns otherwise."""
+    header = ("step", "job", "state", "ranks", "size", "created", "check")
+    table = [header] + [(str(r.step), r.job or "-", r.state, str(r.ranks), _size(r.bytes),
+                         time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.time)), _check(r)) for r in rows]
+    if sys.stdout.isatty() if tty is None else tty:
+        from rich.console import Console
+        from rich.table import Table
+
+        rich_table = Table(*header)
+        for row in table[1:]:
+            rich_table.add_row(*row)
+        Console(highlight=False).print(rich_table)
+        return
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+
+
+def _size(n: int) -> str:
+    units = ("B", "KiB", "MiB", "GiB", "TiB")
+    i = min(len(units) - 1, max(0, (n.bit_length() - 1) // 10))
+    return f"{n} B" if i == 0 else f"{n / 1024 ** i:.1f} {units[i]}"
+
+
+def _check(row: StepInfo) -> str:
+    if row.error is not None:
+        return row.error
+    if row.corrupt is None:
+        return "-"
+    return "; ".join(f"rank {r} corrupt: {p}" for r, p in sorted(row.corrupt.items())) or "ok"
+
+
+def export_step(root: str, out: str, fmt: str, step: int | None = None) -> Iterator[str]:
+    """Write every rank of complete ``step`` (default: the newest) of ``root`` to ``out`` in format ``fmt``,
+    yielding each file's path once written. Every rank is verified before anything is written; files are
+    written under a temporary name and renamed, mode 0600, in ``out`` (created 0700)."""
+    if fmt not in FORMATS:
+        raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    _check_root(root)
+    steps = persist.complete_steps(root)
+    if not steps:
+        raise UsageError(f"{root}: no complete step to export")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+        raise UsageError(f"{root}: no complete step {step} (complete: {', '.join(map(str, steps))})")
+    corrupt = {r: p for r, p in persist.verify_step(root, step).items() if p}
+    if corrupt:
+        ranks = "; ".join(f"rank {r}: {p}" for r, p in sorted(corrupt.items()))
+        raise UsageError(f"step {step} is corrupt ({ranks}); export another with --step")
+    doc = persist.manifest(root, step)
+    try:
+        persist.mkdir_private(out)
+    except OSError as err:
+        raise UsageError(f"cannot create {out}: {err.strerror or err}") from None
+    for rank in range(doc["world"]):
+        source = os.path.join(root, persist.step_name(step), doc["ranks"][str(rank)]["file"])
+        target = os.path.join(out, f"rank-{rank:05d}.{FORMATS[fmt]}")
+        try:
+            with _opened(source) as (layout, skeleton, stored):
+                if fmt == "torch":
+                    _write_torch(target, layout, skeleton, stored)
+                else:
+                    _write_safetensors(target, layout, skeleton, stored, {"ftrun_job": doc["job"],
+                                       "ftrun_step": str(step), "ftrun_rank": str(rank)})
+        except OSError as err:
+            raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
+        yield target
+
+
+@contextlib.contextmanager
+def _opened(path: str) -> Iterator[tuple[Layout, dict, Callable[[Entry], torch.Tensor]]]:
+    """Layout, skeleton and the stored tensors (views of the mapped file) of a verified rank file."""
+    import torch
+
+    from ftrun.snapshot.layout import decode_meta
+
+    image = persist.open_image(path)
+    data = torch.empty(0, dtype=torch.uint8)
+    try:
+        header = image.header()
+        with image.payload() as payload:
+            layout, skeleton = decode_meta(bytes(payload[header.data_len:header.payload_len]))
+        if header.data_len:
+            data = torch.frombuffer(image.map, dtype=torch.uint8, count=header.data_len, offset=HEADER_SIZE)
+        yield layout, skeleton, lambda e: data[e.offset:e.offset + e.nbytes].view(getattr(torch, e.dtype)).reshape(
+            e.shape)
+    finally:
+        data = torch.empty(0, dtype=torch.uint8)  # drops the last view of the mapping (``stored`` may outlive it)
+        image.close()
+
+
+@contextlib.contextmanager
+def _replacing(path: str) -> Iterator[str]:
+    """A temporary path (created empty, 0600) to write ``path``'s new content to; renamed over it on success."""
+    temporary = f"{path}.partial"
+    os.close(persist.private(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC))
+    try:
+        yield temporary
+        os.rename(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def _write_torch(path: str, layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor]) -> None:
+    import torch
+
+    from ftrun.snapshot.layout import to_plain
+
+    with _replacing(path) as temporary, open(temporary, "wb") as f:  # a file object: ENOSPC is an OSError
+        torch.save(_torch_values(to_plain(layout, skeleton, stored)), f)
+
+
+def _torch_values(value: Any) -> Any:
+    """``value`` with numpy arrays as tensors and numpy scalars as Python numbers (what weights_only loads)."""
+    import numpy as np
+    import torch
+
+    if isinstance(value, np.ndarray):
+        return torch.from_numpy(value)
+    if isinstance(value, np.generic):
+        return value.item()
+    if type(value) in (dict, OrderedDict):
+        out = type(value)((k, _torch_values(v)) for k, v in value.items())
+        if hasattr(value, "_metadata"):
+            out._metadata = value._metadata
+        return out
+    if type(value) in (list, tuple):
+        return type(value)(map(_torch_values, value))
+    return value
+
+
+def _write_safetensors(path: str, layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor],
+                       metadata: dict[str, str]) -> None:
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for entry in layout.entries:
+        if entry.path in tensors:
+            raise UsageError(f"two tensors at {entry.path} (a dict with keys k and str(k)): export with --format torch")
+        tensors[entry.path] = stored(entry)
+    metadata = {**metadata, "ftrun_skeleton": json.dumps(skeleton, separators=(",", ":")),
+                "ftrun_layout": json.dumps(layout.to_json(), separators=(",", ":"))}
+    with _replacing(path) as temporary:
+        try:
+            save_file(tensors, temporary, metadata=metadata)
+        except KeyError as err:  # safetensors has no such dtype (complex128)
+            raise UsageError(f"safetensors cannot hold {err.args[0]} tensors: export with --format torch") from None

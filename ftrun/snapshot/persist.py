@@ -1,0 +1,264 @@
+"""The durable tier: committed snapshots written to a checkpoint directory, one directory per step.
+
+Layout of ``<ckpt-dir>`` (every file is created with mode 0600, every directory 0700)::
+
+    <ckpt-dir>/step-00000030/        a complete step, renamed atomically from <ckpt-dir>/.step-00000030.partial/
+        manifest.json               {"format": 1, "job": "<job id>", "step": 30, "world": 4, "nnodes": 2,
+                                     "nproc_per_node": 2, "time": <unix seconds>,
+                                     "ranks": {"0": {"file": "rank-00000.snap", "bytes": <file size>,
+                                                     "checksum": <slot header checksum>,
+                                                     "digest": <layout digest>}, ...}}
+        rank-00000.snap             the slot image of global rank 0: exactly the first HEADER_SIZE + payload_len
+        rank-00001.snap ...         bytes of its keeper's slot file (header, tensor data, JSON meta; see
+                                    :mod:`ftrun.snapshot.slot` and :mod:`ftrun.snapshot.layout`)
+
+Invariants:
+
+* ``step-N`` (N zero-padded to 8 digits) with a readable manifest is complete: every rank file was fsynced
+  before the manifest was written, the manifest and its directory before the rename, the rename before the
+  parent's fsync. A step is deleted by renaming it back to its partial name first: no reader sees half of one.
+* A rank file verifies itself: its header is sealed (committed, with the CRC-32 of
+  :func:`ftrun.snapshot.slot.checksum` over the payload and the header's identity), and the manifest repeats
+  its size, checksum and layout digest. Nothing that fails either check is loaded.
+
+Bytes only, never torch (the keeper uses this module); :mod:`ftrun.snapshot.export` reads steps with torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import mmap
+import os
+import re
+import shutil
+import time
+
+from ftrun.snapshot.slot import CHUNK, EMPTY, HEADER_SIZE, SlotFile
+
+FORMAT = 1
+MANIFEST = "manifest.json"
+_COMPLETE = re.compile(r"step-(\d{8,})")
+_PARTIAL = re.compile(r"\.step-(\d{8,})\.partial")
+
+
+class CorruptStep(ValueError):
+    """A rank file of a step is missing or fails verification; the one-line message says which and why."""
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def partial_dir(root: str, step: int) -> str:
+    return os.path.join(root, f".{step_name(step)}.partial")
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.snap"
+
+
+def private(path: str, flags: int) -> int:
+    """An ``opener`` for :func:`open` that creates files with mode 0600."""
+    return os.open(path, flags, 0o600)
+
+
+def mkdir_private(path: str) -> None:
+    """Create ``path`` and its missing parents, each with mode 0700."""
+    if not os.path.isdir(path):
+        mkdir_private(os.path.dirname(os.path.abspath(path)))
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
+
+
+def open_image(path: str) -> SlotFile:
+    """A rank file mapped copy-on-write as a :class:`SlotFile`: needs read permission only, never writes it."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < HEADER_SIZE:
+            raise CorruptStep(f"{path}: {size} bytes, smaller than a slot header")
+        image = SlotFile.__new__(SlotFile)  # SlotFile() maps read-write
+        image.map = mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+    image.size, image.path = size, path
+    return image
+
+
+def write_rank(directory: str, rank: int, slot: SlotFile) -> dict[str, int | str]:
+    """Write the committed, sealed ``slot``'s image to ``directory/rank-R.snap`` (fsynced); returns its manifest
+    entry ``{"file", "bytes", "checksum", "digest"}``. Creates ``directory`` (0700) if missing.
+
+    The caller keeps the slot from being rewritten meanwhile (a header that changed is a ValueError). OSError
+    (ENOSPC, EACCES...) propagates untouched. On any failure the rank file is removed.
+    """
+    header = slot.header()
+    problem = slot.problem() or (None if header.sealed else "not sealed")
+    if problem is not None:
+        raise ValueError(f"cannot persist {slot.path}: {problem}")
+    mkdir_private(directory)
+    path, size, done = os.path.join(directory, rank_file(rank)), HEADER_SIZE + header.payload_len, 0
+    try:
+        with open(path, "wb", buffering=0, opener=private) as out, open(slot.path, "rb") as src:
+            try:
+                while done < size:
+                    sent = os.sendfile(out.fileno(), src.fileno(), done, min(size - done, CHUNK))
+                    if not sent:
+                        raise OSError(errno.EIO, f"{slot.path}: shorter than its header says")
+                    done += sent
+            except OSError as err:  # a filesystem without sendfile: write() from the mapping
+                if err.errno not in (errno.EINVAL, errno.ENOSYS):
+                    raise
+            with memoryview(slot.map) as view:
+                while done < size:
+                    done += out.write(view[done:min(size, done + CHUNK)])
+            os.fsync(out.fileno())
+        if slot.header() != header:
+            raise ValueError(f"{slot.path} was rewritten while it was persisted")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        raise
+    return {"file": rank_file(rank), "bytes": size, "checksum": header.checksum, "digest": header.digest}
+
+
+def finalize(root: str, step: int, job: str, nnodes: int, nproc_per_node: int, entries: dict[int, dict]) -> str:
+    """Write the manifest of the ranks' ``entries`` (from :func:`write_rank`) into the partial directory and
+    rename it to the complete step, durably (see the module docstring); returns the final path.
+
+    ValueError if ``entries`` are not exactly ranks 0..world-1; OSError if the step is already complete.
+    """
+    world = nnodes * nproc_per_node
+    if sorted(entries) != list(range(world)):
+        raise ValueError(f"step {step}: entries for ranks {sorted(entries)}, expected 0..{world - 1}")
+    doc = {"format": FORMAT, "job": job, "step": step, "world": world, "nnodes": nnodes,
+           "nproc_per_node": nproc_per_node, "time": time.time(), "ranks": {str(r): entries[r] for r in range(world)}}
+    partial, final = partial_dir(root, step), os.path.join(root, step_name(step))
+    with open(os.path.join(partial, MANIFEST), "w", opener=private) as f:
+        f.write(json.dumps(doc, indent=1))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(partial)
+    os.rename(partial, final)
+    _fsync(root)
+    return final
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_dirs(root: str, partial: bool = False) -> list[int]:
+    """Steps of the directories in ``root`` named as complete (or partial) steps, whatever they hold; sorted."""
+    pattern = _PARTIAL if partial else _COMPLETE
+    try:
+        with os.scandir(root) as found:
+            return sorted(int(m[1]) for e in found if (m := pattern.fullmatch(e.name)) and e.is_dir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def manifest(root: str, step: int) -> dict:
+    """The manifest of complete ``step``; ValueError (naming the file) when it is not one :func:`finalize` wrote."""
+    path = os.path.join(root, step_name(step), MANIFEST)
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        doc = json.loads(raw)
+        world, ranks = doc["world"], doc["ranks"]
+        ok = (doc["format"], doc["step"], type(doc["job"]), type(world)) == (FORMAT, step, str, int)
+        ok = ok and sorted(ranks) == sorted(map(str, range(world))) and all(
+            e["file"] == rank_file(r) and all(type(e[k]) is int for k in ("bytes", "checksum", "digest"))
+            and e["bytes"] >= HEADER_SIZE for r, e in ((r, ranks[str(r)]) for r in range(world)))
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    if not ok or not world:
+        raise ValueError(f"{path}: not an ftrun format-{FORMAT} manifest of step {step}")
+    return doc
+
+
+def complete_steps(root: str, job: str | None = None) -> list[int]:
+    """Steps with a complete directory and a readable manifest (of ``job`` when given), oldest first."""
+    steps = []
+    for step in step_dirs(root):
+        with contextlib.suppress(OSError, ValueError):
+            if manifest(root, step)["job"] == job or job is None:
+                steps.append(step)
+    return steps
+
+
+def remove_partial(root: str, step: int) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        shutil.rmtree(partial_dir(root, step))
+
+
+def prune(root: str, keep: int) -> list[int]:
+    """Delete complete steps beyond the newest ``keep`` (never the newest complete one) and every partial
+    directory of a step older than the newest complete one; returns the steps deleted, oldest first."""
+    complete = complete_steps(root)
+    doomed = complete[:-max(keep, 1)]
+    for step in doomed:
+        remove_partial(root, step)
+        os.rename(os.path.join(root, step_name(step)), partial_dir(root, step))
+        remove_partial(root, step)
+    stale = [step for step in step_dirs(root, partial=True) if complete and step < complete[-1]]
+    for step in stale:
+        remove_partial(root, step)
+    return sorted(set(doomed) | set(stale))
+
+
+def _problem(slot: SlotFile, step: int, entry: dict, size: int) -> str | None:
+    """Why ``slot``, holding the ``size`` bytes of a rank file, is not ``step``'s manifest ``entry``, or None."""
+    header = slot.header()
+    problem = slot.problem() or (None if header.sealed else "not sealed")
+    if problem is None and not size == HEADER_SIZE + header.payload_len == entry["bytes"]:
+        problem = f"{size} bytes; its header says {HEADER_SIZE + header.payload_len}, the manifest {entry['bytes']}"
+    if problem is None and (header.step, header.checksum, header.digest) != (step, entry["checksum"], entry["digest"]):
+        problem = f"header of step {header.step} does not match the manifest of step {step}"
+    return problem or slot.verify()
+
+
+def load_rank(root: str, step: int, rank: int, slot: SlotFile) -> None:
+    """Copy ``rank``'s file of complete ``step`` into ``slot`` and verify it there (checksum, step, manifest).
+
+    The slot is EMPTY while the bytes arrive and stays so unless they verify, else CorruptStep says why.
+    ValueError if the slot is too small; OSError reading the file propagates.
+    """
+    entry = manifest(root, step)["ranks"].get(str(rank))
+    if entry is None:
+        raise CorruptStep(f"step {step} has no rank {rank}")
+    path = os.path.join(root, step_name(step), entry["file"])
+    slot.set_state(EMPTY)
+    try:
+        with open(path, "rb") as f, memoryview(slot.map) as view:
+            size = os.fstat(f.fileno()).st_size
+            if size > slot.size:
+                raise ValueError(f"{path}: {size} bytes do not fit in {slot.path} ({slot.size} bytes)")
+            for at in [*range(HEADER_SIZE, size, CHUNK), 0]:  # the header last: committed once complete
+                end = min(size, at + CHUNK) if at else HEADER_SIZE
+                if os.preadv(f.fileno(), [view[at:end]], at) != end - at:
+                    raise CorruptStep(f"{path}: changed while it was read")
+        problem = _problem(slot, step, entry, size)
+        if problem is not None:
+            raise CorruptStep(f"{path}: {problem}")
+    except BaseException:
+        slot.set_state(EMPTY)
+        raise
+
+
+def verify_step(root: str, step: int) -> dict[int, str | None]:
+    """Each rank of complete ``step`` mapped to why its file fails verification, or None (reads every byte)."""
+    result: dict[int, str | None] = {}
+    for key, entry in manifest(root, step)["ranks"].items():
+        try:
+            image = open_image(os.path.join(root, step_name(step), entry["file"]))
+            try:
+                result[int(key)] = _problem(image, step, entry, image.size)
+            finally:
+                image.close()
+        except (OSError, CorruptStep) as err:
+            result[int(key)] = str(err)
+    return result

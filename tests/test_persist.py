@@ -1,0 +1,365 @@
+"""The durable tier: rank files, manifests, pruning, verification, `ftrun inspect` and `ftrun export`.
+
+Slot images are built as the Snapshotter builds them (capture, copy at the layout's offsets, meta, commit,
+seal), without a running job.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+from torch import nn
+
+from ftrun.snapshot import persist
+from ftrun.snapshot.layout import RNG_KEY, Capture, capture, encode_meta
+from ftrun.snapshot.persist import CorruptStep
+from ftrun.snapshot.slot import EMPTY, HEADER_SIZE, Header, SlotFile
+
+JOB = "jobx"
+
+
+def make_state(seed: int) -> dict:
+    """A small model and AdamW after one step, a numpy array and plain values."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randn(5, 4)).square().sum().backward()
+    optim.step()
+    return {"model": model, "optim": optim, "data": np.arange(6, dtype=np.float32).reshape(2, 3) + seed,
+            "meta": {"epoch": seed, "lr": 1e-2, "name": "run", "np": np.int64(7), "tup": (1, 2.5)}}
+
+
+def make_slot(path: Path, state: dict, step: int, *, spare: int = 0) -> tuple[SlotFile, Capture]:
+    """A committed, sealed slot file holding ``state`` at ``step`` (what the Snapshotter's _copy does)."""
+    taken = capture(state)
+    meta = encode_meta(taken.layout, taken.skeleton)
+    layout = taken.layout
+    slot = SlotFile(str(path), HEADER_SIZE + layout.nbytes + len(meta) + spare)
+    if layout.nbytes:
+        data = torch.frombuffer(slot.map, dtype=torch.uint8, count=layout.nbytes, offset=HEADER_SIZE)
+        for entry, tensor in zip(layout.entries, taken.tensors, strict=True):
+            raw = data[entry.offset:entry.offset + entry.nbytes]
+            raw.view(getattr(torch, entry.dtype)).reshape(entry.shape).copy_(tensor)
+        del data, raw
+    slot.payload()[layout.nbytes:layout.nbytes + len(meta)] = meta
+    slot.commit(Header(step=step, generation=0, digest=layout.digest, data_len=layout.nbytes, meta_len=len(meta)))
+    assert slot.verify() is None
+    return slot, taken
+
+
+def write_step(root: Path, shm: Path, step: int, states: list[dict]) -> dict[int, dict]:
+    """Persist one step of ``len(states)`` ranks (1 node) and finalize it; returns the manifest entries."""
+    entries = {}
+    for rank, state in enumerate(states):
+        slot, _ = make_slot(shm / f"slot-{step}-{rank}", state, step)
+        entries[rank] = persist.write_rank(persist.partial_dir(str(root), step), rank, slot)
+        slot.close()
+    persist.finalize(str(root), step, JOB, 1, len(states), entries)
+    return entries
+
+
+def flip_byte(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def ftrun(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftrun", *args], capture_output=True, text=True, timeout=120)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and lines[0].startswith("ftrun: error: "), result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0], lines[0]
+
+
+@pytest.fixture
+def dirs(tmp_path: Path) -> tuple[Path, Path]:
+    """(checkpoint root, a stand-in for /dev/shm), both under the test's tmp_path."""
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    return tmp_path / "ckpt" / "job", shm
+
+
+@pytest.fixture(scope="module")
+def states() -> list[dict]:
+    return [make_state(0), make_state(1)]
+
+
+def mode(path: Path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_write_and_finalize(dirs, states):
+    root, shm = dirs
+    entries = write_step(root, shm, 30, states)
+    final = root / "step-00000030"
+    assert persist.complete_steps(str(root)) == [30]
+    assert persist.complete_steps(str(root), job=JOB) == [30]
+    assert persist.complete_steps(str(root), job="other") == []
+    doc = persist.manifest(str(root), 30)
+    assert {k: doc[k] for k in ("format", "job", "step", "world", "nnodes", "nproc_per_node")} == \
+        {"format": 1, "job": JOB, "step": 30, "world": 2, "nnodes": 1, "nproc_per_node": 2}
+    assert doc["ranks"] == {str(r): e for r, e in entries.items()}
+    for rank in (0, 1):
+        path = final / f"rank-{rank:05d}.snap"
+        slot = SlotFile(str(shm / f"slot-30-{rank}"))
+        header = slot.header()
+        assert doc["ranks"][str(rank)] == {"file": path.name, "bytes": HEADER_SIZE + header.payload_len,
+                                           "checksum": header.checksum, "digest": header.digest}
+        assert path.read_bytes() == bytes(slot.map[:HEADER_SIZE + header.payload_len])
+        slot.close()
+        assert mode(path) == 0o600
+    assert mode(final / "manifest.json") == 0o600
+    assert mode(final) == mode(root) == mode(root.parent) == 0o700
+    assert not os.path.exists(persist.partial_dir(str(root), 30))
+    assert persist.verify_step(str(root), 30) == {0: None, 1: None}
+
+
+def test_bad_inputs_of_writer(dirs, states):
+    root, shm = dirs
+    slot, _ = make_slot(shm / "slot", states[0], 10)
+    entry = persist.write_rank(persist.partial_dir(str(root), 10), 0, slot)
+    with pytest.raises(ValueError, match="expected 0..1"):
+        persist.finalize(str(root), 10, JOB, 1, 2, {0: entry})
+    slot.set_state(EMPTY)
+    with pytest.raises(ValueError, match="state empty"):
+        persist.write_rank(persist.partial_dir(str(root), 10), 1, slot)
+    assert not os.path.exists(os.path.join(persist.partial_dir(str(root), 10), persist.rank_file(1)))
+    slot.close()
+    readonly = shm / "readonly"
+    readonly.mkdir(mode=0o500)
+    slot, _ = make_slot(shm / "slot2", states[0], 10)
+    if os.geteuid() != 0:  # root writes anywhere
+        with pytest.raises(PermissionError):
+            persist.write_rank(str(readonly / "sub"), 0, slot)
+    slot.close()
+    persist.remove_partial(str(root), 10)
+    assert not os.path.exists(persist.partial_dir(str(root), 10))
+    assert persist.complete_steps(str(root)) == []
+    assert persist.complete_steps(str(root / "missing")) == []
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ENOSPC])
+def test_sendfile_failures(dirs, states, monkeypatch, code):
+    """EINVAL (no sendfile between these filesystems): write() from the mapping; any other error propagates."""
+    root, shm = dirs
+    slot, _ = make_slot(shm / "slot", states[0], 10)
+    calls = []
+
+    def failing(*args):
+        calls.append(args)
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(persist.os, "sendfile", failing)
+    directory = persist.partial_dir(str(root), 10)
+    path = Path(directory) / persist.rank_file(0)
+    if code == errno.EINVAL:
+        entry = persist.write_rank(directory, 0, slot)
+        assert path.read_bytes() == bytes(slot.map[:entry["bytes"]])
+    else:
+        with pytest.raises(OSError) as err:
+            persist.write_rank(directory, 0, slot)
+        assert err.value.errno == code and not path.exists()
+    assert calls
+    slot.close()
+
+
+def test_partial_and_malformed_steps_ignored(dirs, states):
+    root, shm = dirs
+    write_step(root, shm, 10, states)
+    slot, _ = make_slot(shm / "slot", states[0], 20)
+    persist.write_rank(persist.partial_dir(str(root), 20), 0, slot)  # rank 1 never written: step 20 stays partial
+    slot.close()
+    (root / "step-00000040").mkdir()
+    (root / "step-00000040" / "manifest.json").write_text("{not json")
+    (root / "step-00000050").mkdir()
+    (root / "step-00000050" / "manifest.json").write_text(json.dumps({"format": 1, "step": 50}))
+    (root / "step-60").mkdir()
+    assert persist.step_dirs(str(root)) == [10, 40, 50]
+    assert persist.step_dirs(str(root), partial=True) == [20]
+    assert persist.complete_steps(str(root)) == [10]
+    with pytest.raises(ValueError, match="step-00000040"):
+        persist.manifest(str(root), 40)
+
+
+def test_prune(dirs, states):
+    root, shm = dirs
+    for step in (10, 20, 30, 40):
+        write_step(root, shm, step, states[:1])
+    for step in (15, 35, 50):
+        persist.write_rank(persist.partial_dir(str(root), step), 0, make_slot(shm / f"p{step}", states[0], step)[0])
+    assert persist.prune(str(root), 2) == [10, 15, 20, 35]
+    assert persist.complete_steps(str(root)) == [30, 40]
+    assert persist.step_dirs(str(root), partial=True) == [50]  # newer than the newest complete: being written
+    assert persist.prune(str(root), 0) == [30]  # never the newest complete step
+    assert persist.complete_steps(str(root)) == [40]
+    assert persist.prune(str(root), 5) == []
+    assert persist.prune(str(root / "missing"), 1) == []
+
+
+def test_load_rank_round_trip(dirs, states):
+    root, shm = dirs
+    write_step(root, shm, 30, states)
+    original = SlotFile(str(shm / "slot-30-1"))
+    size = HEADER_SIZE + original.header().payload_len
+    target = SlotFile(str(shm / "target"), size + 8192)
+    target.map[:] = b"\xab" * target.size
+    persist.load_rank(str(root), 30, 1, target)
+    assert bytes(target.map[:size]) == bytes(original.map[:size])
+    assert target.header() == original.header()
+    assert target.verify() is None
+    with pytest.raises(CorruptStep, match="no rank 2"):
+        persist.load_rank(str(root), 30, 2, target)
+    small = SlotFile(str(shm / "small"), size - 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        persist.load_rank(str(root), 30, 1, small)
+    assert small.header().state == EMPTY
+    for slot in (original, target, small):
+        slot.close()
+
+
+@pytest.mark.parametrize("where", ["data", "meta", "header"])
+def test_corrupt_rank(dirs, states, where):
+    root, shm = dirs
+    write_step(root, shm, 30, states)
+    path = root / "step-00000030" / "rank-00001.snap"
+    image = persist.open_image(str(path))
+    header = image.header()
+    image.close()
+    flip_byte(path, {"data": HEADER_SIZE + 3, "meta": HEADER_SIZE + header.data_len + 5, "header": 16}[where])
+    problems = persist.verify_step(str(root), 30)
+    assert problems[0] is None and problems[1] is not None
+    target = SlotFile(str(shm / "target"), path.stat().st_size + 4096)
+    persist.load_rank(str(root), 30, 0, target)
+    assert target.header().state != EMPTY
+    with pytest.raises(CorruptStep, match="rank-00001.snap"):
+        persist.load_rank(str(root), 30, 1, target)
+    assert target.header().state == EMPTY
+    target.close()
+    path.write_bytes(path.read_bytes()[:-1])  # truncated
+    assert "beyond capacity" in persist.verify_step(str(root), 30)[1]
+    path.unlink()
+    assert "No such file" in persist.verify_step(str(root), 30)[1]
+
+
+def test_inspect(dirs, states):
+    root, shm = dirs
+    write_step(root, shm, 10, states)
+    write_step(root, shm, 20, states)
+    slot, _ = make_slot(shm / "slot", states[0], 30)
+    persist.write_rank(persist.partial_dir(str(root), 30), 0, slot)
+    slot.close()
+    flip_byte(root / "step-00000020" / "rank-00001.snap", HEADER_SIZE + 1)
+
+    result = ftrun("inspect", str(root), "--json")
+    assert result.returncode == 0, result.stderr
+    doc = json.loads(result.stdout)
+    rows = {row["step"]: row for row in doc["steps"]}
+    assert [row["step"] for row in doc["steps"]] == [10, 20, 30]
+    assert rows[10]["state"] == "complete" and rows[10]["corrupt"] == {} and rows[10]["job"] == JOB
+    assert rows[10]["ranks"] == rows[10]["world"] == 2
+    assert rows[10]["bytes"] == sum(p.stat().st_size for p in (root / "step-00000010").glob("rank-*.snap"))
+    assert list(rows[20]["corrupt"]) == ["1"] and "checksum mismatch" in rows[20]["corrupt"]["1"]
+    assert rows[30]["state"] == "partial" and rows[30]["ranks"] == 1
+
+    result = ftrun("inspect", str(root), "--no-verify", "--json")
+    assert all(row["corrupt"] is None for row in json.loads(result.stdout)["steps"])
+
+    result = ftrun("inspect", str(root))
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["step", "job", "state", "ranks", "size", "created", "check"]
+    assert lines[1].split()[:4] == ["10", JOB, "complete", "2"] and lines[1].endswith("ok")
+    assert "rank 1 corrupt: checksum mismatch" in lines[2]
+    assert lines[3].split()[:3] == ["30", "-", "partial"]
+
+
+def test_inspect_bad_input(tmp_path):
+    assert_one_line_error(ftrun("inspect", str(tmp_path / "missing")), "no such checkpoint directory")
+    assert_one_line_error(ftrun("inspect", str(tmp_path)), "no checkpoint steps")
+
+
+def test_export(dirs, states, tmp_path):
+    root, shm = dirs
+    write_step(root, shm, 10, [make_state(5), make_state(6)])
+    write_step(root, shm, 20, states)
+    out = tmp_path / "out" / "torch"
+    result = ftrun("export", str(root), "--format", "torch", str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(out / "rank-00000.pt"), str(out / "rank-00001.pt")]
+    assert mode(out) == mode(out.parent) == 0o700
+    for rank, state in enumerate(states):
+        path = out / f"rank-{rank:05d}.pt"
+        assert mode(path) == 0o600
+        loaded = torch.load(path, weights_only=True)
+        assert set(loaded) == {"model", "optim", "data", "meta", RNG_KEY}
+        for name, tensor in state["model"].state_dict().items():
+            assert torch.equal(loaded["model"][name], tensor), name
+        assert loaded["model"]._metadata == state["model"].state_dict()._metadata
+        optim = state["optim"].state_dict()
+        for index, moments in optim["state"].items():
+            assert torch.equal(loaded["optim"]["state"][index]["exp_avg"], moments["exp_avg"])
+            assert torch.equal(loaded["optim"]["state"][index]["exp_avg_sq"], moments["exp_avg_sq"])
+        assert loaded["optim"]["param_groups"] == optim["param_groups"]
+        assert torch.equal(loaded["data"], torch.from_numpy(state["data"]))
+        assert loaded["meta"] == {**state["meta"], "np": 7}
+        assert type(loaded["meta"]["np"]) is int and type(loaded["meta"]["tup"]) is tuple
+        assert set(loaded[RNG_KEY]) == {"python", "numpy", "torch"} and loaded[RNG_KEY]["torch"].dtype == torch.uint8
+        assert loaded[RNG_KEY]["python"][0] == 3 and len(loaded[RNG_KEY]["python"][1]) == 625
+
+    out = tmp_path / "st"
+    result = ftrun("export", str(root), "--step", "10", "--format", "safetensors", str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [str(out / "rank-00000.safetensors"), str(out / "rank-00001.safetensors")]
+    state = make_state(6)
+    path = out / "rank-00001.safetensors"
+    assert mode(path) == 0o600
+    tensors = load_file(path)
+    assert torch.equal(tensors["model/0.weight"], state["model"][0].weight)
+    assert torch.equal(tensors["model/1.running_mean"], state["model"][1].running_mean)
+    assert torch.equal(tensors["optim/state/0/exp_avg"], state["optim"].state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(tensors["data"], torch.from_numpy(state["data"]))
+    assert {"__rng__/torch", "__rng__/numpy/1"} <= set(tensors)
+    with safe_open(path, "pt") as f:
+        metadata = f.metadata()
+    assert (metadata["ftrun_job"], metadata["ftrun_step"], metadata["ftrun_rank"]) == (JOB, "10", "1")
+    skeleton = json.loads(metadata["ftrun_skeleton"])
+    assert skeleton["state"]["meta"]["d"][0] == ["epoch", 6]
+    assert sorted(row[0] for row in json.loads(metadata["ftrun_layout"])["entries"]) == sorted(tensors)
+    assert not list(out.glob("*.partial"))
+
+
+def test_export_bad_input(dirs, states, tmp_path):
+    root, shm = dirs
+    out = str(tmp_path / "out")
+    assert_one_line_error(ftrun("export", str(tmp_path / "missing"), "--format", "torch", out), "no such")
+    write_step(root, shm, 10, states)
+    write_step(root, shm, 20, states)
+    assert_one_line_error(ftrun("export", str(root), "--step", "15", "--format", "torch", out),
+                          "no complete step 15", "10, 20")
+    assert_one_line_error(ftrun("export", str(root), "--format", "zip", out), "--format", "zip")
+    assert_one_line_error(ftrun("export", str(root), out), "--format")
+    assert_one_line_error(ftrun("export", str(root), "--step", "x", "--format", "torch", out), "--step")
+    flip_byte(root / "step-00000020" / "rank-00000.snap", HEADER_SIZE + 9)
+    assert_one_line_error(ftrun("export", str(root), "--format", "torch", out), "step 20", "rank 0")
+    assert not os.path.exists(out)  # nothing written before every rank verified
+    (tmp_path / "file").write_text("")
+    assert_one_line_error(ftrun("export", str(root), "--step", "10", "--format", "torch", str(tmp_path / "file")),
+                          "cannot")
