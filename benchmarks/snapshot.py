@@ -1,4 +1,4 @@
-"""RAM snapshots of ftrun against memcpy and torch.save/torch.load: copy, blocking, restore, training throughput.
+"""ftrun's RAM snapshots and persistence against memcpy and torch.save/torch.load; training throughput with them.
 
 The Snapshotter only works inside an ftrun job (it talks to the node's keeper), so this script runs
 :mod:`snapshot_worker` as the one trainer of ``ftrun --nnodes 1 --nproc-per-node 1`` and prints the JSON the
@@ -25,12 +25,27 @@ Times are medians of ``--reps`` repetitions unless said otherwise.
   its last copy is committed and checksummed by the keeper), ``--blocks`` of each; medians of steps/s. Twice:
   with every core computing (CPU training: the copy and the keeper's CRC can only take cycles from it), and with
   one core left idle (as on a GPU node, whose CPU waits for the GPU during a step).
+- Persistence: then ``--jobs`` jobs without and ``--jobs`` with ``--ckpt-dir`` (a fresh directory in the disk
+  directory each) and ``--persist-every 1`` (the keeper persists as often as it can) run :mod:`persist_worker`,
+  alternating (off, on, off, on, ...), in the one-core-to-spare setting above (its torch threads and batch;
+  every core when there is only one), since a trainer using every core leaves none to background work. Each
+  job warms up (slots allocated; with persistence the keeper's spare slot too), then times ``--blocks`` (at
+  most 2) blocks of ``--steps`` steps with ``save(step)`` after every one, as above; medians of steps/s over
+  the blocks of each kind of job. Persist throughput: bytes / seconds of the ``persisted`` events in the jobs'
+  ``events.jsonl`` (seconds: from the keeper taking the request, waiting for the slot's CRC-32 seal if need
+  be, through sendfile + fsync of the slot image, to node 0's manifest, rename and removal of older steps).
+  After training, each job with persistence takes 3 snapshots with the trainer idle, each waited for until
+  complete on disk: the median is over all but the first of each job, whose persist also removes the partial
+  steps written during training (shown apart, as are the steps complete on disk during training); beside
+  torch.save + fsync of the same state to the same disk (above). The keeper persists in the background at the
+  lowest CPU priority (nice 19) and in the idle I/O class; torch.save runs in the foreground.
 
 Targets, as ratios with PASS/MISS: copy >= 0.8 x numpy.copyto; restore >= 10 x faster than torch.load from
-/dev/shm; training with a snapshot every step >= 0.95 x without, with a core to spare.
+/dev/shm; training with a snapshot every step >= 0.95 x without, and with persistence on >= 0.95 x off, both
+with a core to spare.
 
-    .venv/bin/python benchmarks/snapshot.py            # 1 GiB of state, about 2 minutes
-    .venv/bin/python benchmarks/snapshot.py --quick    # 64 MiB, 1 repetition: a smoke check (about 20 s)
+    .venv/bin/python benchmarks/snapshot.py            # 1 GiB of state, about 5 minutes
+    .venv/bin/python benchmarks/snapshot.py --quick    # 64 MiB, 1 repetition, 1 job of each: smoke check (about 1 min)
 """
 
 from __future__ import annotations
@@ -48,10 +63,17 @@ from pathlib import Path
 from statistics import median as med
 from typing import Any
 
-WORKER = Path(__file__).resolve().parent / "snapshot_worker.py"
+from ftrun.events import read_events
+
+HERE = Path(__file__).resolve().parent
+WORKER, PERSIST_WORKER = HERE / "snapshot_worker.py", HERE / "persist_worker.py"
 GB = 1e9
 TARGET_COPY, TARGET_RESTORE, TARGET_TRAIN = 0.8, 10.0, 0.95
-JOB_TIMEOUT = 1200
+JOB_TIMEOUT, PERSIST_JOB_TIMEOUT = 1200, 600
+IDLE_PERSISTS = 2  # snapshots each job with persistence takes after training, each waited for on disk
+PERSIST_BLOCKS = 2  # training blocks per persistence job at most (starting a job costs more than a block)
+Results = dict[str, Any]
+Jobs = dict[str, list[Results]]  # persist worker results by "off" and "on"
 
 
 def filesystem(path: str) -> str:
@@ -61,19 +83,18 @@ def filesystem(path: str) -> str:
     return f"{fstype} on {source}"
 
 
-def run_job(args: argparse.Namespace, workdir: str, disk_dir: str) -> dict[str, Any]:
-    """Run the worker under ftrun; its results, or SystemExit with the tail of ftrun's output."""
-    job, out, log = f"bench-snapshot-{os.getpid()}", os.path.join(workdir, "out.json"), os.path.join(workdir, "log")
-    command = [sys.executable, "-m", "ftrun", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-id", job,
-               "--log-dir", os.path.join(workdir, "logs"), "--max-restarts", "1", "--hang-timeout", "600",
-               "--hang-timeout-initial", "600", str(WORKER), "--size-mib", str(args.size_mib), "--reps",
-               str(args.reps), "--blocks", str(args.blocks), "--steps", str(args.steps), "--disk-dir", disk_dir,
-               "--out", out]
+def run_ftrun(job: str, workdir: str, flags: list[str], worker: list[str], timeout: float) -> None:
+    """Run ``worker`` (script and arguments) as the one trainer of a 1-node ftrun job with events in
+    ``workdir/logs``, killed after ``timeout`` seconds; SystemExit with the tail of ftrun's output if it fails.
+    Removes what it left in /dev/shm."""
+    log = os.path.join(workdir, "log")
+    command = [sys.executable, "-m", "ftrun", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-id", job, "--log-dir",
+               os.path.join(workdir, "logs"), "--hang-timeout", "600", "--hang-timeout-initial", "600", *flags, *worker]
     with open(log, "wb") as f:
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
-        code = proc.wait(JOB_TIMEOUT)
+        code = proc.wait(timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         code = proc.wait()
@@ -82,16 +103,60 @@ def run_job(args: argparse.Namespace, workdir: str, disk_dir: str) -> dict[str, 
         os.unlink(path)
     if leftovers:
         print(f"WARNING: left in /dev/shm after the job (removed now): {leftovers}")
-    results = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
-    if code != 0 or "restore" not in results:
+    if code != 0:
         tail = "\n".join(Path(log).read_text(errors="replace").splitlines()[-30:])
-        raise SystemExit(f"the ftrun job failed (exit code {code}); its output ends with:\n{tail}")
+        raise SystemExit(f"the ftrun job {job} failed (exit code {code}); its output ends with:\n{tail}")
+
+
+def run_job(args: argparse.Namespace, workdir: str, disk_dir: str) -> Results:
+    """Run the snapshot worker under ftrun; its results."""
+    out = os.path.join(workdir, "out.json")
+    run_ftrun(f"bench-snapshot-{os.getpid()}", workdir, ["--max-restarts", "1"],
+              [str(WORKER), "--size-mib", str(args.size_mib), "--reps", str(args.reps), "--blocks", str(args.blocks),
+               "--steps", str(args.steps), "--disk-dir", disk_dir, "--out", out], JOB_TIMEOUT)
+    return finished(out, "restore")
+
+
+def finished(out: str, key: str) -> Results:
+    """A worker's results from ``out``; SystemExit if it has no ``key`` (the worker did not finish)."""
+    results = json.loads(Path(out).read_text()) if os.path.exists(out) else {}
+    if key not in results:
+        raise SystemExit(f"the worker writing {out} did not finish (results: {sorted(results)})")
     return results
 
 
-def report(r: dict[str, Any], disk: str) -> None:
+def run_persist_job(args: argparse.Namespace, workdir: str, ckpt: str | None, setting: Results) -> Results:
+    """Run the persist worker in a job of its own, persisting to ``ckpt`` (None: not at all); its results, with
+    the job's ``persisted`` events."""
+    os.mkdir(workdir)
+    out = os.path.join(workdir, "out.json")
+    persist = ["--ckpt-dir", ckpt] if ckpt else []
+    flags = ["--max-restarts", "0", "--persist-every", "1", *persist]  # the jobs differ in --ckpt-dir only
+    worker = [str(PERSIST_WORKER), "--size-mib", str(args.size_mib), "--batch", str(setting["batch"]), "--threads",
+              str(setting["threads"]), "--blocks", str(min(args.blocks, PERSIST_BLOCKS)), "--steps", str(args.steps),
+              "--persists", str(IDLE_PERSISTS), "--out", out, *persist]
+    run_ftrun(f"bench-persist-{os.getpid()}-{os.path.basename(workdir)}", workdir, flags, worker, PERSIST_JOB_TIMEOUT)
+    results = finished(out, "rate")
+    results["persisted"] = [e for e in read_events(os.path.join(workdir, "logs")) if e["event"] == "persisted"]
+    if ckpt:
+        shutil.rmtree(ckpt)
+    return results
+
+
+def run_persist_jobs(args: argparse.Namespace, workdir: str, disk_dir: str, setting: Results) -> Jobs:
+    """``--jobs`` jobs without and with persistence, alternating, in the training ``setting`` (threads, batch)."""
+    jobs: Jobs = {"off": [], "on": []}
+    for index in range(args.jobs):
+        for mode in ("off", "on"):
+            name = f"{mode}{index}"
+            ckpt = os.path.join(disk_dir, f"ckpt-{name}") if mode == "on" else None
+            jobs[mode].append(run_persist_job(args, os.path.join(workdir, name), ckpt, setting))
+    return jobs
+
+
+def report(r: Results, jobs: Jobs, disk: str) -> None:
     size, copy, crc, restore, verify = r["bytes"], med(r["copy"]), med(r["crc"]), med(r["restore"]), med(r["verify"])
-    shm, dsk, train = r["shm"], r["disk"], r["train"]
+    shm, dsk = r["shm"], r["disk"]
     fs = filesystem(disk)
     print(f"state {size / 2**30:.2f} GiB: {r['layers']} x nn.Linear({r['width']}, {r['width']}) + AdamW state, "
           f"{r['threads']} torch threads; medians of {len(r['copy'])}")
@@ -124,21 +189,78 @@ def report(r: dict[str, Any], disk: str) -> None:
     for key, label in (("train", "every core computing"), ("train_spare", "one core to spare")):
         if key in r:
             training(r[key], label, copy, crc)
+    persist_rate(jobs["on"], size, med(dsk["save"]))
+    targets(r, persist_training(jobs, *compared(r)))
 
-    spare = "one core to spare" if "train_spare" in r else "every core computing"
-    none, every = med(r.get("train_spare", train)["none"]), med(r.get("train_spare", train)["every"])
-    print(f"  {'target':<58}{'ratio':>7}")
+
+def compared(r: Results) -> tuple[str, Results]:
+    """The training setting the targets compare in: one core to spare if there is one, else every core computing."""
+    return ("one core to spare", r["train_spare"]) if "train_spare" in r else ("every core computing", r["train"])
+
+
+def targets(r: Results, on_off: float) -> None:
+    copy, restore, load = med(r["copy"]), med(r["restore"]), med(r["shm"]["load"])
+    spare, setting = compared(r)
+    none, every = med(setting["none"]), med(setting["every"])
+    print(f"  {'target':<68}{'ratio':>7}")
     for label, ratio, target in (
             (f"copy >= {TARGET_COPY} x numpy.copyto (time numpy / time ftrun)", med(r["numpy"]) / copy, TARGET_COPY),
-            (f"restore >= {TARGET_RESTORE:g} x faster than torch.load from /dev/shm", med(shm["load"]) / restore,
-             TARGET_RESTORE),
-            (f"training, snapshot every step >= {TARGET_TRAIN} x none ({spare})", every / none, TARGET_TRAIN)):
-        print(f"  {label:<58}{ratio:7.3f}  {'PASS' if ratio >= target else 'MISS'}")
-    print(f"  (restore with the keeper's CRC-32 added: {med(shm['load']) / (restore + verify):.1f} x faster than "
-          f"torch.load from /dev/shm; training with every core computing: {med(train['every']) / med(train['none']):.3f})")
+            (f"restore >= {TARGET_RESTORE:g} x faster than torch.load from /dev/shm", load / restore, TARGET_RESTORE),
+            (f"training, snapshot every step >= {TARGET_TRAIN} x none ({spare})", every / none, TARGET_TRAIN),
+            (f"training, persistence on >= {TARGET_TRAIN} x off ({spare})", on_off, TARGET_TRAIN)):
+        print(f"  {label:<68}{ratio:7.3f}  {'PASS' if ratio >= target else 'MISS'}")
+    print(f"  (restore with the keeper's CRC-32 added: {load / (restore + med(r['verify'])):.1f} x faster than "
+          f"torch.load from /dev/shm; training with every core computing: "
+          f"{med(r['train']['every']) / med(r['train']['none']):.3f})")
 
 
-def training(train: dict[str, Any], label: str, copy: float, crc: float) -> None:
+def persist_rate(on: list[Results], size: int, torch_save: float) -> None:
+    """Print the keeper's persist throughput (trainer idle, first after training, during training) beside
+    torch.save + fsync's."""
+    torch_rate = size / torch_save
+
+    def of(key: str) -> list[Results]:
+        return [e for job in on for e in job["persisted"] if e["step"] in job[key]]
+
+    idle, first = of("idle"), of("first_idle")
+    busy = [e for job in on for e in job["persisted"] if e["step"] <= job["trained"]]
+    print("  persistence: the keeper writes each rank's slot image to --ckpt-dir with sendfile + fsync, in the "
+          "background,\n  at nice 19 and in the idle I/O class; node 0 then writes the manifest, renames the step "
+          "directory and\n  removes old steps (all in the persisted event's seconds); torch.save runs in the "
+          "foreground\n")
+    print(f"  {'write of the state to disk':<40}{'time':>9}{'bandwidth':>14}")
+    print(f"  {'torch.save + fsync (above)':<40}{torch_save:7.3f} s{torch_rate / GB:9.2f} GB/s")
+    for label, found in ((f"keeper persist, trainer idle ({len(idle)})", idle),
+                         (f"  first after training ({len(first)})", first),
+                         (f"  during training ({len(busy)} of {sum(j['trained'] for j in on)} steps)", busy)):
+        if not found:
+            print(f"  {label:<40}{'-':>9}{'-':>14}")
+            continue
+        rates = [e["bytes"] / e["seconds"] / GB for e in found]
+        print(f"  {label:<40}{med(e['seconds'] for e in found):7.3f} s{med(rates):9.2f} GB/s = "
+              f"{med(rates) * GB / torch_rate:.2f} x torch.save;  each {' '.join(f'{v:.2f}' for v in rates)}")
+    print(f"  (the first persists after training also removed {sum(len(e['pruned']) for e in first)} older or "
+          "partial steps)\n")
+
+
+def persist_training(jobs: Jobs, spare: str, setting: Results) -> float:
+    """Print steps/s with persistence off and on; returns the ratio of the medians (on / off)."""
+    per_job = len(jobs["off"][0]["rate"])
+    print(f"  training, persistence on (--persist-every 1) vs off, {spare} ({setting['threads']} torch threads), "
+          f"batch {setting['batch']}:\n  {len(jobs['off'])} jobs of each, alternating off/on, {per_job} blocks of "
+          f"{setting['steps']} steps per job, snapshot every step")
+    medians = {}
+    for mode, label in (("off", "persistence off"), ("on", "persistence on")):
+        blocks = [rate for job in jobs[mode] for rate in job["rate"]]
+        medians[mode] = med(blocks)
+        warm = " ".join(f"{job['warm_up']} ({job['slots']} slots)" for job in jobs[mode])
+        print(f"  {label:<22}{medians[mode]:6.3f} steps/s   blocks "
+              f"{' | '.join(' '.join(f'{v:.3f}' for v in job['rate']) for job in jobs[mode])};  warm-up steps {warm}")
+    print(f"  ratio measured: {medians['on'] / medians['off']:.3f}\n")
+    return medians["on"] / medians["off"]
+
+
+def training(train: Results, label: str, copy: float, crc: float) -> None:
     none, every = med(train["none"]), med(train["every"])
     step = 1 / none
     print(f"  training, {label} ({train['threads']} torch threads), batch {train['batch']}: {step:.3f} s/step = "
@@ -155,17 +277,20 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each timing")
     parser.add_argument("--blocks", type=int, default=3, help="training blocks per mode")
     parser.add_argument("--steps", type=int, default=6, help="training steps per block")
+    parser.add_argument("--jobs", type=int, default=2, help="jobs with persistence and jobs without, alternating")
     parser.add_argument("--disk-dir", default=tempfile.gettempdir(),
-                        help="where the torch.save file on disk goes (a temporary directory inside it)")
-    parser.add_argument("--quick", action="store_true", help="64 MiB, 1 repetition, 1 short block: a smoke check")
+                        help="where the torch.save file and the --ckpt-dir go (a temporary directory inside it)")
+    parser.add_argument("--quick", action="store_true",
+                        help="64 MiB, 1 repetition, 1 short block, 1 job of each: a smoke check")
     args = parser.parse_args()
     if args.quick:
-        args.size_mib, args.reps, args.blocks, args.steps = 64, 1, 1, 3
+        args.size_mib, args.reps, args.blocks, args.steps, args.jobs = 64, 1, 1, 3, 1
     workdir = tempfile.mkdtemp(prefix="ftrun-bench-snapshot-")
     disk = tempfile.mkdtemp(prefix="ftrun-bench-snapshot-disk-", dir=args.disk_dir)
     try:
         results = run_job(args, workdir, disk)
-        report(results, disk)
+        jobs = run_persist_jobs(args, workdir, disk, compared(results)[1])
+        report(results, jobs, disk)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)

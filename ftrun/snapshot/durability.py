@@ -2,9 +2,10 @@
 
 Keys under ``ftrun/<job>/persist/`` (job-wide, not per generation):
 
-- ``request``: the newest step every keeper is asked to persist. Node 0 sets it every ``persist_every``
-  globally committed steps, and once more to the newest committed step when the job stops or ends
-  (``final`` then holds that step too).
+- ``request``: the step every keeper is asked to persist. Node 0 sets it every ``persist_every`` globally
+  committed steps, and once more to the newest committed step when the job stops or ends (``final`` then
+  holds that step too). One request at a time: while one is being written, a newer step waits (only the
+  newest waiting one is kept), so a slow disk makes persists rarer, never piles up unfinished ones.
 - ``<step>/<node>``: JSON outcome of a node's keeper for that step: ``{"entries": {rank: manifest entry}}`` or
   ``{"error": "..."}``, with ``bytes`` and ``seconds``.
 - ``done``: the newest step complete on disk. Node 0, once every node has reported a step, writes the manifest
@@ -42,6 +43,7 @@ class Durability:
         self.request = 0  # the newest request this node knows of
         self.done = 0
         self._commits = 0  # globally committed steps seen since the last request (node 0)
+        self._queued = 0  # node 0: the newest step to ask for once the request being written is finished
         self._reported = 0  # the newest step whose outcome this node published
         self._degraded: str | None = None
         self._next_read = 0.0
@@ -61,13 +63,18 @@ class Durability:
             self.ask(step)
 
     def ask(self, step: int, final: bool = False) -> None:
-        """Node 0: ask every keeper to persist ``step`` (``final``: the last one of this run)."""
-        if step > self.request:
-            self._commits = 0
-            self.request = step
-            self.coord.store.set(self.coord.key("persist", "request"), str(step))
+        """Node 0: ask every keeper to persist ``step`` (``final``: the last one of this run), or queue it while
+        the request before it is being written."""
+        self._commits = 0
         if final:
             self.coord.store.set(self.coord.key("persist", "final"), str(step))
+        if step <= max(self.request, self.done):
+            return
+        if self.request > self.done:
+            self._queued = max(self._queued, step)
+            return
+        self.request = step
+        self.coord.store.set(self.coord.key("persist", "request"), str(step))
 
     def tick(self, outcome: dict[str, Any]) -> int:
         """Publish this keeper's outcome, read the request, and (node 0) finalize; returns the step to ask the
@@ -83,6 +90,9 @@ class Durability:
             self.request = max(self.request, int(raw)) if raw else self.request
             if self.leader and self.request > self.done:
                 self._finalize(self.request)
+            if self.leader and self._queued and self.request <= self.done:
+                queued, self._queued = self._queued, 0
+                self.ask(queued)
         return self.request
 
     def _get(self, *key: object) -> bytes | None:
@@ -126,15 +136,17 @@ class Durability:
                              step=step, degraded=True, reason=str(err))
             return
         nbytes = sum(int(e["bytes"]) for e in entries.values())
-        seconds = max(float(o["seconds"]) for o in outcomes.values()) + time.perf_counter() - t0
+        seconds = max(float(o["seconds"]) for o in outcomes.values())  # the keepers' writes, in parallel
+        finishing = time.perf_counter() - t0  # manifest, rename, pruning
         self.coord.store.set(self.coord.key("persist", "done_time"), str(time.time()))
         self.coord.store.set(self.coord.key("persist", "done"), str(step))
         if self._degraded is not None:
             self._degraded = None
             self.coord.store.set(self.coord.key("persist", "degraded"), "")
-        self.events.emit("persisted", f"persisted step {step} to {path} ({nbytes / 2**20:.1f} MiB in {seconds:.2f}s, "
-                         f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s){'; removed steps ' + str(pruned) if pruned else ''}",
-                         step=step, bytes=nbytes, seconds=seconds, path=path, pruned=pruned)
+        self.events.emit("persisted", f"persisted step {step} to {path} ({nbytes / 2**20:.1f} MiB written in "
+                         f"{seconds:.2f}s, {nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s; finished in {finishing:.2f}s)"
+                         f"{'; removed steps ' + str(pruned) if pruned else ''}", step=step, bytes=nbytes,
+                         seconds=seconds, finish_seconds=finishing, path=path, pruned=pruned)
 
     def final_outcome(self) -> bool | None:
         """After the final request: True once its step is on disk, False if it failed, None while unknown."""
