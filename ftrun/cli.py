@@ -19,7 +19,7 @@ from ftrun.errors import USAGE_EXIT_CODE, UsageError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).")
 
-SUBCOMMANDS = ("run", "store", "inspect", "export")
+SUBCOMMANDS = ("run", "store", "inspect", "export", "status")
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -56,6 +56,7 @@ def run(
                                                help="Seconds between SIGTERM and SIGKILL when stopping trainers."),
     zygote: Optional[bool] = typer.Option(None, "--zygote/--no-zygote",
                                           help="Fork trainers from a process that imported torch."),
+    tui: Optional[bool] = typer.Option(None, "--tui", help="Show the live status view instead of event lines."),
     ec_group: Optional[int] = typer.Option(None, "--ec-group",
                                            help="Nodes per erasure-coding group (default: up to 4)."),
     ec_parity: Optional[int] = typer.Option(None, "--ec-parity",
@@ -86,7 +87,7 @@ def run(
         "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id, "rdzv_timeout": rdzv_timeout,
         "max_restarts": max_restarts, "standalone": standalone, "module": module, "no_python": no_python,
         "log_dir": log_dir, "hang_timeout": hang_timeout, "hang_timeout_initial": hang_timeout_initial,
-        "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote,
+        "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote, "tui": tui,
         "ec_group": ec_group, "ec_parity": ec_parity, "ec_backend": ec_backend,
         "secret_file": secret_file, "ckpt_dir": ckpt_dir, "persist_every": persist_every, "keep": keep,
         "resume": resume, "persist_grace": persist_grace, "inject": inject or None,
@@ -139,6 +140,25 @@ def export(
 
     for path in export_step(directory, out, fmt, step):
         print(path, flush=True)
+
+
+@app.command()
+def status(
+    endpoint: Optional[str] = typer.Option(None, "--endpoint",
+                                           help="HOST:PORT of the job's control store (default: find the job's "
+                                                "launcher on this host)."),
+    job: Optional[str] = typer.Option(None, "--job", help="Job id (needed with --endpoint or with several jobs)."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON documents (one line each) instead of tables."),
+    once: bool = typer.Option(False, "--once", help="Print the status once and exit."),
+    wait: bool = typer.Option(False, "--wait", help="Wait for the job to appear instead of failing."),
+) -> None:
+    """Show a running job's nodes, ranks, snapshot tiers and failures, refreshed live until it ends."""
+    import os
+
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ warning when the store goes
+    from ftrun.ui.live import status_command
+
+    raise typer.Exit(status_command(endpoint, job, as_json, once, wait))
 
 
 def main(argv: list[str] | None = None) -> None:

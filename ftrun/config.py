@@ -42,6 +42,7 @@ class JobConfig:
     node_timeout: float = 5.0
     stop_grace: float = 3.0
     zygote: bool = True
+    tui: bool = False
     ec_group: int | None = None
     ec_parity: int | None = None
     ec_backend: str = DEFAULT_BACKEND

@@ -21,10 +21,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 
 import psutil
+from rich.console import Console
 from torch.distributed import TCPStore
 
 from ftrun.config import JobConfig, split_endpoint
@@ -40,6 +42,8 @@ from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.summary import print_summary
 from ftrun.snapshot.keeper import ENV_JOB_SECRET
 from ftrun.snapshot.persist import complete_steps, step_name
+from ftrun.ui.live import LiveView
+from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
 EXIT_INTERRUPTED = 130
 EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
@@ -94,7 +98,11 @@ class Launcher:
         self.target = resolve_target(cfg, target)
         self.args = args
         self.job_id = job_id_for(cfg)
-        self.events = EventLog("launcher", cfg.log_dir)
+        # --tui: the live view replaces the event lines; every node's output goes to a file instead
+        self.output_dir = (cfg.log_dir or tempfile.mkdtemp(prefix="ftrun-output-")) if cfg.tui else None
+        self.events = EventLog("launcher", cfg.log_dir, stream=None if cfg.tui else sys.stderr)
+        self.view: LiveView | None = None
+        self._next_view = 0.0
         self.store_server: TCPStore | None = None
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.signalled: int | None = None
@@ -143,8 +151,14 @@ class Launcher:
         env[ENV_NODE_SPEC] = spec.encode()
         env[ENV_JOB_SECRET] = self.secret
         launcher = os.getpid()
-        return subprocess.Popen([sys.executable, "-P", "-m", "ftrun.launch.supervisor"], env=env,
-                                start_new_session=True, preexec_fn=lambda: die_with_parent(launcher))
+        output = None
+        if self.output_dir is not None:
+            os.makedirs(self.output_dir, mode=0o700, exist_ok=True)
+            output = open(os.path.join(self.output_dir, f"node{spec.node_rank}.log"), "ab")
+        with output or contextlib.nullcontext():
+            return subprocess.Popen([sys.executable, "-P", "-m", "ftrun.launch.supervisor"], env=env,
+                                    stdout=output, stderr=output, start_new_session=True,
+                                    preexec_fn=lambda: die_with_parent(launcher))
 
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signalled is not None:  # second Ctrl-C: no more grace
@@ -177,9 +191,14 @@ class Launcher:
         try:
             for node in nodes:
                 self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
+            if self.output_dir is not None:
+                self.view = LiveView(Console(stderr=True))
             code = self._wait(coord, store_host, store_port)
             state = "done" if code == 0 else "stopped" if self.signalled is not None else "failed"
             coord.store.set(coord.key("state"), state)
+            if self.view is not None:
+                self.view.update(gather(coord))
+                self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
             print_summary(coord, code, self.job_id)
             self._leave(coord)
         finally:
@@ -223,6 +242,8 @@ class Launcher:
                     self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
                     break
                 results[node] = code
+            if self.view is not None:
+                self._refresh(coord)
             time.sleep(_POLL_INTERVAL)
         if self.signalled is not None:
             if EXIT_STOPPED_UNSAVED in results.values():
@@ -231,6 +252,14 @@ class Launcher:
         if all(code == EXIT_DONE for code in results.values()):
             return 0
         return 1
+
+    def _refresh(self, coord: Coordinator) -> None:
+        """Redraw the --tui view every :data:`PUBLISH_INTERVAL`."""
+        now = time.monotonic()
+        if now >= self._next_view:
+            self._next_view = now + PUBLISH_INTERVAL
+            assert self.view is not None
+            self.view.update(gather(coord))
 
     def _leave(self, coord: Coordinator) -> None:
         """Multi-node: say this node is gone; node 0 keeps its store up until the others have left too."""

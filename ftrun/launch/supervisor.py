@@ -262,9 +262,11 @@ class Supervisor:
             outcome = self._watch(gen, seen)
             self._stop_trainers()
             if outcome == "done":
+                self._publish_status("done", gen.gen, now=True)
                 self._persist_final()
                 return EXIT_DONE
             if outcome == "stop":
+                self._publish_status("stopped", gen.gen, now=True)
                 return self._stopped()
             seen = outcome
 
@@ -290,7 +292,7 @@ class Supervisor:
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
         while not self._stopping:
-            self._publish_status("restarting", gen)
+            self._publish_status("starting" if gen == 0 else "restarting", gen)
             ready = self.coord.marks(gen, "ready")
             if len(ready) == self.spec.nnodes:
                 return None
@@ -424,9 +426,10 @@ class Supervisor:
                     leader.poll()
             time.sleep(POLL_INTERVAL)
 
-    def _publish_status(self, state: str, gen: int) -> None:
-        """This node's :class:`~ftrun.ui.status.NodeStatus`, every :data:`PUBLISH_INTERVAL` at most."""
-        if time.monotonic() < self._next_status or self.heartbeats is None:
+    def _publish_status(self, state: str, gen: int, now: bool = False) -> None:
+        """This node's :class:`~ftrun.ui.status.NodeStatus`, every :data:`PUBLISH_INTERVAL` at most (``now``:
+        at once, for its last state)."""
+        if (time.monotonic() < self._next_status and not now) or self.heartbeats is None:
             return
         self._next_status = time.monotonic() + PUBLISH_INTERVAL
         keeper = self.link.keeper_status if self.link is not None else {}

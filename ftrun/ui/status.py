@@ -117,8 +117,14 @@ def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
         protected[group] = int(raw) if raw else 0
     events = recoveries(coord)
     ended = _get(coord, "state")
-    state = ended.decode() if ended else (
-        "restarting" if any(s.state in ("restarting", "rebuilding") for s in nodes.values()) else "running")
+    if ended:
+        state = ended.decode()
+    elif len(coord.marks(current.gen, "done")) == coord.nnodes:
+        state = "done"  # every node's trainers finished; the launcher sets the state as its store goes away
+    elif any(s.state in ("restarting", "rebuilding") for s in nodes.values()):
+        state = "restarting"
+    else:
+        state = "running"
     return JobStatus(
         job=coord.job_id, nnodes=coord.nnodes, nproc_per_node=int(job.get("nproc_per_node", 0)), state=state,
         generation=current.gen, uptime=now - started, restarts=len(events), goodput=_goodput(events, nodes, now - started),

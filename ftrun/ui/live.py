@@ -1,0 +1,248 @@
+"""``ftrun status``: find a job, attach to its control store, and show its status once or live until it ends.
+
+A job is found through the launcher files in the shared-memory directory (``ftrun-<job>-launcher``, JSON with
+the control store's endpoint; see :func:`ftrun.launch.launcher.announce_job`) or at an explicit endpoint. The
+viewer only reads the store. :class:`LiveView` is the refreshing view, also usable by a launcher (``--tui``).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Callable, Protocol
+
+from rich.console import Console
+from rich.live import Live
+
+from ftrun.config import split_endpoint
+from ftrun.errors import UsageError
+from ftrun.launch.coordination import Coordinator
+from ftrun.launch.spec import shm_dir
+from ftrun.launch.store import connect_store
+from ftrun.ui.status import PUBLISH_INTERVAL, JobStatus, gather
+from ftrun.ui.view import ENDED, render
+
+POLL_INTERVAL = PUBLISH_INTERVAL  # how often a live view gathers the job's status
+PLAIN_INTERVAL = 1.0  # how often a view that is not a terminal prints it
+CONNECT_TIMEOUT = 3.0  # seconds to wait for an unreachable store before it is an error
+STORE_TIMEOUT = timedelta(seconds=5)  # a store operation slower than this means the store is gone
+
+
+@dataclass(frozen=True)
+class Announced:
+    """A launcher file: a job running on this host and its control store."""
+
+    job: str
+    endpoint: str
+    nnodes: int
+    pid: int
+
+
+class View(Protocol):
+    """Where a followed job's status goes."""
+
+    def update(self, status: JobStatus) -> None: ...
+
+    def close(self, message: str | None = None) -> None: ...
+
+
+class Periodic:
+    """Hands the newest status to ``emit`` at most once per ``interval``; :meth:`flush` hands over the last one
+    if it was not yet."""
+
+    def __init__(self, emit: Callable[[JobStatus], None], interval: float = PLAIN_INTERVAL) -> None:
+        self.emit = emit
+        self.interval = interval
+        self._emitted = float("-inf")
+        self._pending: JobStatus | None = None
+
+    def update(self, status: JobStatus) -> None:
+        self._pending = status
+        if time.monotonic() - self._emitted >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending is not None:
+            self.emit(self._pending)
+            self._pending, self._emitted = None, time.monotonic()
+
+
+class LiveView:
+    """The status view, redrawn in place on a terminal (rich ``Live``), else printed as plain text every second.
+
+    ``update(status)`` as often as wanted (twice a second is the supervisors' pace); ``close(message)`` once at
+    the end: it leaves the last view on the screen and prints ``message`` (e.g. "job ended: done") below it.
+    """
+
+    def __init__(self, console: Console, plain_interval: float = PLAIN_INTERVAL) -> None:
+        self.console = console
+        self._live: Live | None = None
+        self._plain = Periodic(self._print, plain_interval)
+        if console.is_terminal:
+            self._live = Live(console=console, auto_refresh=False, transient=False, vertical_overflow="ellipsis")
+            self._live.start()
+
+    def update(self, status: JobStatus) -> None:
+        """Show ``status``: at once on a terminal, else when the last plain print is ``plain_interval`` old."""
+        if self._live is not None:
+            self._live.update(render(status, self.console.width), refresh=True)
+        else:
+            self._plain.update(status)
+
+    def close(self, message: str | None = None) -> None:
+        """Stop refreshing, keep the last view visible (printing it if it was not yet) and print ``message``."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        self._plain.flush()
+        if message:
+            self.console.print(message, highlight=False)
+
+    def _print(self, status: JobStatus) -> None:
+        self.console.print(render(status, self.console.width))
+        self.console.print()
+
+
+class JsonLines:
+    """``--json`` without ``--once``: one JSON document a line on stdout, at most one a second; the closing
+    message goes to stderr."""
+
+    def __init__(self, interval: float = PLAIN_INTERVAL) -> None:
+        self._periodic = Periodic(lambda status: print(json.dumps(status.to_json()), flush=True), interval)
+
+    def update(self, status: JobStatus) -> None:
+        self._periodic.update(status)
+
+    def close(self, message: str | None = None) -> None:
+        self._periodic.flush()
+        if message:
+            print(message, file=sys.stderr, flush=True)
+
+
+class AmbiguousJob(UsageError):
+    """Several jobs run on this host and none was chosen: waiting would not help."""
+
+
+def announced_jobs() -> list[Announced]:
+    """The jobs whose launcher runs on this host, by their launcher files (stale and unreadable ones skipped)."""
+    found = []
+    for path in sorted(glob.glob(os.path.join(shm_dir(), "ftrun-*-launcher"))):
+        try:
+            with open(path) as f:
+                doc = json.load(f)
+            job = Announced(str(doc["job"]), str(doc["endpoint"]), int(doc["nnodes"]), int(doc["pid"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if _alive(job.pid):
+            found.append(job)
+    return found
+
+
+def find_job(job: str | None) -> Announced:
+    """The running job of this host named ``job``, or the only one when ``job`` is None."""
+    jobs = announced_jobs()
+    if job is not None:
+        for found in jobs:
+            if found.job == job:
+                return found
+        raise UsageError(f"no running job {job!r} found on this host"
+                         + (f" (running: {', '.join(j.job for j in jobs)})" if jobs else "")
+                         + "; for a job elsewhere give --endpoint HOST:PORT")
+    if not jobs:
+        raise UsageError("no running ftrun job found on this host; for a job elsewhere give --endpoint HOST:PORT "
+                         "--job ID")
+    if len(jobs) > 1:
+        raise AmbiguousJob(f"several jobs run on this host ({', '.join(j.job for j in jobs)}): choose one with --job")
+    return jobs[0]
+
+
+def attach(endpoint: str | None, job: str | None, timeout: float = CONNECT_TIMEOUT) -> Coordinator:
+    """A read-only coordinator of the job, found as the module docstring says; every failure is a UsageError."""
+    if endpoint is None:
+        found = find_job(job)
+        endpoint, job, nnodes = found.endpoint, found.job, found.nnodes
+    elif job is None:
+        raise UsageError("--job is needed with --endpoint")
+    else:
+        nnodes = None
+    try:
+        host, port = split_endpoint(endpoint)
+    except UsageError:
+        raise UsageError(f"--endpoint must be HOST:PORT, got {endpoint!r}") from None
+    store = connect_store(host, port, timeout)
+    store.set_timeout(STORE_TIMEOUT)
+    doc = Coordinator(store, job, 0, 1).job_doc()
+    if doc is None:
+        raise UsageError(f"no job {job!r} at the control store {endpoint}")
+    return Coordinator(store, job, 0, nnodes or int(doc["nnodes"]))
+
+
+def attach_waiting(endpoint: str | None, job: str | None) -> Coordinator:
+    """:func:`attach`, retried every :data:`POLL_INTERVAL` until the job appears (a message says so once)."""
+    waiting = False
+    while True:
+        try:
+            return attach(endpoint, job, timeout=POLL_INTERVAL)
+        except AmbiguousJob:
+            raise
+        except UsageError:
+            if not waiting:
+                what = f"job {job}" if job else "a job"
+                print(f"ftrun: waiting for {what} (Ctrl-C to stop)", file=sys.stderr, flush=True)
+                waiting = True
+        time.sleep(POLL_INTERVAL)
+
+
+def follow(coord: Coordinator, view: View) -> None:
+    """Update ``view`` until the job ends or its store goes away, then close it with the line that says which."""
+    message = None
+    try:
+        message = _follow(coord, view)
+    finally:
+        view.close(message)
+
+
+def _follow(coord: Coordinator, view: View) -> str:
+    while True:
+        try:
+            status = gather(coord)
+        except RuntimeError:  # torch's DistError family: the store closed or stopped answering
+            return "control store gone"
+        view.update(status)
+        if status.state in ENDED:
+            return f"job ended: {status.state}"
+        time.sleep(POLL_INTERVAL)
+
+
+def status_command(endpoint: str | None, job: str | None, as_json: bool, once: bool, wait: bool) -> int:
+    """``ftrun status``: the job's status once (a table, or JSON) or live until it ends; returns the exit code."""
+    coord = attach_waiting(endpoint, job) if wait else attach(endpoint, job)
+    console = Console() if sys.stdout.isatty() else Console(force_terminal=False, no_color=True)
+    if once:
+        try:
+            status = gather(coord)
+        except RuntimeError:
+            raise UsageError("the control store went away while reading the job's status") from None
+        if as_json:
+            print(json.dumps(status.to_json()), flush=True)
+        else:
+            console.print(render(status, console.width))
+        return 0
+    follow(coord, JsonLines() if as_json else LiveView(console))
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (a launcher killed by SIGKILL leaves its file behind)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # another user's process
+    return True
