@@ -1,0 +1,54 @@
+"""SLURM hostlists and the step environment (unit level; the real cluster tests start slurmd daemons)."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+
+from ftrun.errors import UsageError
+from ftrun.launch.slurm import PORT_BASE, expand_hostlist, slurm_step
+
+CASES = {
+    "n1": ["n1"],
+    "n[1-3,7]": ["n1", "n2", "n3", "n7"],
+    "gpu-[01-04]-ib": ["gpu-01-ib", "gpu-02-ib", "gpu-03-ib", "gpu-04-ib"],
+    "a[1-2]b[3-4]": ["a1b3", "a1b4", "a2b3", "a2b4"],
+    "n[1-2],gpu01,x[009-011]": ["n1", "n2", "gpu01", "x009", "x010", "x011"],
+    "rack[1-2]-n[1,3]": ["rack1-n1", "rack1-n3", "rack2-n1", "rack2-n3"],
+}
+
+
+@pytest.mark.parametrize("hostlist, hosts", CASES.items())
+def test_hostlists_expand_like_slurm(hostlist, hosts):
+    assert expand_hostlist(hostlist) == hosts
+
+
+@pytest.mark.skipif(shutil.which("scontrol") is None, reason="scontrol (slurm-client) is not installed")
+@pytest.mark.parametrize("hostlist", CASES)
+def test_hostlists_expand_like_scontrol(hostlist):
+    shown = subprocess.run(["scontrol", "show", "hostnames", hostlist], capture_output=True, text=True, timeout=30)
+    assert shown.returncode == 0, shown.stderr
+    assert expand_hostlist(hostlist) == shown.stdout.split()
+
+
+@pytest.mark.parametrize("bad", ["n[1-", "n[a-b]", "n[3-1]", "n]1["])
+def test_malformed_hostlists_are_one_line_errors(bad):
+    with pytest.raises(UsageError, match="malformed SLURM hostlist"):
+        expand_hostlist(bad)
+
+
+def test_step_environment():
+    env = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_NODEID": "2", "SLURM_NNODES": "3",
+           "SLURM_STEP_NODELIST": "n[1-3]", "SLURM_STEP_TASKS_PER_NODE": "1(x3)"}
+    step = slurm_step(env)
+    assert step is not None and (step.node_rank, step.nnodes, step.run_id) == (2, 3, "slurm-4242")
+    assert step.endpoint == f"n1:{PORT_BASE + 4242}"
+    assert slurm_step({"SLURM_JOB_ID": "1"}) is None  # salloc/sbatch shell, not a step
+
+
+def test_more_than_one_task_per_node_is_an_error_that_says_what_to_do():
+    env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "2"}
+    with pytest.raises(UsageError, match="--ntasks-per-node 1"):
+        slurm_step(env)
