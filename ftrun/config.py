@@ -11,6 +11,7 @@ import os
 import types
 import typing
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +19,7 @@ import yaml
 
 from ftrun.errors import UsageError
 from ftrun.launch.faults import Fault, parse_faults
+from ftrun.launch.slurm import slurm_step
 from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
 
 
@@ -73,7 +75,7 @@ class JobConfig:
 
     @property
     def local_mode(self) -> bool:
-        """All nodes simulated on this host: no node rank given and not under SLURM."""
+        """All nodes simulated on this host: no node rank given (under SLURM, the step gives one)."""
         return self.node_rank is None
 
     def validate(self) -> None:
@@ -165,9 +167,15 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     return checked
 
 
-def build_config(yaml_path: str | None, overrides: dict[str, Any]) -> JobConfig:
-    """Defaults, then the YAML file, then the flags the user gave (``None`` means not given)."""
+def build_config(yaml_path: str | None, overrides: dict[str, Any],
+                 env: Mapping[str, str] = os.environ) -> JobConfig:
+    """Defaults, then what a SLURM step says (:mod:`ftrun.launch.slurm`), then the YAML file, then the flags the
+    user gave (``None`` means not given)."""
     values: dict[str, Any] = {}
+    step = slurm_step(env)
+    if step is not None:
+        values.update(nnodes=step.nnodes, node_rank=step.node_rank, rdzv_id=step.run_id,
+                      rdzv_endpoint=step.endpoint)
     if yaml_path is not None:
         values.update(load_yaml(yaml_path))
     values.update({k: v for k, v in overrides.items() if v is not None})

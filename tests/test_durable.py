@@ -13,6 +13,7 @@ import sys
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from conftest import NODES, assert_job_left_nothing, gpt_args, job_segments, kill_job, restores, run_bitwise
 
@@ -75,12 +76,25 @@ def test_more_nodes_lost_than_parity_covers_falls_back_to_disk_bitwise(start_job
 
 
 @pytest.mark.timeout(300)
-def test_corrupt_newest_persisted_step_is_never_loaded_the_older_one_is(start_job, tmp_path, gpt_baselines):
-    ckpt = tmp_path / "ckpt"
+def test_export_matches_the_final_state_and_a_corrupt_newest_step_is_never_loaded(start_job, tmp_path,
+                                                                                   gpt_baselines):
+    ckpt, out_dir = tmp_path / "ckpt", tmp_path / "export"
     first = run_bitwise(start_job, tmp_path, gpt_baselines(2, 2), "part1", *durable(ckpt, "--keep", "3"))
     steps = sorted(int(d.split("-")[1]) for d in os.listdir(ckpt) if d.startswith("step-"))
     assert len(steps) >= 2 and steps[-1] == 60, steps  # a step may be skipped when the next is committed meanwhile
-    victim = ckpt / "step-00000060" / "rank-00002.snap"
+
+    for fmt in ("torch", "safetensors"):  # the final step, exported, is the state the job ended with
+        done = subprocess.run([sys.executable, "-m", "ftrun", "export", str(ckpt), "--format", fmt,
+                               str(out_dir / fmt)], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+    state = torch.load(out_dir / "torch" / "rank-00000.pt", weights_only=True)
+    assert exported_state_hash(state) == gpt_baselines(2, 2)
+    flat = load_file(out_dir / "safetensors" / "rank-00000.safetensors")
+    weights = {key.removeprefix("model/"): value for key, value in flat.items() if key.startswith("model/")}
+    assert weights.keys() == state["model"].keys()
+    assert all(torch.equal(value, state["model"][key]) for key, value in weights.items())
+
+    victim = ckpt / "step-00000060" / "rank-00002.snap"  # a flipped bit in the newest step: the older is used
     with open(victim, "r+b") as f:
         f.seek(4096 + 1000)
         byte = f.read(1)
@@ -118,21 +132,3 @@ def exported_state_hash(state: dict) -> str:
             digest.update(value.contiguous().numpy().tobytes() if torch.is_tensor(value) else repr(value).encode())
     digest.update(repr((state["sched"]["last_epoch"], state["data"])).encode())
     return digest.hexdigest()
-
-
-@pytest.mark.timeout(300)
-def test_export_of_the_final_step_matches_the_live_state(start_job, tmp_path, gpt_baselines):
-    ckpt, out_dir = tmp_path / "ckpt", tmp_path / "export"
-    run_bitwise(start_job, tmp_path, gpt_baselines(2, 2), "export", "--ckpt-dir", str(ckpt))
-    for fmt in ("torch", "safetensors"):
-        done = subprocess.run([sys.executable, "-m", "ftrun", "export", str(ckpt), "--format", fmt,
-                               str(out_dir / fmt)], capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr
-    state = torch.load(out_dir / "torch" / "rank-00000.pt", weights_only=True)
-    assert exported_state_hash(state) == gpt_baselines(2, 2)
-    from safetensors.torch import load_file
-
-    flat = load_file(out_dir / "safetensors" / "rank-00000.safetensors")
-    weights = {key.removeprefix("model/"): value for key, value in flat.items() if key.startswith("model/")}
-    assert weights.keys() == state["model"].keys()
-    assert all(torch.equal(value, state["model"][key]) for key, value in weights.items())

@@ -96,7 +96,7 @@ def test_more_lost_nodes_than_parity_starts_over_saying_what_was_lost(start_job,
 @pytest.mark.timeout(240)
 def test_keepers_refuse_peers_without_the_secret_and_keep_serving(start_job, tmp_path, gpt_baselines):
     args, out = gpt_args(tmp_path, "secret", "--step-time", "0.05")
-    job = start_job(*shape(2, 1), "--inject", "node-loss@node=1,step=40", *args)
+    job = start_job(*shape(2, 2), "--inject", "node-loss@node=1,step=40", *args)
     started = job.wait_for_event(lambda e: e["event"] == "keeper_start" and e["node"] == 0 and e["peer_address"])
     host, _, port = started["peer_address"].rpartition(":")
     intruder = PeerClient(host, int(port), b"not the job secret, but long enough")
@@ -107,7 +107,7 @@ def test_keepers_refuse_peers_without_the_secret_and_keep_serving(start_job, tmp
                     b"FTRF" + (1 << 31).to_bytes(4, "big") + (1 << 40).to_bytes(8, "big")):  # an oversize frame
         assert closed_by_peer(host, int(port), garbage)
     assert job.wait(180) == 0, job.output
-    assert out.read_text().strip() == gpt_baselines(2, 1)
+    assert out.read_text().strip() == gpt_baselines(2, 2)
     rejected = [e for e in job.events() if e["event"] == "peer_rejected"]
     assert len(rejected) >= 3 and any("authentication" in e["message"] for e in rejected), rejected
     assert_rebuilt(job, {1}, 40)  # the keeper went on serving its peer after the intruders

@@ -52,3 +52,15 @@ def test_more_than_one_task_per_node_is_an_error_that_says_what_to_do():
     env = {"SLURM_JOB_ID": "7", "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "2"}
     with pytest.raises(UsageError, match="--ntasks-per-node 1"):
         slurm_step(env)
+
+
+def test_a_slurm_step_sets_the_job_shape_unless_flags_say_otherwise():
+    from ftrun.config import build_config
+
+    env = {"SLURM_JOB_ID": "99", "SLURM_STEP_ID": "1", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+           "SLURM_STEP_NODELIST": "n[3-4]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}
+    cfg = build_config(None, {}, env)
+    assert (cfg.nnodes, cfg.node_rank, cfg.rdzv_id, cfg.rdzv_endpoint) == (2, 1, "slurm-99", f"n3:{PORT_BASE + 99}")
+    assert not cfg.local_mode
+    assert build_config(None, {"rdzv_endpoint": "head:29400"}, env).rdzv_endpoint == "head:29400"
+    assert build_config(None, {}, {}).local_mode

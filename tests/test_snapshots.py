@@ -70,17 +70,6 @@ def test_crash_between_commits_of_different_ranks_restores_a_step_every_rank_hol
 
 
 @pytest.mark.timeout(240)
-def test_lost_node_without_redundancy_starts_over_consistently_with_a_warning(start_job, tmp_path, gpt_baseline):
-    job = run_bitwise(start_job, tmp_path, gpt_baseline, "lost", "--ec-parity", "0",
-                      "--inject", "node-loss@node=1,step=25")
-    decided = restores(job)
-    assert decided[1]["step"] == 0 and decided[1]["restored_from"] == "none", job.output
-    assert decided[1]["lost_ranks"] == [2, 3] and decided[1]["lost_step"] == 20, decided[1]
-    assert "WARNING" in decided[1]["message"] and "ranks [2, 3] lost their snapshots" in job.output
-    assert "erasure coding is off" in job.output
-
-
-@pytest.mark.timeout(240)
 @pytest.mark.parametrize("parity", ["0", "1"])
 def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, gpt_baseline, parity):
     args, out = gpt_args(tmp_path, "flip")

@@ -284,6 +284,7 @@ def test_ended_job_at_a_standalone_store(start_job, tmp_path):
 def tmux():
     """Run a command in a detached tmux session of 100x30 on a private server; ``capture()`` reads its screen."""
     if shutil.which("tmux") is None:
+        subprocess.run(["apt-get", "update"], capture_output=True, timeout=300)
         subprocess.run(["apt-get", "install", "-y", "tmux"], capture_output=True, timeout=300)
         if shutil.which("tmux") is None:
             pytest.skip("tmux is not installed and `apt-get install -y tmux` failed")

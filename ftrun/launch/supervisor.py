@@ -445,6 +445,8 @@ class Supervisor:
                 snapshot_step=last.get("step"), snapshot_age=wall - last["time"] if last else None,
                 snapshot_bytes=last.get("bytes", 0), copy_gbs=last.get("copy_gbs")))
         group = self.node // self.spec.ec_group if self.spec.ec_parity else None
+        if self.link is not None and self.link.rebuilding:
+            state = "rebuilding"
         publish(self.coord, NodeStatus(self.node, wall, state, gen, self.incarnation, group,
                                        keeper.get("shm_bytes", 0), keeper.get("committed", 0), ranks))
 

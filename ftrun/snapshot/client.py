@@ -18,6 +18,7 @@ error and the next generation agrees on an older step.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -101,9 +102,7 @@ class Snapshotter:
         if problem is not None:
             self._keeper.request("corrupt", rank=self._rank, slot=int(plan["slot"]), reason=problem)
             raise SnapshotCorrupt(f"snapshot of step {step} in {slot.path} failed verification: {problem}")
-        data = _data(slot, header.data_len)
-        restore(self.state, layout, skeleton, lambda entry: _view(data, entry))
-        del data
+        restore(self.state, layout, skeleton, functools.partial(_view, _data(slot, header.data_len)))
         self._keeper.request("restored", rank=self._rank, step=step, nbytes=header.payload_len,
                              seconds=time.perf_counter() - t0)
         heartbeat(step)

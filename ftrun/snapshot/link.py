@@ -144,6 +144,7 @@ class KeeperLink(threading.Thread):
         self.durability = Durability(spec, self.coord, events) if spec.ckpt_dir else None
         self._persist = 0  # the step the keeper is asked to persist
         self._finish_by: float | None = None  # set by finish(): the deadline of the final persist
+        self.rebuilding = False  # its keeper is rebuilding this node's snapshots from parity (status)
         self.keeper_status: dict[str, Any] = {}  # the keeper's view for the status document (ftrun.ui.status)
         self._bad_disk: set[int] = set()  # persisted steps found corrupt: never tried again
         self._final: bool | None = None
@@ -205,6 +206,7 @@ class KeeperLink(threading.Thread):
         if self.parity:
             self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
         if self.node in plan.rebuild:
+            self.rebuilding = True
             try:
                 self.keeper.request("rebuild", generation=gen, step=plan.step, complete=plan.rebuild[self.node],
                                     peers=self._peers)
@@ -212,6 +214,8 @@ class KeeperLink(threading.Thread):
                 self.failure = f"node {self.node} could not rebuild step {plan.step} from parity: {err}"
                 self._plans[gen] = plan.step
                 return
+            finally:
+                self.rebuilding = False
         self.keeper.request("poll", generation=gen, plan=plan.step, restorable=plan.step, committed=plan.step,
                             peers=self._peers)
         self._plans[gen] = self._committed = self._restorable = plan.step
