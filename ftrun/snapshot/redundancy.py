@@ -46,7 +46,6 @@ from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnav
 if TYPE_CHECKING:
     from ftrun.snapshot.keeper import Keeper
 PARITY_FILES = 2
-RETRY_INTERVAL = 0.2
 META_ROOM = 64 << 10
 
 
@@ -97,7 +96,6 @@ class Redundancy:
         self._clients: dict[tuple[str, int], PeerClient] = {}
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max(place.group - 1, 1), thread_name_prefix="ftrun-fetch")
-        self._failed_step: int | None = None
         self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected, max_payload=0)
 
     # -- files ------------------------------------------------------------------------------------------------
