@@ -75,8 +75,9 @@ class Coordinator:
     def key(self, *parts: object) -> str:
         return self._prefix + "/".join(str(p) for p in parts)
 
-    def _get(self, key: str) -> bytes | None:
-        full = self.key(key)
+    def get(self, *parts: object) -> bytes | None:
+        """The value of the key made of ``parts``, or None when it is not set (never blocks)."""
+        full = self.key(*parts)
         return self.store.get(full) if self.store.check([full]) else None
 
     # -- generations ------------------------------------------------------------------------------------
@@ -88,7 +89,7 @@ class Coordinator:
         self.store.compare_set(self.key("job"), "", json.dumps(doc))
 
     def job_doc(self) -> dict[str, object] | None:
-        raw = self._get("job")
+        raw = self.get("job")
         return None if raw is None else json.loads(raw)
 
     def current_raw(self) -> bytes:
@@ -115,7 +116,7 @@ class Coordinator:
     def history(self) -> list[Generation]:
         gens = []
         for g in range(self.current().gen + 1):
-            raw = self._get(f"history/{g}")
+            raw = self.get(f"history/{g}")
             if raw is not None:
                 gens.append(Generation.decode(raw))
         return gens
@@ -132,7 +133,7 @@ class Coordinator:
         """node -> value for every node that set ``gen/<gen>/<what>/<node>``."""
         found = {}
         for node in range(self.nnodes):
-            raw = self._get(f"gen/{gen}/{what}/{node}")
+            raw = self.get(f"gen/{gen}/{what}/{node}")
             if raw is not None:
                 found[node] = raw.decode()
         return found
@@ -143,7 +144,7 @@ class Coordinator:
 
     def restore_step(self, gen: int) -> tuple[int, str] | None:
         """(step, source) agreed for ``gen``, or None when it was not agreed."""
-        raw = self._get(f"gen/{gen}/restore")
+        raw = self.get(f"gen/{gen}/restore")
         if raw is None:
             return None
         doc = json.loads(raw)
@@ -152,7 +153,7 @@ class Coordinator:
     def durability(self) -> str | None:
         """The durable tier in a few words ("step 60 on disk", "DEGRADED: ..."); None when nothing was persisted
         or tried (keys of :mod:`ftrun.snapshot.durability`)."""
-        degraded, done = self._get("persist/degraded"), self._get("persist/done")
+        degraded, done = self.get("persist/degraded"), self.get("persist/done")
         if degraded:
             return f"DEGRADED: {degraded.decode()}" + (f" (newest step on disk: {int(done)})" if done else "")
         return f"ok: newest step on disk {int(done)}" if done else None

@@ -96,8 +96,7 @@ class Durability:
         return self.request
 
     def _get(self, *key: object) -> bytes | None:
-        full = self.coord.key("persist", *key)
-        return self.coord.store.get(full) if self.coord.store.check([full]) else None
+        return self.coord.get("persist", *key)
 
     def _finalize(self, step: int) -> None:
         outcomes = {}

@@ -229,6 +229,24 @@ class Keeper:
                          node=self.node, local_rank=local, slot=index, bytes=size)
         return slot
 
+    def claim_vacant(self, local: int, image: int) -> tuple[int, SlotFile]:
+        """A slot of ``local`` to restore a step of ``image`` bytes (header included) into, from disk or parity:
+        :meth:`RankSlots.vacant`, emptied, with a trainer's headroom, marked WRITING until it is verified."""
+        with self.cond:
+            rank = self.ranks[local]
+            index = rank.vacant(self._pinned(local))
+            rank.steps[index] = None
+        slot = self.ensure_slot(local, index, image - HEADER_SIZE + META_HEADROOM)
+        slot.set_state(WRITING)
+        return index, slot
+
+    def hold_restored(self, local: int, index: int, step: int) -> None:
+        """Slot ``index`` of ``local`` now holds the verified, restored ``step``."""
+        with self.cond:
+            self.ranks[local].steps[index] = step
+            self.ranks[local].generations[index] = RESTORED
+            self.cond.notify_all()
+
     def unlink_all(self) -> None:
         for rank in self.ranks:
             for slot in rank.files:
@@ -300,8 +318,8 @@ class Keeper:
             self._apply_plan(generation, plan)
             if persist > self.persist_request:
                 self.persist_request = persist
-            if peers and self.redundancy is not None:
-                self.redundancy.peers = {int(node): address for node, address in peers.items()}
+            if peers:
+                self._set_peers(peers)
             if generation == self.generation:
                 if restorable > self.restorable:
                     self.restorable = restorable
@@ -319,6 +337,11 @@ class Keeper:
             files += [f for f in self.redundancy.files if f is not None]
         return sum(f.size for f in files)
 
+    def _set_peers(self, peers: dict[str, str]) -> None:
+        """The group's keepers' addresses (JSON keys are strings: node ranks)."""
+        if self.redundancy is not None:
+            self.redundancy.peers = {int(node): address for node, address in peers.items()}
+
     def op_rebuild(self, generation: int, step: int, complete: list[int], peers: dict[str, str]) -> dict[str, Any]:
         """Rebuild every local rank's slot of ``step`` from the group's nodes in ``complete``; then it is held."""
         if self.redundancy is None:
@@ -326,7 +349,7 @@ class Keeper:
         with self.coding:
             with self.cond:
                 self._check_current(generation)
-                self.redundancy.peers = {int(node): address for node, address in peers.items()}
+                self._set_peers(peers)
             try:
                 nbytes, seconds = self.redundancy.rebuild(step, [int(n) for n in complete])
             except (PeerUnavailable, PeerError, RedundancyError, LookupError, KeyError, ValueError, OSError) as err:
@@ -352,18 +375,14 @@ class Keeper:
                 self._check_current(generation)
                 if rank.index_of(step) is not None:
                     continue  # already held (an earlier try)
-                index = rank.vacant(self._pinned(local))
-                rank.steps[index] = None
             path = os.path.join(root, step_name(step), rank_file(self.global_rank(local)))
             try:
-                slot = self.ensure_slot(local, index, os.stat(path).st_size - HEADER_SIZE + META_HEADROOM)
+                index, slot = self.claim_vacant(local, os.stat(path).st_size)
                 load_rank(root, step, self.global_rank(local), slot)
             except (OSError, CorruptStep, KeyError, ValueError) as err:
                 return {"error": f"rank {self.global_rank(local)}: {err}"}
             loaded += slot.header().payload_len
-            with self.cond:
-                rank.steps[index] = step
-                rank.generations[index] = RESTORED
+            self.hold_restored(local, index, step)
         seconds = time.perf_counter() - t0
         self.events.emit("loaded", f"loaded step {step} of {len(self.ranks)} rank(s) from {root} in "
                          f"{seconds * 1000:.0f} ms ({human(loaded)}), checksums verified", node=self.node, step=step,

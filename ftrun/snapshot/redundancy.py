@@ -39,8 +39,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ftrun.snapshot.erasure import HEADER_BYTES, Buffer, Codec, StripeLayout, encode_stripe, rebuild_chunk
-from ftrun.snapshot.slot import (COMMITTED, EMPTY, HEADER_SIZE, META_HEADROOM, RESTORED, WRITING, Header, SlotFile,
-                                 checksum)
+from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, Header, SlotFile, checksum
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
 
 if TYPE_CHECKING:
@@ -369,17 +368,10 @@ class _BlobWriter:
     def __init__(self, keeper: Keeper, step: int, images: list[int]) -> None:
         self.keeper = keeper
         self.step = step
-        with keeper.cond:
-            indexes = []
-            for local, rank in enumerate(keeper.ranks):
-                index = rank.vacant(keeper.pinned.get(local, set()))
-                rank.steps[index] = None
-                indexes.append(index)
         self.targets: list[tuple[int, int, SlotFile, int, int]] = []  # (local, index, file, blob start, length)
         start = 0
-        for local, (index, length) in enumerate(zip(indexes, images)):
-            file = keeper.ensure_slot(local, index, length - HEADER_SIZE + META_HEADROOM)  # as a trainer asks
-            file.set_state(WRITING)
+        for local, length in enumerate(images):
+            index, file = keeper.claim_vacant(local, length)
             self.targets.append((local, index, file, start, length))
             start += length
 
@@ -398,12 +390,8 @@ class _BlobWriter:
                 problem = f"holds step {file.header().step}"
             if problem is not None:
                 raise RedundancyError(f"rebuilt slot of local rank {local} is not valid: {problem}")
-        with self.keeper.cond:
-            for local, index, file, _, _ in self.targets:
-                rank = self.keeper.ranks[local]
-                rank.steps[index] = self.step
-                rank.generations[index] = RESTORED
-            self.keeper.cond.notify_all()
+        for local, index, _, _, _ in self.targets:
+            self.keeper.hold_restored(local, index, self.step)
 
     def abandon(self) -> None:
         for _, _, file, _, _ in self.targets:

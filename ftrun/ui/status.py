@@ -107,16 +107,16 @@ def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
     started = history[0].time if history else now
     nodes = {}
     for node in range(coord.nnodes):
-        raw = _get(coord, f"status/node/{node}")
+        raw = coord.get(f"status/node/{node}")
         if raw is not None:
             nodes[node] = NodeStatus.decode(raw)
     lost = [n for n in range(coord.nnodes) if n not in nodes or now - nodes[n].time > STALE_AFTER]
     protected = {}
     for group in {s.group for s in nodes.values() if s.group is not None}:
-        raw = _get(coord, f"group/{group}/protected")
+        raw = coord.get(f"group/{group}/protected")
         protected[group] = int(raw) if raw else 0
     events = recoveries(coord)
-    ended = _get(coord, "state")
+    ended = coord.get("state")
     if ended:
         state = ended.decode()
     elif len(coord.marks(current.gen, "done")) == coord.nnodes:
@@ -131,11 +131,6 @@ def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
         nodes=nodes, lost=lost, protected=protected, tiers=_tiers(coord, nodes, protected, now), events=events)
 
 
-def _get(coord: Coordinator, key: str) -> bytes | None:
-    full = coord.key(key)
-    return coord.store.get(full) if coord.store.check([full]) else None
-
-
 def _tiers(coord: Coordinator, nodes: dict[int, NodeStatus], protected: dict[int, int], now: float) -> list[Tier]:
     committed = max((s.committed for s in nodes.values()), default=0)
     ages = [r.snapshot_age for s in nodes.values() for r in s.ranks
@@ -144,7 +139,7 @@ def _tiers(coord: Coordinator, nodes: dict[int, NodeStatus], protected: dict[int
     if protected:
         step = min(protected.values())
         tiers.append(Tier("EC parity", step or None, None, f"{len(protected)} group(s), the least protected"))
-    done, when, degraded = (_get(coord, f"persist/{k}") for k in ("done", "done_time", "degraded"))
+    done, when, degraded = (coord.get(f"persist/{k}") for k in ("done", "done_time", "degraded"))
     if done or degraded:
         tiers.append(Tier("disk", int(done) if done else None, now - float(when) if when else None,
                           degraded.decode() if degraded else "", bool(degraded)))
