@@ -19,7 +19,7 @@ from ftrun.errors import USAGE_EXIT_CODE, UsageError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).")
 
-SUBCOMMANDS = ("run", "store", "inspect", "export", "status")
+SUBCOMMANDS = ("run", "store", "inspect", "export", "status", "sbatch-template")
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -140,6 +140,21 @@ def export(
 
     for path in export_step(directory, out, fmt, step):
         print(path, flush=True)
+
+
+@app.command("sbatch-template", context_settings={"allow_interspersed_args": False})
+def sbatch_template(
+    ftrun_args: Optional[list[str]] = typer.Argument(None, metavar="-- FTRUN_ARGS...",
+                                                     help="The ftrun command line (flags, script and its arguments)."),
+    nodes: int = typer.Option(..., "--nodes", help="Training nodes per step (ftrun's --nnodes under srun)."),
+    spares: int = typer.Option(1, "--spares", help="Spare nodes in the allocation that replace lost ones."),
+    attempts: int = typer.Option(5, "--attempts", help="srun steps to try before giving up."),
+) -> None:
+    """Print a batch script for sbatch that runs ftrun in srun steps, spares replacing lost nodes, until the
+    training finished or failed for good."""
+    from ftrun.launch.sbatch import render
+
+    print(render(nodes, spares, attempts, list(ftrun_args or [])), end="")
 
 
 @app.command()

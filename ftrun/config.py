@@ -174,7 +174,7 @@ def build_config(yaml_path: str | None, overrides: dict[str, Any],
     values: dict[str, Any] = {}
     step = slurm_step(env)
     if step is not None:
-        values.update(nnodes=step.nnodes, node_rank=step.node_rank, rdzv_id=step.run_id,
+        values.update(nnodes=step.nnodes, node_rank=step.node_id, rdzv_id=step.run_id,
                       rdzv_endpoint=step.endpoint)
     if yaml_path is not None:
         values.update(load_yaml(yaml_path))

@@ -238,3 +238,20 @@ def baseline_hash(tmp_path_factory) -> str:
                              "--nproc-per-node", "2", *args], capture_output=True, text=True, timeout=180)
     assert result.returncode == 0, result.stderr
     return out.read_text().strip()
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A real SLURM cluster of 4 simulated nodes n1..n4 on this host (:mod:`tests.slurm_cluster`), started once
+    for the session (installed with apt when missing) and torn down after it. Failing to start it fails the
+    tests that need it: CI must run them, never skip them."""
+    from slurm_cluster import SlurmCluster, SlurmUnavailable
+
+    cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
+    try:
+        cluster.start()
+    except SlurmUnavailable as err:
+        cluster.stop()
+        pytest.fail(f"cannot start the local SLURM cluster: {err}")
+    yield cluster
+    cluster.stop()

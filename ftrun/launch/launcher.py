@@ -3,7 +3,9 @@
 - Local mode (no ``--node-rank``): hosts the control store and starts one supervisor per simulated node. A
   supervisor that dies by a signal or crashes is a lost node: a replacement takes the same node rank.
 - Multi-node mode (``--node-rank`` and ``--rdzv-endpoint``): starts this node's supervisor; node 0 hosts the
-  control store unless one already runs at the endpoint (``ftrun store``).
+  control store unless one already runs at the endpoint (``ftrun store``). Under ``srun`` the first node of the
+  step hosts it, and the nodes agree their node ranks first (:func:`ftrun.launch.slurm.agree_node_rank`), so a
+  node keeps the rank whose snapshots it holds from an earlier step of the job.
 
 It forwards SIGINT/SIGTERM to the supervisors as a graceful stop, prints the job summary, and, as a child
 subreaper, kills whatever descendant is left before it exits.
@@ -36,6 +38,7 @@ from ftrun.launch.coordination import Coordinator, Failure, Generation
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
 from ftrun.launch.secret import local_secret, shared_secret
+from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
                                safe_job_id, shm_dir, unlink_node_files)
 from ftrun.launch.store import connect_store, host_store
@@ -45,8 +48,10 @@ from ftrun.snapshot.persist import complete_steps, step_name
 from ftrun.ui.live import LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
+EXIT_FAILED = 3  # the training failed for good (restart limit, fatal error): do not requeue or run it again
 EXIT_INTERRUPTED = 130
 EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
+# Any other non-zero exit (a lost node, the launcher killed): running it again resumes from RAM, parity or disk.
 _ACK_TIMEOUT = 10.0
 _POLL_INTERVAL = 0.02
 
@@ -98,6 +103,10 @@ class Launcher:
         self.target = resolve_target(cfg, target)
         self.args = args
         self.job_id = job_id_for(cfg)
+        self.node_rank = cfg.node_rank or 0  # under srun: agreed with the other nodes once the store is up
+        step = slurm_step(os.environ)
+        self.slurm: SlurmStep | None = (step if step is not None and not cfg.local_mode and cfg.nnodes == step.nnodes
+                                        and cfg.node_rank == step.node_id else None)
         # --tui: the live view replaces the event lines; every node's output goes to a file instead
         self.output_dir = (cfg.log_dir or tempfile.mkdtemp(prefix="ftrun-output-")) if cfg.tui else None
         self.events = EventLog("launcher", cfg.log_dir, stream=None if cfg.tui else sys.stderr)
@@ -173,18 +182,22 @@ class Launcher:
     def run(self) -> int:
         become_subreaper()
         store_host, store_port, store = self._open_store()
-        coord = Coordinator(store, self.job_id, self.cfg.node_rank or 0, self.cfg.nnodes)
         cfg = self.cfg
+        if self.slurm is not None:
+            self._agree_slurm_rank(store)
+        coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes)
         coord.init_job({"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
                         "max_restarts": cfg.max_restarts, "target": self.target})
         announce = announce_job(self.job_id, f"{store_host}:{store_port}", cfg.nnodes)
-        nodes = range(cfg.nnodes) if cfg.local_mode else [cfg.node_rank or 0]
-        mode = "local, simulated nodes" if cfg.local_mode else f"node {cfg.node_rank} of {cfg.nnodes}"
+        nodes = range(cfg.nnodes) if cfg.local_mode else [self.node_rank]
+        mode = ("local, simulated nodes" if cfg.local_mode else f"node {self.node_rank} of {cfg.nnodes}"
+                + (f", SLURM node {self.slurm.node_name}" if self.slurm else ""))
         self.events.emit("start", f"job {self.job_id}: {cfg.nnodes} node(s) x {cfg.nproc_per_node} trainer(s) "
                          f"({mode}), control store {store_host}:{store_port}, running {self.target}",
                          job_id=self.job_id, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
-                         store=f"{store_host}:{store_port}")
-        if cfg.ckpt_dir and not cfg.resume and (cfg.local_mode or cfg.node_rank == 0):
+                         store=f"{store_host}:{store_port}", node_rank=self.node_rank,
+                         slurm_node=self.slurm.node_name if self.slurm else None)
+        if cfg.ckpt_dir and not cfg.resume and self.node_rank == 0:
             self._move_aside(cfg.ckpt_dir)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
@@ -208,7 +221,23 @@ class Launcher:
             kill_descendants()
             for node in nodes:  # what supervisors killed before they could clean up left behind
                 unlink_node_files(self.job_id, node)
+            if self.slurm is not None:  # nothing left to claim
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(claim_path(self.job_id, self.slurm.node_name))
         return code
+
+    def _agree_slurm_rank(self, store: TCPStore) -> None:
+        """Under srun: take the node rank whose snapshots this node holds from an earlier step, or a free one."""
+        assert self.slurm is not None
+        step = self.slurm
+        claim = read_claim(self.job_id, step.node_name)
+        self.node_rank = agree_node_rank(store, self.job_id, step, claim, self.cfg.rdzv_timeout)
+        why = ("kept: its snapshots from an earlier step are in this node's RAM" if claim == self.node_rank
+               else "new to this job: earlier snapshots of its ranks, if any, come from parity or disk"
+               if claim is None else f"its rank {claim} went to another node")
+        self.events.emit("slurm_step", f"SLURM step {step.job_id}.{step.step_id} on {step.node_name}: node rank "
+                         f"{self.node_rank} ({why})", slurm_node=step.node_name, node_rank=self.node_rank,
+                         claimed=claim, slurm_step=f"{step.job_id}.{step.step_id}")
 
     def _move_aside(self, root: str) -> None:
         """--no-resume: move this job's persisted steps into ``previous-<time>/`` (kept, but not resumed from)."""
@@ -251,7 +280,7 @@ class Launcher:
             return EXIT_INTERRUPTED if self.signalled == signal.SIGINT else 128 + self.signalled
         if all(code == EXIT_DONE for code in results.values()):
             return 0
-        return 1
+        return EXIT_FAILED if EXIT_JOB_FAILED in results.values() else 1
 
     def _refresh(self, coord: Coordinator) -> None:
         """Redraw the --tui view every :data:`PUBLISH_INTERVAL`."""

@@ -1,19 +1,38 @@
-"""Running under SLURM (``srun ftrun ...``): the job's shape from ``SLURM_*`` variables, and hostlist expansion.
+"""Running under SLURM (``srun ftrun ...``): the job's shape from ``SLURM_*`` variables, hostlist expansion,
+and the node ranks of a new job step.
 
-Under ``srun`` (``SLURM_JOB_ID`` and ``SLURM_STEP_ID`` set) each node runs one ftrun, which takes its node rank
-from ``SLURM_NODEID``, ``--nnodes`` from ``SLURM_NNODES``, the run id from the job id (so every step of a batch
-script is the same ftrun job, and a new step finds what the last one left in RAM and on disk), and the control
-store's endpoint from the first host of the step's node list, on a port derived from the job id. Flags given
-on the command line win. One ftrun per node: more tasks per node is an error.
+Under ``srun`` (``SLURM_JOB_ID`` and ``SLURM_STEP_ID`` set) each node runs one ftrun, which takes ``--nnodes``
+from ``SLURM_NNODES``, the run id from the job id (so every step of a batch script is the same ftrun job, and a
+new step finds what the last one left in RAM and on disk), and the control store's endpoint from the first
+host of the step's node list (its ``NodeAddr`` when the name does not resolve), on a port derived from the job
+id. Flags given on the command line win. One ftrun per node: more tasks per node is an error.
+
+Node ranks across steps: a node that lost a step (another node died and SLURM killed the step) still holds its
+ranks' snapshots in shared memory, and must get the same node rank in the next step, whatever its
+``SLURM_NODEID`` there. So each node keeps a claim file ``ftrun-<job>-host-<node name>`` (its node rank) beside
+its segments, in the same shared memory, and at the start of a step the nodes agree over the control store
+(:func:`agree_node_rank`): a node keeps the rank it claims unless a node with a lower ``SLURM_NODEID`` claims it
+too, and nodes without a claim (a spare replacing a lost node) take the free ranks in ``SLURM_NODEID`` order.
+``SLURMD_NODENAME`` names the node, which also tells apart simulated nodes that share one host.
 """
 
 from __future__ import annotations
 
+import json
+import os
 import re
+import socket
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING
 
 from ftrun.errors import UsageError
+from ftrun.launch.spec import safe_job_id, shm_dir
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 PORT_BASE = 20000
 PORT_SPAN = 20000  # store port = PORT_BASE + job id % PORT_SPAN
@@ -69,12 +88,30 @@ def _ranges(spec: str, hostlist: str) -> list[str]:
     return values
 
 
+def node_address(host: str) -> str:
+    """How to reach SLURM node ``host``: its name when that resolves, else the ``NodeAddr`` scontrol shows for it
+    (node names that are not host names, as with several simulated nodes on one host)."""
+    try:
+        socket.getaddrinfo(host, None)
+        return host
+    except socket.gaierror:
+        pass
+    try:
+        shown = subprocess.run(["scontrol", "show", "node", "-o", host], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return host
+    match = re.search(r"\bNodeAddr=(\S+)", shown.stdout)
+    return match.group(1) if match else host
+
+
 @dataclass(frozen=True)
 class SlurmStep:
     """What a SLURM step tells one ftrun process about the job."""
 
     job_id: str
-    node_rank: int
+    step_id: str
+    node_id: int  # SLURM_NODEID: this node's index in the step (not always its ftrun node rank, see above)
+    node_name: str  # SLURMD_NODENAME
     nnodes: int
     hosts: list[str]
     tasks_per_node: int
@@ -85,7 +122,7 @@ class SlurmStep:
 
     @property
     def endpoint(self) -> str:
-        return f"{self.hosts[0]}:{PORT_BASE + int(self.job_id) % PORT_SPAN}"
+        return f"{node_address(self.hosts[0])}:{PORT_BASE + int(self.job_id) % PORT_SPAN}"
 
 
 def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
@@ -96,7 +133,9 @@ def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
     tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
     try:
         per_node = max(int(re.match(r"\d+", part)[0]) for part in tasks.split(","))  # type: ignore[index]
-        step = SlurmStep(env["SLURM_JOB_ID"], int(env.get("SLURM_NODEID", "0")),
+        node_id = int(env.get("SLURM_NODEID", "0"))
+        step = SlurmStep(env["SLURM_JOB_ID"], env["SLURM_STEP_ID"], node_id,
+                         env.get("SLURMD_NODENAME") or f"{socket.gethostname()}-{node_id}",
                          int(env.get("SLURM_STEP_NUM_NODES") or env.get("SLURM_NNODES", "1")),
                          expand_hostlist(nodelist), per_node)
     except (TypeError, ValueError) as err:
@@ -107,3 +146,53 @@ def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
         raise UsageError(f"srun started {step.tasks_per_node} ftrun tasks per node; ftrun starts the trainers of "
                          "its node itself: use --ntasks-per-node 1 (and --nproc-per-node for the trainers)")
     return step
+
+
+def claim_path(job_id: str, node_name: str) -> str:
+    """The file in which node ``node_name`` claims the node rank whose snapshots it holds (mode 0600)."""
+    return os.path.join(shm_dir(), f"ftrun-{safe_job_id(job_id)}-host-{safe_job_id(node_name)}")
+
+
+def read_claim(job_id: str, node_name: str) -> int | None:
+    try:
+        with open(claim_path(job_id, node_name)) as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def write_claim(job_id: str, node_name: str, node_rank: int) -> None:
+    fd = os.open(claim_path(job_id, node_name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"{node_rank}\n")
+
+
+def assign_node_ranks(claims: list[int | None], nnodes: int) -> list[int]:
+    """Node ranks by ``SLURM_NODEID`` (the index into ``claims``): a valid claim is kept unless a lower node id
+    claimed the same rank; the others get the free ranks in node id order."""
+    ranks: list[int | None] = [None] * len(claims)
+    taken: set[int] = set()
+    for node_id, claim in enumerate(claims):
+        if claim is not None and 0 <= claim < nnodes and claim not in taken:
+            ranks[node_id] = claim
+            taken.add(claim)
+    free = iter(rank for rank in range(nnodes) if rank not in taken)
+    return [rank if rank is not None else next(free) for rank in ranks]
+
+
+def agree_node_rank(store: TCPStore, job_id: str, step: SlurmStep, claim: int | None, timeout: float) -> int:
+    """This node's rank in the step, agreed with the step's other nodes over the control store given what this
+    node claims (:func:`read_claim`), and then claimed (see above)."""
+    from torch.distributed import DistError  # the launcher has imported torch already; config does not need to
+
+    prefix = f"ftrun/{job_id}/slurm-step/{step.step_id}/claim/"
+    store.set(prefix + str(step.node_id), json.dumps(claim))
+    keys = [prefix + str(node_id) for node_id in range(step.nnodes)]
+    try:
+        store.wait(keys, timedelta(seconds=timeout))
+    except DistError:
+        raise UsageError(f"not every node of SLURM step {step.job_id}.{step.step_id} started ftrun within "
+                         f"{timeout:g}s") from None
+    rank = assign_node_ranks([json.loads(store.get(key)) for key in keys], step.nnodes)[step.node_id]
+    write_claim(job_id, step.node_name, rank)
+    return rank

@@ -40,7 +40,8 @@ def recoveries(coord: Coordinator) -> list[Recovery]:
 def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
     rows = recoveries(coord)
     console = Console(stderr=True, highlight=False)
-    verdict = "succeeded" if exit_code == 0 else f"failed (exit code {exit_code})"
+    verdict = ("succeeded" if exit_code == 0 else f"stopped by a signal (exit code {exit_code})" if exit_code > 128
+               else f"failed (exit code {exit_code})")
     restarts = sum(row.kind != "fatal" for row in rows)
     console.print(f"ftrun: job {job_id} {verdict}: {len(rows)} failure(s), {restarts} restart(s)")
     durability = coord.durability()

@@ -46,7 +46,8 @@ from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_S
                                safe_job_id, shm_path)
 from ftrun.launch.store import connect_store, host_store
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
-from ftrun.snapshot.keeper import ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD, unlink_segments
+from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD,
+                                  STOP_SIGNAL as KEEPER_STOP_SIGNAL, unlink_segments)
 from ftrun.snapshot.link import KeeperLink
 from ftrun.snapshot.protocol import socket_name
 from ftrun.ui.status import PUBLISH_INTERVAL, NodeStatus, RankStatus, publish
@@ -178,6 +179,7 @@ class Supervisor:
         env = dict(os.environ)
         env[ENV_NODE_SPEC] = self.spec.encode()
         env[ENV_KEEPER_FAULTS] = ";".join(self.spec.faults) if self.keeper_starts == 0 else ""
+        env[ENV_EARLIER_RUN] = "1" if self.keeper_starts == 0 else ""
         address = self._peer_address()
         if self.peer_socket is not None:
             env[ENV_JOB_SECRET] = self.secret
@@ -217,7 +219,7 @@ class Supervisor:
         if self.link is not None:
             self.link.stop()
         if self.keeper is not None:
-            self.keeper.send_signal(signal.SIGTERM)
+            self.keeper.send_signal(KEEPER_STOP_SIGNAL)
             deadline = time.monotonic() + self.spec.stop_grace
             while not _reaped(self.keeper.pid):
                 if time.monotonic() > deadline:
@@ -372,6 +374,8 @@ class Supervisor:
                 if trainer is None:
                     continue
                 trainer.exit_code = code
+                if code == -signal.SIGTERM and self._stop_signal_follows():
+                    return "stop"  # SLURM signals every process of a step at once: the trainer heard it first
                 if code != 0:
                     if code > 0:
                         moved = self._wait_for_other_failure(seen)
@@ -455,6 +459,13 @@ class Supervisor:
         assert self.heartbeats is not None
         step = self.heartbeats.read(trainer.local_rank).step
         return None if step < 0 else step
+
+    def _stop_signal_follows(self) -> bool:
+        """Whether this supervisor is (within :data:`SECONDARY_GRACE`) told to stop too."""
+        deadline = time.monotonic() + SECONDARY_GRACE
+        while not self._stopping and time.monotonic() < deadline:
+            time.sleep(POLL_INTERVAL)
+        return self._stopping
 
     def _wait_for_other_failure(self, seen: bytes) -> bytes | None:
         """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""

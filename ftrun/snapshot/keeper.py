@@ -61,6 +61,9 @@ from ftrun.snapshot.transport import PeerError, PeerUnavailable
 ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
 ENV_JOB_SECRET = "FTRUN_JOB_SECRET"  # hex; keepers authenticate each other with it (never given to trainers)
 ENV_PEER_FD = "FTRUN_KEEPER_PEER_FD"  # the listening TCP socket for peers, inherited from the supervisor
+ENV_EARLIER_RUN = "FTRUN_KEEPER_EARLIER_RUN"  # "1": segments found at start are from an earlier run (SLURM step)
+STOP_SIGNAL = signal.SIGUSR2  # how the supervisor stops its keeper; SIGTERM and SIGINT are ignored, because SLURM
+# sends SIGTERM to every process of a step at once and the keeper must outlive it to persist the final step
 ENCODE_RETRY = 0.2
 # Advice printed with the /dev/shm capacity error.
 SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
@@ -171,8 +174,10 @@ class Keeper:
     def path(self, local: int, index: int) -> str:
         return os.path.join(self.dir, slot_name(self.job, self.node, local, index))
 
-    def adopt(self) -> None:
-        """Take over the slot files a previous keeper of this node left: keep the valid committed ones."""
+    def adopt(self, earlier_run: bool) -> None:
+        """Take over the slot files a previous keeper of this node left: keep the valid committed ones.
+        ``earlier_run``: they come from an earlier run of the job (a previous SLURM step), whose generation
+        numbers mean nothing now, so they count as older than any generation (like restored slots)."""
         kept, dropped = [], []
         for path, local, index in find_segments(self.job, self.node):
             if local >= len(self.ranks) or index > SPARE_SLOT:
@@ -190,7 +195,7 @@ class Keeper:
             problem = slot.verify()
             if problem is None:
                 self.ranks[local].steps[index] = header.step
-                self.ranks[local].generations[index] = header.generation
+                self.ranks[local].generations[index] = RESTORED if earlier_run else header.generation
                 kept.append(f"rank {local} slot {index} step {header.step}")
             else:
                 slot.set_state(EMPTY)
@@ -647,9 +652,10 @@ def main() -> None:
         keeper.stop()
         server.shutdown(socket.SHUT_RDWR)
 
-    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(STOP_SIGNAL, on_signal)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    keeper.adopt()
+    keeper.adopt(os.environ.get(ENV_EARLIER_RUN) == "1")
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     try:

@@ -1,0 +1,166 @@
+"""ftrun under a real SLURM (munge, slurmctld, 4 slurmd on this host; the ``slurm`` fixture): ``srun ftrun``
+with an injected crash, a node lost by ``scontrol update state=down`` and replaced by a spare in the next step
+of the batch script from ``ftrun sbatch-template``, and SIGTERM (preemption): persist, exit 143, requeue,
+resume. Every run ends with exactly the failure-free run's parameters."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, events_of, gpt_args, job_processes
+
+pytestmark = pytest.mark.timeout(300)
+FTRUN = [sys.executable, "-m", "ftrun"]
+STEP_TIME = "0.1"  # seconds per training step: a node can be lost or a step signalled mid-run
+
+
+def slurm_segments(job: str) -> list[str]:
+    return glob.glob(f"/dev/shm/ftrun-slurm-{job}-*")
+
+
+@contextmanager
+def slurm_job(slurm):
+    """Yields a list for the test to put its SLURM job id in; afterwards the job is killed (if still there) and
+    its processes and /dev/shm files are gone, whatever the test did."""
+    jobs: list[str] = []
+    try:
+        yield jobs
+    finally:
+        for job in jobs:
+            subprocess.run(["scancel", "--signal=KILL", "--full", job], env=slurm.env(), capture_output=True,
+                           timeout=30)
+            deadline = time.monotonic() + 30
+            while job_processes(f"slurm-{job}") and time.monotonic() < deadline:
+                time.sleep(0.1)
+            for path in slurm_segments(job):
+                os.unlink(path)
+
+
+def sbatch(slurm, script: Path, output: Path, *flags: str) -> str:
+    """Submit ``script``; returns the job id."""
+    done = subprocess.run(["sbatch", "--parsable", "-o", str(output), *flags, str(script)], env=slurm.env(),
+                          cwd=ROOT, check=True, capture_output=True, text=True, timeout=30)
+    return done.stdout.strip().split(";")[0]
+
+
+def wait_for_line(path: Path, pattern: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while not (path.exists() and re.search(pattern, path.read_text())):
+        assert time.monotonic() < deadline, f"{pattern!r} not in {path}:\n{path.read_text() if path.exists() else ''}"
+        time.sleep(0.1)
+
+
+def wait_for_job_end(slurm, job: str, timeout: float = 180) -> str:
+    """Wait until SLURM has finished job ``job``; returns its state (COMPLETED, FAILED, ...) and exit code."""
+    deadline = time.monotonic() + timeout
+    while True:
+        shown = subprocess.run(["scontrol", "show", "job", job], env=slurm.env(), capture_output=True, text=True,
+                               timeout=30).stdout
+        found = re.search(r"JobState=(\S+).*?ExitCode=(\S+)", shown, re.S)
+        if found and found.group(1) not in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED"):
+            return f"{found.group(1)} {found.group(2)}"
+        assert time.monotonic() < deadline, f"SLURM job {job} still running: {shown}"
+        time.sleep(0.2)
+
+
+def batch_script(tmp_path: Path, name: str, nodes: int, spares: int, ftrun_args: list[str]) -> Path:
+    script = subprocess.run([*FTRUN, "sbatch-template", "--nodes", str(nodes), "--spares", str(spares), "--",
+                             *ftrun_args], capture_output=True, text=True, timeout=60, check=True).stdout
+    path = tmp_path / f"{name}.sh"
+    path.write_text(script)
+    return path
+
+
+def test_srun_two_nodes_survive_a_crash_bitwise(slurm, gpt_baselines, tmp_path):
+    args, out = gpt_args(tmp_path, "srun")
+    logs = tmp_path / "logs"
+    with slurm_job(slurm) as jobs:
+        done = subprocess.run(["srun", "-N2", "--ntasks-per-node", "1", *FTRUN, "--nproc-per-node", "2",
+                               "--log-dir", str(logs), "--inject", "crash@rank=1,step=30", *args],
+                              env=slurm.env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stdout + done.stderr
+        job = re.search(r"job slurm-(\d+)", done.stderr).group(1)  # type: ignore[union-attr]
+        jobs.append(job)
+        assert out.read_text().strip() == gpt_baselines(2, 2), done.stderr
+        events = events_of(logs)
+        ranks = {e["slurm_node"]: e["node_rank"] for e in events if e["event"] == "slurm_step"}
+        assert ranks == {"n1": 0, "n2": 1}, events
+        assert {e["restored_from"] for e in events if e["event"] == "restore"} == {"ram"}, done.stderr
+        assert f"job slurm-{job} succeeded" in done.stderr
+        assert not slurm_segments(job)
+
+
+def test_batch_script_replaces_a_lost_node_with_a_spare_and_resumes_from_ram_and_parity(slurm, gpt_baselines,
+                                                                                       tmp_path):
+    """Down node n2 mid-training: SLURM kills the step; the batch loop runs ftrun again on n1 (its RAM) and the
+    spare n3, which rebuilds n2's ranks from n1's parity."""
+    args, out = gpt_args(tmp_path, "loss", "--step-time", STEP_TIME)
+    output = tmp_path / "batch.out"
+    script = batch_script(tmp_path, "loss", 2, 1, ["--nproc-per-node", "2", "--log-dir", str(tmp_path / "logs"), *args])
+    try:
+        with slurm_job(slurm) as jobs:
+            job = sbatch(slurm, script, output)
+            jobs.append(job)
+            wait_for_line(output, r"step 30 loss")
+            slurm.scontrol("update", "nodename=n2", "state=down", "reason=ftrun-test")
+            # n2's RAM is gone with it: on a real cluster its /dev/shm is its own; here the nodes share one
+            for path in glob.glob(f"/dev/shm/ftrun-slurm-{job}-node1-*") + [f"/dev/shm/ftrun-slurm-{job}-host-n2"]:
+                os.unlink(path)
+            assert wait_for_job_end(slurm, job) == "COMPLETED 0:0", output.read_text()
+            text = output.read_text()
+            assert out.read_text().strip() == gpt_baselines(2, 2), text
+            assert "Node failure on n2" in text and "running ftrun again on the nodes left" in text, text
+            assert re.search(r"\[keeper 0\] re-adopted \d+ committed slot", text), text
+            restore = re.search(r"generation 0: trainers restore step (\d+) from RAM \(node 1 rebuilt from the parity "
+                                r"of nodes \[0\]\)", text)
+            assert restore is not None and int(restore.group(1)) >= 20, text
+            ranks = [(e["slurm_node"], e["node_rank"], e["claimed"]) for e in events_of(tmp_path / "logs")
+                     if e["event"] == "slurm_step"]
+            assert sorted(ranks[2:]) == [("n1", 0, 0), ("n3", 1, None)], ranks
+            assert not slurm_segments(job)
+    finally:
+        slurm.resume("n2")
+
+
+def test_sigterm_persists_exits_143_and_the_requeued_job_resumes_from_disk(slurm, gpt_baselines, tmp_path):
+    """Preemption: SIGTERM to every process of the job's steps (as ``--signal=TERM@...`` before the time limit);
+    ftrun persists the newest committed step and exits 143, and so does the batch script; `scontrol requeue`
+    runs the job again (same job id), which resumes from disk."""
+    args, out = gpt_args(tmp_path, "preempt", "--step-time", STEP_TIME)
+    output = tmp_path / "batch.out"
+    ckpt = tmp_path / "ckpt"
+    script = batch_script(tmp_path, "preempt", 2, 0, ["--nproc-per-node", "2", "--ckpt-dir", str(ckpt), "--persist-every",
+                                                 "1", "--persist-grace", "20", *args])
+    with slurm_job(slurm) as jobs:
+        job = sbatch(slurm, script, output, "--open-mode=append")
+        jobs.append(job)
+        wait_for_line(output, r"step 30 loss")
+        subprocess.run(["scancel", "--signal=TERM", job], env=slurm.env(), check=True, timeout=30)  # its steps
+        assert wait_for_job_end(slurm, job) == "FAILED 143:0", output.read_text()
+        text = output.read_text()
+        persisted = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if "partial" not in p.name)
+        assert persisted and persisted[-1] >= 20, text
+        assert "stopped after persisting (exit 143)" in text and not slurm_segments(job), text
+        # the requeued job runs on other nodes (n1 and n2 drained), as after a preemption; and sooner: slurmd
+        # refuses a job it signalled for a while, and a requeued job is otherwise held back for 2 minutes
+        slurm.scontrol("update", "nodename=n[1-2]", "state=drain", "reason=ftrun-test")
+        try:
+            slurm.scontrol("requeue", job)
+            slurm.scontrol("update", f"jobid={job}", "StartTime=now")
+            assert wait_for_job_end(slurm, job) == "COMPLETED 0:0", output.read_text()
+        finally:
+            slurm.resume("n1")
+            slurm.resume("n2")
+        text = output.read_text()
+        assert f"trainers restore step {persisted[-1]} from disk" in text, text
+        assert "SLURM step" in text and "on n3: node rank 0" in text, text
+        assert out.read_text().strip() == gpt_baselines(2, 2), text
