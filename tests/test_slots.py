@@ -123,10 +123,26 @@ def test_keeper_plan_discards_newer_steps_of_older_generations_and_readopts(shm)
     assert keeper.ranks[0].held() == {10}
     # a new keeper (after a crash) finds the same committed, checksummed slots
     again = Keeper(spec(), [])
-    again.adopt()
+    again.adopt(earlier_run=False)
     assert [r.held() for r in again.ranks] == [{10}, {10}]
     keeper.unlink_all()
     assert os.listdir(shm) == []
+
+
+def test_slots_of_an_earlier_run_count_as_older_than_its_first_generation(shm):
+    """A new SLURM step starts again at generation 0: a step only some ranks held in the earlier run is dropped."""
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    for rank in (0, 1):
+        commit_via_keeper(keeper, rank, 10)
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10})
+    commit_via_keeper(keeper, 0, 20)  # rank 1 never commits 20; then the step is killed
+    later = Keeper(spec(), [])
+    later.adopt(earlier_run=True)
+    assert later.handle({"op": "held", "generation": 0})["held"] == {"0": [10, 20], "1": [10]}
+    later.handle({"op": "poll", "generation": 0, "plan": 10, "restorable": 10})
+    assert [r.held() for r in later.ranks] == [{10}, {10}]
+    later.unlink_all()
 
 
 def test_keeper_refuses_to_allocate_beyond_free_space(shm, monkeypatch):

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 
 import pytest
 
 from ftrun.errors import UsageError
-from ftrun.launch.slurm import PORT_BASE, expand_hostlist, slurm_step
+from ftrun.launch.sbatch import render
+from ftrun.launch.slurm import (PORT_BASE, assign_node_ranks, claim_path, expand_hostlist, read_claim, slurm_step,
+                                write_claim)
+from ftrun.launch.spec import ENV_SHM_DIR
 
 CASES = {
     "n1": ["n1"],
@@ -64,3 +68,34 @@ def test_a_slurm_step_sets_the_job_shape_unless_flags_say_otherwise():
     assert not cfg.local_mode
     assert build_config(None, {"rdzv_endpoint": "head:29400"}, env).rdzv_endpoint == "head:29400"
     assert build_config(None, {}, {}).local_mode
+
+
+@pytest.mark.parametrize("claims, ranks", [
+    ([None, None, None], [0, 1, 2]),  # a first step: SLURM node ids
+    ([0, None], [0, 1]),  # node rank 1 lost, a spare takes it
+    ([1, None], [1, 0]),  # node rank 0 lost: the survivor keeps rank 1 though it is SLURM node 0 now
+    ([None, 0, 1], [2, 0, 1]),
+    ([0, 0], [0, 1]),  # two claims of one rank: the lower node id keeps it
+    ([7, None], [0, 1]),  # a claim out of range is no claim
+])
+def test_node_ranks_follow_the_snapshots_a_node_holds(claims, ranks):
+    assert assign_node_ranks(claims, len(claims)) == ranks
+
+
+def test_claim_files_are_private_and_per_node(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV_SHM_DIR, str(tmp_path))
+    assert read_claim("slurm-5", "n1") is None
+    write_claim("slurm-5", "n1", 3)
+    assert read_claim("slurm-5", "n1") == 3 and read_claim("slurm-5", "n2") is None
+    assert os.stat(claim_path("slurm-5", "n1")).st_mode & 0o777 == 0o600
+
+
+def test_sbatch_template_loops_srun_steps_with_spares():
+    script = render(2, 1, 4, ["--nproc-per-node", "8", "train.py", "--lr", "3e-4 x"], ftrun=["ftrun"])
+    assert "#SBATCH --nodes=3" in script and "#SBATCH --no-kill" in script and "ATTEMPTS=4" in script
+    assert "FTRUN=(ftrun --nproc-per-node 8 train.py --lr '3e-4 x')" in script
+    assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "${FTRUN[@]}"' in script
+    with pytest.raises(UsageError, match="at least"):
+        render(0, 1, 4, ["train.py"])
+    with pytest.raises(UsageError, match="after --"):
+        render(2, 1, 4, [])

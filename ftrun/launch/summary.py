@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from ftrun.launch.coordination import Coordinator
+from ftrun.launch.coordination import Coordinator, Generation
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,10 @@ class Recovery:
     failed_step: int | None = None  # the failed rank's last reported step
 
 
-def recoveries(coord: Coordinator) -> list[Recovery]:
+def recoveries(coord: Coordinator, history: list[Generation] | None = None) -> list[Recovery]:
+    """One row per restart of the job (of ``history``, read from the store when not given)."""
     result = []
-    for gen in coord.history():
+    for gen in coord.history() if history is None else history:
         if gen.gen == 0:
             continue
         ups = coord.marks(gen.gen, "up")

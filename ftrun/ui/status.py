@@ -115,7 +115,7 @@ def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
     for group in {s.group for s in nodes.values() if s.group is not None}:
         raw = coord.get(f"group/{group}/protected")
         protected[group] = int(raw) if raw else 0
-    events = recoveries(coord)
+    events = recoveries(coord, history)  # the same reading of the history as the generation's
     ended = coord.get("state")
     if ended:
         state = ended.decode()
