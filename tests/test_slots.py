@@ -109,13 +109,19 @@ def test_keeper_never_overwrites_the_newest_step_every_rank_holds(shm):
     keeper.stop()
 
 
-def test_keeper_plan_discards_newer_steps_of_older_generations_and_readopts(shm):
+def keeper_with_rank_0_ahead() -> Keeper:
+    """A keeper in generation 0 whose ranks both committed step 10, and rank 0 also step 20."""
     keeper = Keeper(spec(), [])
     keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
     for rank in (0, 1):
         commit_via_keeper(keeper, rank, 10)
     keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10})
     commit_via_keeper(keeper, 0, 20)  # rank 1 never commits 20
+    return keeper
+
+
+def test_keeper_plan_discards_newer_steps_of_older_generations_and_readopts(shm):
+    keeper = keeper_with_rank_0_ahead()
     held = keeper.handle({"op": "held", "generation": 1})["held"]
     assert held == {"0": [10, 20], "1": [10]}
     keeper.handle({"op": "poll", "generation": 1, "plan": 10, "restorable": 10})
@@ -131,12 +137,7 @@ def test_keeper_plan_discards_newer_steps_of_older_generations_and_readopts(shm)
 
 def test_slots_of_an_earlier_run_count_as_older_than_its_first_generation(shm):
     """A new SLURM step starts again at generation 0: a step only some ranks held in the earlier run is dropped."""
-    keeper = Keeper(spec(), [])
-    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
-    for rank in (0, 1):
-        commit_via_keeper(keeper, rank, 10)
-    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10})
-    commit_via_keeper(keeper, 0, 20)  # rank 1 never commits 20; then the step is killed
+    keeper_with_rank_0_ahead()  # then the step is killed
     later = Keeper(spec(), [])
     later.adopt(earlier_run=True)
     assert later.handle({"op": "held", "generation": 0})["held"] == {"0": [10, 20], "1": [10]}
