@@ -16,15 +16,11 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, events_of, gpt_args, job_processes
+from conftest import ROOT, events_of, gpt_args, job_processes, job_segments
 
 pytestmark = pytest.mark.timeout(300)
 FTRUN = [sys.executable, "-m", "ftrun"]
 STEP_TIME = "0.1"  # seconds per training step: a node can be lost or a step signalled mid-run
-
-
-def slurm_segments(job: str) -> list[str]:
-    return glob.glob(f"/dev/shm/ftrun-slurm-{job}-*")
 
 
 @contextmanager
@@ -41,7 +37,7 @@ def slurm_job(slurm):
             deadline = time.monotonic() + 30
             while job_processes(f"slurm-{job}") and time.monotonic() < deadline:
                 time.sleep(0.1)
-            for path in slurm_segments(job):
+            for path in job_segments(f"slurm-{job}"):
                 os.unlink(path)
 
 
@@ -96,7 +92,7 @@ def test_srun_two_nodes_survive_a_crash_bitwise(slurm, gpt_baselines, tmp_path):
         assert ranks == {"n1": 0, "n2": 1}, events
         assert {e["restored_from"] for e in events if e["event"] == "restore"} == {"ram"}, done.stderr
         assert f"job slurm-{job} succeeded" in done.stderr
-        assert not slurm_segments(job)
+        assert not job_segments(f"slurm-{job}")
 
 
 def test_batch_script_replaces_a_lost_node_with_a_spare_and_resumes_from_ram_and_parity(slurm, gpt_baselines,
@@ -126,7 +122,7 @@ def test_batch_script_replaces_a_lost_node_with_a_spare_and_resumes_from_ram_and
             ranks = [(e["slurm_node"], e["node_rank"], e["claimed"]) for e in events_of(tmp_path / "logs")
                      if e["event"] == "slurm_step"]
             assert sorted(ranks[2:]) == [("n1", 0, 0), ("n3", 1, None)], ranks
-            assert not slurm_segments(job)
+            assert not job_segments(f"slurm-{job}")
     finally:
         slurm.resume("n2")
 
@@ -149,7 +145,7 @@ def test_sigterm_persists_exits_143_and_the_requeued_job_resumes_from_disk(slurm
         text = output.read_text()
         persisted = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if "partial" not in p.name)
         assert persisted and persisted[-1] >= 20, text
-        assert "stopped after persisting (exit 143)" in text and not slurm_segments(job), text
+        assert "stopped after persisting (exit 143)" in text and not job_segments(f"slurm-{job}"), text
         # the requeued job runs on other nodes (n1 and n2 drained), as after a preemption; and sooner: slurmd
         # refuses a job it signalled for a while, and a requeued job is otherwise held back for 2 minutes
         slurm.scontrol("update", "nodename=n[1-2]", "state=drain", "reason=ftrun-test")

@@ -31,7 +31,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from torch.distributed import DistError, TCPStore
 
@@ -92,6 +94,19 @@ class _Beater(threading.Thread):
 
     def stop(self) -> None:
         self._stop_event.set()
+
+
+T = TypeVar("T")
+
+
+def _within_grace(check: Callable[[], T | None]) -> T | None:
+    """Poll ``check`` for :data:`SECONDARY_GRACE`; its first non-None answer, or None."""
+    deadline = time.monotonic() + SECONDARY_GRACE
+    while True:
+        found = check()
+        if found is not None or time.monotonic() >= deadline:
+            return found
+        time.sleep(POLL_INTERVAL)
 
 
 class Supervisor:
@@ -462,20 +477,11 @@ class Supervisor:
 
     def _stop_signal_follows(self) -> bool:
         """Whether this supervisor is (within :data:`SECONDARY_GRACE`) told to stop too."""
-        deadline = time.monotonic() + SECONDARY_GRACE
-        while not self._stopping and time.monotonic() < deadline:
-            time.sleep(POLL_INTERVAL)
-        return self._stopping
+        return _within_grace(lambda: self._stopping or None) is not None
 
     def _wait_for_other_failure(self, seen: bytes) -> bytes | None:
         """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""
-        deadline = time.monotonic() + SECONDARY_GRACE
-        while time.monotonic() < deadline:
-            now_raw = self.coord.current_raw()
-            if now_raw != seen:
-                return now_raw
-            time.sleep(POLL_INTERVAL)
-        return None
+        return _within_grace(lambda: raw if (raw := self.coord.current_raw()) != seen else None)
 
     def _error_detail(self, gen: int, trainer: Trainer) -> str:
         """The first line of the trainer's torchelastic error file, when it wrote one."""
