@@ -50,7 +50,7 @@ from pathlib import Path
 from statistics import median as med
 from typing import Any
 
-from ftrun.launch.spec import shm_dir
+from ftrun.control.spec import shm_dir
 from ftrun.snapshot.erasure import DEFAULT_BACKEND, Codec, StripeLayout
 
 WORKER = Path(__file__).resolve().parent / "erasure_worker.py"

@@ -101,7 +101,7 @@ def store(
     port: int = typer.Option(29400, "--port", help="Port to listen on."),
 ) -> None:
     """Run a standalone control store that outlives every node of the jobs using it."""
-    from ftrun.launch.store import host_store
+    from ftrun.control.store import host_store
 
     server = host_store(port, host=host)
     print(f"ftrun store listening on port {server.port} (Ctrl-C to stop)", flush=True)

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from ftrun.errors import UsageError
-from ftrun.launch.faults import Fault, parse_faults
+from ftrun.control.faults import Fault, parse_faults
 from ftrun.launch.slurm import slurm_step
 from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
 

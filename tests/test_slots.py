@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from ftrun.launch.spec import ENV_SHM_DIR, NodeSpec
+from ftrun.control.spec import ENV_SHM_DIR, NodeSpec
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot.link import newest_common
 from ftrun.snapshot.slot import COMMITTED, HEADER_SIZE, WRITING, Header, SlotFile

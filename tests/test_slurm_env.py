@@ -11,7 +11,7 @@ from ftrun.errors import UsageError
 from ftrun.launch.sbatch import render
 from ftrun.launch.slurm import (PORT_BASE, assign_node_ranks, claim_path, expand_hostlist, read_claim, slurm_step,
                                 write_claim)
-from ftrun.launch.spec import ENV_SHM_DIR
+from ftrun.control.spec import ENV_SHM_DIR
 
 CASES = {
     "n1": ["n1"],

@@ -19,8 +19,8 @@ import pytest
 from rich.console import Console
 
 from conftest import ROOT, TRAIN_GPT, free_port, job_processes, job_segments
-from ftrun.launch.spec import shm_dir
-from ftrun.launch.summary import Recovery
+from ftrun.control.spec import shm_dir
+from ftrun.ui.summary import Recovery
 from ftrun.ui.live import LiveView
 from ftrun.ui.status import JobStatus, NodeStatus, RankStatus, Tier
 from ftrun.ui.view import beat, render

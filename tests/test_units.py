@@ -12,7 +12,7 @@ import pytest
 
 from ftrun.config import JobConfig, build_config, load_yaml
 from ftrun.errors import UsageError
-from ftrun.launch.faults import Fault, decode_trainer_faults, parse_fault, trainer_faults_env
+from ftrun.control.faults import Fault, decode_trainer_faults, parse_fault, trainer_faults_env
 from ftrun.launch.heartbeat import PHASE_EXITING, Beat, HangDetector, HeartbeatTable, HeartbeatWriter
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,7 +126,7 @@ def test_cli_help_lists_torchrun_flags():
 
 def test_multi_node_secret_is_derived_from_a_private_file_and_the_job(tmp_path):
     from ftrun.errors import UsageError
-    from ftrun.launch.secret import shared_secret
+    from ftrun.control.secret import shared_secret
 
     path = tmp_path / "dir" / "secret"
     first = shared_secret("job-a", str(path))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ftrun.launch.faults import ENV_TRAINER_FAULTS
+from ftrun.control.faults import ENV_TRAINER_FAULTS
 from ftrun.launch.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 

@@ -10,7 +10,7 @@ per local rank::
 A trainer maps its slot once; every :func:`ftrun.heartbeat` is then a ``struct.pack_into`` on the mapping,
 no system call (``time.monotonic_ns`` is served by the vDSO). The supervisor zeroes a slot before it starts
 a trainer in it and polls the beat counter; a change of counter is a beat, whatever the clocks say.
-Injected trainer faults (:mod:`ftrun.launch.faults`) fire here, right after the beat that reaches their step.
+Injected trainer faults (:mod:`ftrun.control.faults`) fire here, right after the beat that reaches their step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from ftrun.launch.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
+from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 
 ENV_HEARTBEAT_FILE = "FTRUN_HEARTBEAT_FILE"
 ENV_HEARTBEAT_SLOT = "FTRUN_HEARTBEAT_SLOT"

@@ -34,15 +34,15 @@ from torch.distributed import TCPStore
 from ftrun.config import JobConfig, split_endpoint
 from ftrun.errors import UsageError
 from ftrun.events import EventLog
-from ftrun.launch.coordination import Coordinator, Failure, Generation
+from ftrun.control.coordination import Coordinator, Failure, Generation
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
-from ftrun.launch.secret import local_secret, shared_secret
+from ftrun.control.secret import local_secret, shared_secret
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
-from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
+from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
                                safe_job_id, shm_dir, unlink_node_files)
-from ftrun.launch.store import connect_store, host_store
-from ftrun.launch.summary import print_summary
+from ftrun.control.store import connect_store, host_store
+from ftrun.ui.summary import print_summary
 from ftrun.snapshot.keeper import ENV_JOB_SECRET
 from ftrun.snapshot.persist import complete_steps, step_name
 from ftrun.ui.live import LiveView

@@ -29,7 +29,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ftrun.errors import UsageError
-from ftrun.launch.spec import safe_job_id, shm_dir
+from ftrun.control.spec import safe_job_id, shm_dir
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore

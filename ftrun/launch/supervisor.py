@@ -1,6 +1,6 @@
 """The supervisor: one long-lived process per node that runs the node's trainers generation after generation.
 
-Loop (the protocol itself is in :mod:`ftrun.launch.coordination`)::
+Loop (the protocol itself is in :mod:`ftrun.control.coordination`)::
 
     join (replacement? bump) -> rendezvous(g) -> start trainers -> watch -> stop trainers -> next g | exit
 
@@ -38,15 +38,15 @@ from typing import TypeVar
 from torch.distributed import DistError, TCPStore
 
 from ftrun.events import EventLog
-from ftrun.launch.coordination import Coordinator, Failure, Generation
+from ftrun.control.coordination import Coordinator, Failure, Generation
 from ftrun.launch.env import TrainerPlace, trainer_env
-from ftrun.launch.faults import parse_faults, trainer_faults_env
+from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.launch.heartbeat import HangDetector, HeartbeatTable
 from ftrun.launch.processes import (become_subreaper, describe_exit, die_with_parent, kill_descendants, reap,
                                     signal_group)
-from ftrun.launch.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
+from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
                                safe_job_id, shm_path)
-from ftrun.launch.store import connect_store, host_store
+from ftrun.control.store import connect_store, host_store
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
 from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD,
                                   STOP_SIGNAL as KEEPER_STOP_SIGNAL, unlink_segments)

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ftrun import heartbeat
-from ftrun.launch.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
+from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.layout import Capture, Entry, capture, decode_meta, encode_meta, restore
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
 from ftrun.snapshot.slot import HEADER_SIZE, META_HEADROOM, Header, SlotFile

@@ -23,8 +23,8 @@ import time
 from typing import Any
 
 from ftrun.events import EventLog
-from ftrun.launch.coordination import Coordinator
-from ftrun.launch.spec import NodeSpec
+from ftrun.control.coordination import Coordinator
+from ftrun.control.spec import NodeSpec
 from ftrun.snapshot.persist import complete_steps, finalize, manifest, prune, remove_partial, step_name
 
 REQUEST_INTERVAL = 0.2  # how often a node reads the job's persist request

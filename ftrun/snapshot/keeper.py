@@ -49,8 +49,8 @@ from typing import Any
 import psutil
 
 from ftrun.events import EventLog
-from ftrun.launch.faults import parse_faults
-from ftrun.launch.spec import NodeSpec, safe_job_id, shm_dir
+from ftrun.control.faults import parse_faults
+from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir
 from ftrun.snapshot.protocol import LineSocket, listen, same_user, socket_name
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank

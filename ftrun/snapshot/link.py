@@ -34,9 +34,9 @@ from dataclasses import dataclass, field
 from torch.distributed import DistError
 
 from ftrun.events import EventLog
-from ftrun.launch.coordination import Coordinator
-from ftrun.launch.spec import NodeSpec
-from ftrun.launch.store import connect_store
+from ftrun.control.coordination import Coordinator
+from ftrun.control.spec import NodeSpec
+from ftrun.control.store import connect_store
 from ftrun.snapshot.durability import Durability
 from ftrun.snapshot.protocol import KeeperClient, KeeperError, KeeperUnavailable, socket_name
 

@@ -21,9 +21,9 @@ from rich.live import Live
 
 from ftrun.config import split_endpoint
 from ftrun.errors import UsageError
-from ftrun.launch.coordination import Coordinator
-from ftrun.launch.spec import shm_dir
-from ftrun.launch.store import connect_store
+from ftrun.control.coordination import Coordinator
+from ftrun.control.spec import shm_dir
+from ftrun.control.store import connect_store
 from ftrun.ui.status import PUBLISH_INTERVAL, JobStatus, gather
 from ftrun.ui.view import ENDED, render
 

@@ -14,8 +14,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ftrun.launch.coordination import Coordinator
-from ftrun.launch.summary import Recovery, recoveries
+from ftrun.control.coordination import Coordinator
+from ftrun.ui.summary import Recovery, recoveries
 
 PUBLISH_INTERVAL = 0.5
 STALE_AFTER = 3.0

@@ -13,7 +13,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ftrun.launch.summary import Recovery
+from ftrun.ui.summary import Recovery
 from ftrun.ui.status import JobStatus, NodeStatus, RankStatus, Tier
 
 ENDED = ("done", "failed", "stopped")  # job states

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from ftrun.launch.coordination import Coordinator, Generation
+from ftrun.control.coordination import Coordinator, Generation
 
 
 @dataclass(frozen=True)
