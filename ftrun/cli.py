@@ -19,7 +19,7 @@ from ftrun.errors import USAGE_EXIT_CODE, UsageError
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).")
 
-SUBCOMMANDS = ("run", "store", "inspect", "export", "status", "sbatch-template")
+SUBCOMMANDS = ("run", "store", "inspect", "export", "status", "sbatch-template", "clean")
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -37,6 +37,9 @@ def run(
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", help="Job id (names store keys, files)."),
     rdzv_timeout: Optional[float] = typer.Option(None, "--rdzv-timeout", "--rdzv_timeout",
                                                  help="Seconds to wait for the store and for nodes to join."),
+    rdzv_bind: Optional[str] = typer.Option(None, "--rdzv-bind", "--rdzv_bind",
+                                            help="Multi-node: address the stores listen on (default: the "
+                                                 "interface that reaches the endpoint; 0.0.0.0: all)."),
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts",
                                                help="Restarts allowed before the job fails."),
     standalone: Optional[bool] = typer.Option(None, "--standalone", help="Single node, local control store."),
@@ -84,7 +87,7 @@ def run(
 
     cfg = build_config(config, {
         "nnodes": nnodes, "nproc_per_node": nproc_per_node, "node_rank": node_rank,
-        "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id, "rdzv_timeout": rdzv_timeout,
+        "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id, "rdzv_timeout": rdzv_timeout, "rdzv_bind": rdzv_bind,
         "max_restarts": max_restarts, "standalone": standalone, "module": module, "no_python": no_python,
         "log_dir": log_dir, "hang_timeout": hang_timeout, "hang_timeout_initial": hang_timeout_initial,
         "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote, "tui": tui,
@@ -97,14 +100,20 @@ def run(
 
 @app.command()
 def store(
-    host: str = typer.Option("0.0.0.0", "--host", help="Address the store's own client uses (it listens on all)."),
+    host: Optional[str] = typer.Option(None, "--host", "--rdzv-bind",
+                                       help="Address to listen on (default: the address of this host's name; "
+                                            "0.0.0.0: every interface)."),
     port: int = typer.Option(29400, "--port", help="Port to listen on."),
 ) -> None:
-    """Run a standalone control store that outlives every node of the jobs using it."""
-    from ftrun.control.store import host_store
+    """Run a standalone control store that outlives every node of the jobs using it. Jobs sign and check their
+    own values with their secrets; the store itself needs none."""
+    import socket
 
-    server = host_store(port, host=host)
-    print(f"ftrun store listening on port {server.port} (Ctrl-C to stop)", flush=True)
+    from ftrun.control.store import check_bind_address, host_store
+
+    bind = check_bind_address(host if host is not None else socket.gethostname(), "--host")
+    server = host_store(port, bind=bind)
+    print(f"ftrun store listening on {bind}:{server.port} (Ctrl-C to stop)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
         signal.pause()
@@ -118,14 +127,20 @@ def inspect(
     verify: bool = typer.Option(True, "--verify/--no-verify", help="Read every rank file and check its CRC-32."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document instead of a table."),
 ) -> None:
-    """List the checkpoint steps in DIR: complete or partial, ranks, size, time and checksum status."""
-    from ftrun.snapshot.export import inventory, inventory_json, print_inventory
+    """List the checkpoint steps of every job in DIR: complete or partial, ranks, size, time and checksum status;
+    exit code 1 when a step fails verification."""
+    from ftrun.snapshot.export import failed, inventory, inventory_json, print_inventory
 
     rows = inventory(directory, verify)
     if as_json:
         print(inventory_json(directory, rows))
     else:
         print_inventory(rows)
+    bad = failed(rows)
+    if bad:
+        print(f"ftrun: {len(bad)} step(s) fail verification: "
+              + ", ".join(f"{row.job} step {row.step}" for row in bad), file=sys.stderr)
+        raise typer.Exit(1)
 
 
 @app.command()
@@ -134,11 +149,12 @@ def export(
     out: str = typer.Argument(..., metavar="OUT", help="Directory for the exported files (created 0700)."),
     fmt: str = typer.Option(..., "--format", help="torch (rank-R.pt) or safetensors (rank-R.safetensors)."),
     step: Optional[int] = typer.Option(None, "--step", help="Step to export (default: the newest complete one)."),
+    job: Optional[str] = typer.Option(None, "--job", help="Job whose step to export (needed when DIR has several)."),
 ) -> None:
     """Write every rank of a checkpoint step as a standard torch or safetensors file that loads without ftrun."""
     from ftrun.snapshot.export import export_step
 
-    for path in export_step(directory, out, fmt, step):
+    for path in export_step(directory, out, fmt, step, job):
         print(path, flush=True)
 
 
@@ -154,7 +170,25 @@ def sbatch_template(
     training finished or failed for good."""
     from ftrun.launch.sbatch import render
 
-    print(render(nodes, spares, attempts, list(ftrun_args or [])), end="")
+    args = list(ftrun_args or [])
+    print(render(nodes, spares, attempts, args, script_at=script_index(args)), end="")
+
+
+def script_index(args: list[str]) -> int:
+    """Where the script starts in the arguments of ``ftrun [run]`` (``len(args)``: no script): after the options,
+    the values of those that take one, and a ``--``."""
+    command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+    takes_value = {name for param in command.params if isinstance(param, typer.core.TyperOption)
+                   and not param.is_flag for name in param.opts}
+    index = 1 if args[:1] == ["run"] else 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "--":
+            return index + 1
+        if not arg.startswith("-") or arg == "-":
+            return index
+        index += 2 if arg in takes_value else 1
+    return len(args)
 
 
 @app.command()
@@ -166,6 +200,8 @@ def status(
     as_json: bool = typer.Option(False, "--json", help="Print JSON documents (one line each) instead of tables."),
     once: bool = typer.Option(False, "--once", help="Print the status once and exit."),
     wait: bool = typer.Option(False, "--wait", help="Wait for the job to appear instead of failing."),
+    secret_file: Optional[str] = typer.Option(None, "--secret-file",
+                                              help="With --endpoint: the job's --secret-file (~/.ftrun/secret)."),
 ) -> None:
     """Show a running job's nodes, ranks, snapshot tiers and failures, refreshed live until it ends."""
     import os
@@ -173,7 +209,39 @@ def status(
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ warning when the store goes
     from ftrun.ui.live import status_command
 
-    raise typer.Exit(status_command(endpoint, job, as_json, once, wait))
+    raise typer.Exit(status_command(endpoint, job, as_json, once, wait, secret_file))
+
+
+@app.command()
+def clean(
+    job: Optional[str] = typer.Option(None, "--job", help="Only this job's files (refused while it runs)."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="List the files; remove nothing."),
+) -> None:
+    """Remove the shared-memory files (snapshots, parity, heartbeats, announce, secret and claim files) of the jobs
+    that no longer run on this host, as `kill -9` of ftrun leaves them; a running job's files are left alone."""
+    from ftrun.control.spec import shm_dir
+    from ftrun.launch.clean import job_files, remove
+
+    entries = job_files(job)
+    running = [entry for entry in entries if entry.live]
+    if job is not None and running:
+        raise UsageError(f"job {job} is running ({', '.join(running[0].live[:4])}): not removing its files; stop "
+                         "it first (ftrun's exit removes them)")
+    if not entries:
+        print(f"ftrun clean: no files of {'job ' + job if job else 'any job'} in {shm_dir()}")
+    failed: list[str] = []
+    for entry in entries:
+        what = f"{len(entry.paths)} file(s), {entry.nbytes / (1 << 20):.1f} MiB"
+        if entry.live:
+            print(f"ftrun clean: job {entry.job}: running ({', '.join(entry.live[:4])}): left alone")
+        elif dry_run:
+            print(f"ftrun clean: job {entry.job}: {what} would be removed: " + " ".join(entry.paths))
+        else:
+            failed += remove(entry)
+            print(f"ftrun clean: job {entry.job}: removed {what}")
+    if failed:
+        print(f"ftrun: error: {len(failed)} file(s) not removed: {'; '.join(failed[:3])}", file=sys.stderr)
+        raise typer.Exit(1)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -33,6 +33,7 @@ class JobConfig:
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_timeout: float = 600.0
+    rdzv_bind: str | None = None
     max_restarts: int = 10
     standalone: bool = False
     module: bool = False
@@ -88,6 +89,8 @@ class JobConfig:
             raise UsageError(f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}")
         if self.node_rank is not None and self.rdzv_endpoint is None and self.nnodes > 1:
             raise UsageError("--node-rank needs --rdzv-endpoint HOST:PORT (the control store of the job)")
+        if self.rdzv_bind is not None and self.local_mode:
+            raise UsageError("--rdzv-bind is for multi-node jobs (--node-rank): local jobs listen on 127.0.0.1 only")
         if self.standalone and self.node_rank is not None:
             raise UsageError("--standalone cannot be combined with --node-rank")
         if self.max_restarts < 0:

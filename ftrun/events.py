@@ -6,11 +6,14 @@ Every process of a job (launcher, supervisors) appends to the same file; each ev
 "keeper N"), ``message`` (the terminal text). Event names: start, node_start, keeper_start, trainers_started,
 failure (with the failed rank's last ``step``), generation, restore (the agreed ``step`` and
 ``restored_from``: "ram", "disk", "parity" (with ``rebuilt``: node -> the nodes it rebuilds from) or "none"),
-restored (per rank: bytes, seconds), stopped, all_running, first_heartbeat, recovered, keeper_failed,
+restored (per rank: bytes, seconds), stopped, stop (a supervisor was told to stop, by ``signal``: every node
+stops, persists and exits), all_running, first_heartbeat, recovered, keeper_failed,
 keeper_adopted, slot_allocated, slot_invalid, inject, zygote, node_lost, node_done, failed, parity (a keeper
 computed its parity of a step), parity_failed, protected (a group's protected step advanced), rebuilt,
-rebuild_failed, peer_rejected, persisted (a step complete on disk), durability (degraded), loaded (a keeper
-loaded a step from disk), persist_corrupt, no_resume.
+rebuild_failed, peer_rejected, store_rejected (a control-store value that is not authentic, or a replayed older
+generation, was ignored; once per key and process), persisted (a step complete on disk), durability (degraded), loaded (a keeper
+loaded a step from disk), restore_source_failed (a parity rebuild or disk load of the planned step failed; the
+next source is planned), no_resume.
 """
 
 from __future__ import annotations

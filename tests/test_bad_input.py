@@ -51,10 +51,15 @@ def listening_port():
     (["--inject", "node-loss@rank=1,step=2", str(TRAIN_PLAIN)], ["unknown key 'rank' for node-loss"]),
     (["--no-python", "no-such-executable-ftrun"], ["executable not found"]),
     (["--rdzv-endpoint", "nohostport", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
+    (["--rdzv-bind", "127.0.0.1", str(TRAIN_PLAIN)], ["--rdzv-bind is for multi-node jobs"]),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-bind", "198.51.100.77",
+      str(TRAIN_PLAIN)], ["--rdzv-bind 198.51.100.77 is not an address of this host"]),
     (["--nnodes", "2", "--ec-parity", "2", str(TRAIN_PLAIN)], ["--ec-parity 2 must be smaller than --ec-group 2"]),
     (["--nnodes", "2", "--ec-group", "4", str(TRAIN_PLAIN)], ["--ec-group 4 is larger than --nnodes 2"]),
     (["--nnodes", "4", "--ec-group", "3", str(TRAIN_PLAIN)], ["--nnodes 4 cannot be divided into groups"]),
     (["--nnodes", "2", "--ec-backend", "jerasure_rs_vand", str(TRAIN_PLAIN)], ["'jerasure_rs_vand' is not available"]),
+    (["--nnodes", "100000", "--nproc-per-node", "100000", str(TRAIN_PLAIN)],
+     ["100000 node(s) and 10000000000 trainer(s) on this host", "core(s)", "available", "--node-rank N", "srun"]),
 ])
 def test_bad_flags(args, fragments):
     assert_one_line_error(*run_ftrun(*args)[:2], *fragments)

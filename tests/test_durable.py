@@ -4,18 +4,22 @@ run's state; corrupt steps are never loaded; a full disk degrades durability wit
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import NODES, assert_job_left_nothing, gpt_args, job_segments, kill_job, restores, run_bitwise
+from conftest import (NODES, TRAIN_GPT, assert_job_left_nothing, gpt_args, job_segments, kill_job, primary_failures,
+                      restores, run_bitwise)
+from ftrun.snapshot.slot import HEADER_SIZE
 
 
 def durable(ckpt, *extra: str) -> tuple[str, ...]:
@@ -80,7 +84,7 @@ def test_export_matches_the_final_state_and_a_corrupt_newest_step_is_never_loade
                                                                                    gpt_baselines):
     ckpt, out_dir = tmp_path / "ckpt", tmp_path / "export"
     first = run_bitwise(start_job, tmp_path, gpt_baselines(2, 2), "part1", *durable(ckpt, "--keep", "3"))
-    steps = sorted(int(d.split("-")[1]) for d in os.listdir(ckpt) if d.startswith("step-"))
+    steps = sorted(int(d.split("-")[1]) for d in os.listdir(ckpt / first.job_id) if d.startswith("step-"))
     assert len(steps) >= 2 and steps[-1] == 60, steps  # a step may be skipped when the next is committed meanwhile
 
     for fmt in ("torch", "safetensors"):  # the final step, exported, is the state the job ended with
@@ -94,7 +98,7 @@ def test_export_matches_the_final_state_and_a_corrupt_newest_step_is_never_loade
     assert weights.keys() == state["model"].keys()
     assert all(torch.equal(value, state["model"][key]) for key, value in weights.items())
 
-    victim = ckpt / "step-00000060" / "rank-00002.snap"  # a flipped bit in the newest step: the older is used
+    victim = ckpt / first.job_id / "step-00000060" / "rank-00002.snap"  # a flipped bit in the newest step: the older is used
     with open(victim, "r+b") as f:
         f.seek(4096 + 1000)
         byte = f.read(1)
@@ -102,7 +106,7 @@ def test_export_matches_the_final_state_and_a_corrupt_newest_step_is_never_loade
         f.write(bytes([byte[0] ^ 0x01]))
     again = run_bitwise(start_job, tmp_path, gpt_baselines(2, 2), "part2", *durable(ckpt, "--keep", "3"),
                         job_id=first.job_id)
-    corrupt = [e for e in again.events() if e["event"] == "persist_corrupt"]
+    corrupt = [e for e in again.events() if e["event"] == "restore_source_failed"]
     assert corrupt and corrupt[0]["step"] == 60 and "rank 2" in json.dumps(corrupt[0]["problems"]), again.output
     assert from_disk(again)["step"] == steps[-2]
 
@@ -116,8 +120,10 @@ def test_full_disk_degrades_durability_and_training_completes_from_ram(start_job
     warnings = [line for line in job.output.splitlines() if "durability degraded" in line]
     assert len(warnings) == 1 and "No space left on device" in warnings[0], job.output
     assert "ftrun: durability DEGRADED" in job.output
+    final = [line for line in job.output.splitlines() if "the final persist" in line]  # fails at once, no timeout
+    assert final and all("failed: " in line and "did not complete" not in line for line in final), job.output
     assert restores(job)[1]["restored_from"] == "ram"  # the crash still restores from RAM
-    assert [d for d in os.listdir(small) if d.startswith("step-")] == []
+    assert glob.glob(f"{small}/*/step-*") == []
 
 
 def exported_state_hash(state: dict) -> str:
@@ -132,3 +138,77 @@ def exported_state_hash(state: dict) -> str:
             digest.update(value.contiguous().numpy().tobytes() if torch.is_tensor(value) else repr(value).encode())
     digest.update(repr((state["sched"]["last_epoch"], state["data"])).encode())
     return digest.hexdigest()
+
+
+def persisted_steps(job) -> list[int]:
+    return [e["step"] for e in job.events() if e["event"] == "persisted"]
+
+
+@pytest.mark.timeout(300)
+def test_a_snapshot_every_step_persists_every_nth_step(start_job, tmp_path):
+    """Keepers hold the step a persist names before any node may overwrite it: with a snapshot at every step,
+    every persist succeeds and disk never falls more than persist-every steps plus one persist behind."""
+    ckpt = tmp_path / "ckpt"
+    job = start_job("--nnodes", "2", "--ckpt-dir", str(ckpt), "--persist-every", "5", str(TRAIN_GPT), "--steps", "60",
+                    "--snapshot-every", "1")
+    assert job.wait(180) == 0, job.output
+    assert "durability degraded" not in job.output, job.output
+    steps = persisted_steps(job)
+    assert steps[-1] == 60 and len(steps) >= 6, steps
+    assert all(b - a <= 3 * 5 for a, b in zip([0, *steps], steps)), steps  # 5 committed steps + one persist
+    assert "ftrun: durability ok: newest step on disk 60 (0 step(s) behind training" in job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(300)
+def test_jobs_sharing_a_ckpt_dir_write_prune_and_resume_only_their_own_steps(start_job, tmp_path, gpt_baselines):
+    ckpt = tmp_path / "ckpt"
+    flags = ("--nproc-per-node", "2", *durable(ckpt, "--keep", "1"))
+    args_a, out_a = gpt_args(tmp_path, "a", "--step-time", "0.01")
+    args_b, out_b = gpt_args(tmp_path, "b", "--step-time", "0.01")
+    a, b = start_job(*flags, *args_a), start_job(*flags, *args_b)  # at once: the same step numbers
+    assert a.wait(180) == 0, a.output
+    assert b.wait(180) == 0, b.output
+    for job, out in ((a, out_a), (b, out_b)):
+        assert out.read_text().strip() == gpt_baselines(1, 2)
+        assert sorted(os.listdir(ckpt / job.job_id)) == ["step-00000060"], job.output
+        assert "ftrun: durability ok" in job.output
+    listed = subprocess.run([sys.executable, "-m", "ftrun", "inspect", str(ckpt), "--json"], capture_output=True,
+                            text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    rows = json.loads(listed.stdout)["steps"]
+    assert sorted((row["job"], row["step"], row["state"], row["corrupt"]) for row in rows) == sorted(
+        [(a.job_id, 60, "complete", {}), (b.job_id, 60, "complete", {})])
+    again = start_job(*flags, *args_a, job_id=a.job_id, log_dir=tmp_path / "logs-again")  # resumes its own step
+    assert again.wait(180) == 0, again.output
+    assert from_disk(again)["step"] == 60 and out_a.read_text().strip() == gpt_baselines(1, 2)
+    assert sorted(os.listdir(ckpt / b.job_id)) == ["step-00000060"]
+
+
+@pytest.mark.timeout(300)
+def test_a_failed_parity_rebuild_falls_back_to_disk_within_the_generation(start_job, tmp_path, gpt_baselines):
+    """Node 1's slots and node 0's parity of them are corrupt: the rebuild fails once, every node plans the
+    next source (disk) in the same generation, and the job ends bit-exact after one failure."""
+    ckpt = tmp_path / "ckpt"
+    args, out = gpt_args(tmp_path, "rebuild-fails", "--step-time", "0.05")
+    job = start_job(*NODES, *durable(ckpt), "--hang-timeout", "2", *args)
+    job.wait_for_event(lambda e: e["event"] == "persisted" and e["step"] >= 20, timeout=120)
+    trainers = [job.trainer(rank) for rank in range(4)]
+    for trainer in trainers:  # still: nothing rewrites slots or parity now; then a hang restarts the job
+        trainer.suspend()
+    time.sleep(0.5)
+    victims = glob.glob(f"/dev/shm/ftrun-{job.job_id}-node1-rank*-slot*")
+    victims += glob.glob(f"/dev/shm/ftrun-{job.job_id}-node0-parity*")
+    assert len(victims) >= 4, victims
+    for path in victims:
+        with open(path, "r+b") as f:
+            f.seek(2 * HEADER_SIZE + 100)  # inside the first rank's tensor bytes (a parity image has its header)
+            byte = f.read(1)
+            f.seek(2 * HEADER_SIZE + 100)
+            f.write(bytes([byte[0] ^ 0xFF]))
+    assert job.wait(180) == 0, job.output
+    assert out.read_text().strip() == gpt_baselines(2, 2)
+    assert len(primary_failures(job)) == 1, job.output  # the hang, and no restart for the failed source
+    plan = restores(job)[1]
+    assert plan["restored_from"] == "disk" and plan["step"] >= 20, job.output
+    assert_job_left_nothing(job)

@@ -10,7 +10,8 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, assert_job_left_nothing
-from ftrun.launch.env import TORCHRUN_VARIABLES
+from ftrun.control.spec import ENV_NODE_SPEC
+from ftrun.launch.env import TORCHRUN_VARIABLES, TRAINER_FTRUN_VARIABLES
 
 
 def read_dumps(directory) -> dict[tuple[int, int], dict]:
@@ -47,6 +48,8 @@ def test_environment_is_torchrun_contract_on_every_node_and_generation(start_job
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"gen{gen}/rank{rank}/error.json")
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+        # of ftrun's variables only the client's: no launcher internals (node spec, store address, secret)
+        assert {k for k in env["_all"] if k.startswith("FTRUN_")} == set(TRAINER_FTRUN_VARIABLES)
     # one trainer store per generation, shared by all ranks of it, on a new port each time
     ports = {gen: {dumps[gen, r]["MASTER_PORT"] for r in range(4)} for gen in (0, 1)}
     assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]
@@ -73,3 +76,17 @@ def test_omp_threads_default_and_same_variables_as_real_torchrun(start_job, tmp_
     assert ftrun_env["OMP_NUM_THREADS"] == str(expected_threads)
     for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_NAME", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
         assert ftrun_env[name] == torchrun_env[name], name
+
+
+@pytest.mark.timeout(120)
+def test_trainers_and_zygotes_carry_no_launcher_internals(start_job):
+    """Not in what the script reads (above), nor in /proc/PID/environ of a trainer forked by the zygote (the
+    zygote's exec environment; without a zygote it is the trainer's own, checked above): the node spec names the
+    control store, the secret signs its values."""
+    job = start_job("--nnodes", "2", "--nproc-per-node", "1", str(SCRIPTS / "sleeper.py"), "--seconds", "4")
+    trainer = job.trainer(1)
+    seen = trainer.environ()
+    assert job.wait() == 0, job.output
+    assert ENV_NODE_SPEC not in seen and "FTRUN_JOB_SECRET" not in seen, sorted(seen)
+    assert seen["FTRUN_JOB_ID"] == job.job_id  # `ftrun clean` and the tests find a job's processes by it
+    assert_job_left_nothing(job)

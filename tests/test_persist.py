@@ -94,7 +94,7 @@ def dirs(tmp_path: Path) -> tuple[Path, Path]:
     """(checkpoint root, a stand-in for /dev/shm), both under the test's tmp_path."""
     shm = tmp_path / "shm"
     shm.mkdir()
-    return tmp_path / "ckpt" / "job", shm
+    return tmp_path / "ckpt" / JOB, shm
 
 
 @pytest.fixture(scope="module")
@@ -269,7 +269,8 @@ def test_inspect(dirs, states):
     flip_byte(root / "step-00000020" / "rank-00001.snap", HEADER_SIZE + 1)
 
     result = ftrun("inspect", str(root), "--json")
-    assert result.returncode == 0, result.stderr
+    assert result.returncode == 1, result.stderr  # a step fails verification
+    assert result.stderr.strip() == f"ftrun: 1 step(s) fail verification: {JOB} step 20"
     doc = json.loads(result.stdout)
     rows = {row["step"]: row for row in doc["steps"]}
     assert [row["step"] for row in doc["steps"]] == [10, 20, 30]
@@ -280,15 +281,16 @@ def test_inspect(dirs, states):
     assert rows[30]["state"] == "partial" and rows[30]["ranks"] == 1
 
     result = ftrun("inspect", str(root), "--no-verify", "--json")
+    assert result.returncode == 0, result.stderr
     assert all(row["corrupt"] is None for row in json.loads(result.stdout)["steps"])
 
-    result = ftrun("inspect", str(root))
-    assert result.returncode == 0, result.stderr
+    result = ftrun("inspect", str(root.parent))  # the --ckpt-dir that holds the job's directory
+    assert result.returncode == 1, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["step", "job", "state", "ranks", "size", "created", "check"]
     assert lines[1].split()[:4] == ["10", JOB, "complete", "2"] and lines[1].endswith("ok")
     assert "rank 1 corrupt: checksum mismatch" in lines[2]
-    assert lines[3].split()[:3] == ["30", "-", "partial"]
+    assert lines[3].split()[:3] == ["30", JOB, "partial"]
 
 
 def test_inspect_bad_input(tmp_path):
@@ -363,3 +365,23 @@ def test_export_bad_input(dirs, states, tmp_path):
     (tmp_path / "file").write_text("")
     assert_one_line_error(ftrun("export", str(root), "--step", "10", "--format", "torch", str(tmp_path / "file")),
                           "cannot")
+
+
+def test_a_ckpt_dir_shared_by_jobs(dirs, states, tmp_path):
+    """Each job's steps live in its own directory; prune keeps only that job's; export picks one job."""
+    root, shm = dirs
+    other = root.parent / "other"
+    write_step(root, shm, 10, states)
+    write_step(other, shm, 20, states)
+    assert persist.job_dirs(str(root.parent)) == [str(root), str(other)]
+    assert persist.job_dirs(str(root)) == [str(root)]
+    assert persist.prune(str(other), 1, job="someone-else") == []  # never another job's steps
+    out = str(tmp_path / "out")
+    assert_one_line_error(ftrun("export", str(root.parent), "--format", "torch", out), "several jobs", "--job")
+    assert_one_line_error(ftrun("export", str(root.parent), "--job", "nope", "--format", "torch", out), "nope")
+    result = ftrun("export", str(root.parent), "--job", JOB, "--format", "torch", out)
+    assert result.returncode == 0, result.stderr
+    result = ftrun("inspect", str(root.parent), "--json")
+    assert result.returncode == 0, result.stderr
+    assert [(row["path"], row["step"]) for row in json.loads(result.stdout)["steps"]] == [
+        (str(root / "step-00000010"), 10), (str(other / "step-00000020"), 20)]

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import glob
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
+import psutil
 import pytest
 
-from conftest import SCRIPTS, assert_job_left_nothing, free_port, train_args
+from conftest import (SCRIPTS, TRAIN_GPT, assert_job_left_nothing, free_port, job_processes, job_segments,
+                      train_args)
 
 NODES = ("--nnodes", "2", "--nproc-per-node", "2")
 
@@ -47,7 +53,7 @@ def test_sigstop_is_a_hang_detected_within_timeout(start_job, tmp_path, baseline
     stopped_at = time.time()
     os.kill(victim.pid, signal.SIGSTOP)
     failure = job.wait_for_event(lambda e: e["event"] == "failure")
-    assert failure["kind"] == "hang"
+    assert (failure["kind"], failure["rank"]) == ("hang", 2), failure
     assert failure["time"] - stopped_at <= hang_timeout + 1.0
     assert job.wait() == 0, job.output
     assert out.read_text().strip() == baseline_hash
@@ -74,6 +80,21 @@ def test_restart_limit_ends_job_with_summary_and_no_orphans(start_job, tmp_path)
     assert len(failures(job)) == 2
     assert "restart limit reached (1 restarts)" in job.output
     assert "failed" in job.output and "failures and recoveries" in job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_script_broken_at_import_reports_the_restarts_it_made(start_job):
+    """--max-restarts 2: generations 0, 1 and 2 run (two restarts); the third failure ends the job, and every
+    line says 2 restarts (it said 3)."""
+    job = start_job("--max-restarts", "2", str(SCRIPTS / "raises_at_import.py"))
+    assert job.wait() == 3, job.output
+    assert sorted(e["generation"] for e in job.events() if e["event"] == "trainers_started") == [0, 1, 2]
+    assert len(failures(job)) == 3
+    assert job.output.count("restarting every node's trainers") == 2
+    assert "generation 3: not started, the restart limit (--max-restarts 2) is reached" in job.output
+    assert "restart limit reached (2 restarts)" in job.output
+    assert "3 failure(s), 2 restart(s) (limit reached: --max-restarts 2)" in job.output
     assert_job_left_nothing(job)
 
 
@@ -134,4 +155,66 @@ def test_sigterm_to_launcher_stops_every_process(start_job):
     wait_running(job)
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait(timeout=30) == 143
+    assert_job_left_nothing(job)
+
+
+def ftrun_clean(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftrun", "clean", *args], capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_ftrun_leaves_files_that_ftrun_clean_removes_but_never_a_live_jobs(start_job):
+    job = start_job("--nnodes", "2", "--nproc-per-node", "1", str(TRAIN_GPT), "--steps", "2000",
+                    "--snapshot-every", "2", "--step-time", "0.02")
+    wait_running(job)
+    deadline = time.monotonic() + 30
+    while not any(path.endswith("slot1") for path in job_segments(job.job_id)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    refused = ftrun_clean("--job", job.job_id)
+    assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused
+    assert f"job {job.job_id} is running (launcher pid {job.proc.pid}" in refused.stderr
+    listed = ftrun_clean("--dry-run")
+    assert f"job {job.job_id}: running" in listed.stdout and job_segments(job.job_id), listed
+    os.kill(job.proc.pid, signal.SIGKILL)  # supervisors, keepers and trainers die with it; files stay
+    job.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while job_processes(job.job_id) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {os.path.basename(path).removeprefix(f"ftrun-{job.job_id}-") for path in job_segments(job.job_id)}
+    assert {"launcher", "node0-heartbeat", "node0-rank0-slot0", "node1-rank0-slot1"} <= left, left
+    cleaned = ftrun_clean("--job", job.job_id)
+    assert cleaned.returncode == 0 and f"job {job.job_id}: removed {len(left)} file(s)" in cleaned.stdout, cleaned
+    assert_job_left_nothing(job)
+
+
+def supervisor_of(job, node: int) -> psutil.Process:
+    for proc in job_processes(job.job_id):
+        try:
+            if "ftrun.launch.supervisor" in proc.cmdline() and \
+                    json.loads(proc.environ()["FTRUN_NODE_SPEC"])["node_rank"] == node:
+                return proc
+        except (psutil.Error, KeyError):
+            continue
+    pytest.fail(f"no supervisor of node {node} in job {job.job_id}")
+
+
+@pytest.mark.timeout(180)
+def test_sigterm_to_one_supervisor_stops_the_whole_job_after_persisting(start_job, tmp_path):
+    """It used to stop its node alone: the other node restarted and waited for it, the final persist timed out."""
+    ckpt = tmp_path / "ckpt"
+    job = start_job("--nnodes", "2", "--nproc-per-node", "1", "--ckpt-dir", str(ckpt), "--persist-every", "100",
+                    "--persist-grace", "20", str(TRAIN_GPT), "--steps", "2000", "--snapshot-every", "5",
+                    "--step-time", "0.02")
+    job.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 10, timeout=120)
+    supervisor_of(job, 1).send_signal(signal.SIGTERM)
+    assert job.wait(60) == 128 + signal.SIGTERM, job.output
+    events = job.events()
+    assert [(e["node"], e["signal"]) for e in events if e["event"] == "stop"] == [(1, "SIGTERM")]
+    assert not failures(job) and not [e for e in events if e["event"] == "durability"], job.output
+    persisted = [e["step"] for e in events if e["event"] == "persisted"]
+    assert len(persisted) == 1 and persisted[0] >= 10, job.output
+    assert glob.glob(str(ckpt / "*" / f"step-{persisted[0]:08d}" / "manifest.json")), job.output
+    assert "stopped by a signal (exit code 143): 0 failure(s), 0 restart(s)" in job.output
+    assert job.output.count("(all 2 nodes simulated on this host: no --node-rank)") == 1  # said once, at start
     assert_job_left_nothing(job)

@@ -143,7 +143,7 @@ def test_sigterm_persists_exits_143_and_the_requeued_job_resumes_from_disk(slurm
         subprocess.run(["scancel", "--signal=TERM", job], env=slurm.env(), check=True, timeout=30)  # its steps
         assert wait_for_job_end(slurm, job) == "FAILED 143:0", output.read_text()
         text = output.read_text()
-        persisted = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("step-*") if "partial" not in p.name)
+        persisted = sorted(int(p.name.split("-")[1]) for p in ckpt.glob("*/step-*") if "partial" not in p.name)
         assert persisted and persisted[-1] >= 20, text
         assert "stopped after persisting (exit 143)" in text and not job_segments(f"slurm-{job}"), text
         # the requeued job runs on other nodes (n1 and n2 drained), as after a preemption; and sooner: slurmd

@@ -99,3 +99,28 @@ def test_sbatch_template_loops_srun_steps_with_spares():
         render(0, 1, 4, ["train.py"])
     with pytest.raises(UsageError, match="after --"):
         render(2, 1, 4, [])
+
+
+@pytest.mark.parametrize("requeued", [False, True])
+def test_sbatch_template_gives_no_resume_to_the_first_attempt_of_the_first_run_only(tmp_path, requeued):
+    """The batch script, run by bash with a fake srun that fails twice (a lost node) then succeeds: only the first
+    attempt of a job that was not requeued moves the checkpoint aside; the script's own --no-resume stays."""
+    from ftrun.cli import script_index
+
+    args = ["run", "--no-resume", "--ckpt-dir", "/ckpt", "--nproc-per-node", "2", "train.py", "--no-resume"]
+    batch = tmp_path / "job.sh"
+    batch.write_text(render(2, 1, 3, args, ftrun=["ftrun"], script_at=script_index(args)))
+    (tmp_path / "bin").mkdir()
+    srun = tmp_path / "bin" / "srun"
+    srun.write_text('#!/bin/bash\necho "$*" >> "$SRUN_LOG"\n[ "$(wc -l < "$SRUN_LOG")" -ge 3 ]\n')
+    srun.chmod(0o755)
+    log = tmp_path / "srun.log"
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SRUN_LOG": str(log)}
+    env.pop("SLURM_RESTART_COUNT", None)
+    if requeued:
+        env["SLURM_RESTART_COUNT"] = "1"
+    done = subprocess.run(["bash", str(batch)], env=env, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stdout + done.stderr
+    srun_args = "--nodes=2 --ntasks=2 --ntasks-per-node=1 ftrun run --ckpt-dir /ckpt --nproc-per-node 2"
+    resume, start_over = f"{srun_args} train.py --no-resume", f"{srun_args} --no-resume train.py --no-resume"
+    assert log.read_text().splitlines() == [resume if requeued else start_over, resume, resume]

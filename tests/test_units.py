@@ -135,3 +135,75 @@ def test_multi_node_secret_is_derived_from_a_private_file_and_the_job(tmp_path):
     path.chmod(0o644)
     with pytest.raises(UsageError, match="accessible by other users"):
         shared_secret("job-a", str(path))
+
+
+def test_local_jobs_must_fit_this_host_cores_and_memory():
+    from ftrun.launch.capacity import NODE_BYTES, TRAINER_BYTES, Host, local_fit_problem, needed_memory
+
+    roomy = Host(cores=2, memory=64 << 30)
+    assert local_fit_problem(2, 2, roomy) is None and local_fit_problem(4, 2, roomy) is None  # 4 per core
+    assert needed_memory(2, 3) == 2 * NODE_BYTES + 6 * TRAINER_BYTES
+    cores = local_fit_problem(4, 8, roomy)  # a torchrun command without --node-rank
+    assert cores is not None and "\n" not in cores
+    for fragment in ("4 node(s) and 32 trainer(s)", "2 core(s) (at most 8 trainers", "--node-rank N (0..3)",
+                     "--rdzv-endpoint HOST:PORT", "srun"):
+        assert fragment in cores, cores
+    tight = Host(cores=64, memory=needed_memory(2, 2) - 1)
+    memory = local_fit_problem(2, 2, tight)
+    assert memory is not None and f"at least {needed_memory(2, 2) / (1 << 30):.1f} GiB" in memory
+    assert local_fit_problem(2, 2, Host(cores=64, memory=needed_memory(2, 2))) is None
+    one_node = local_fit_problem(1, 9, roomy)
+    assert one_node is not None and "fewer trainers with --nproc-per-node" in one_node
+    assert "EiB" in (local_fit_problem(100000, 100000, roomy) or "")
+
+
+def test_the_hang_culprit_is_the_rank_that_stopped_first_not_a_peer_waiting_for_it():
+    from ftrun.launch.heartbeat import BUSY, STOPPED, WAITING, HangSuspect, culprit
+
+    def suspect(rank: int, state: int, step: int = 20, last_beat: float = 100.0) -> HangSuspect:
+        return HangSuspect(rank, rank // 2, state, step, last_beat, "no heartbeat")
+
+    # peers blocked in the all-reduce beat at the same step, some even before the stopped rank's last beat
+    assert culprit([suspect(0, WAITING, last_beat=99.9), suspect(3, STOPPED)]).rank == 3
+    assert culprit([suspect(0, WAITING, last_beat=99.9), suspect(2, BUSY), suspect(1, WAITING)]).rank == 2
+    assert culprit([suspect(0, WAITING), suspect(2, WAITING, step=19)]).rank == 2
+    assert culprit([suspect(1, WAITING, last_beat=100.2), suspect(2, WAITING, last_beat=100.1)]).rank == 2
+    assert culprit([suspect(2, WAITING), suspect(1, WAITING)]).rank == 1  # a full tie: the same on every node
+    reports = [suspect(3, STOPPED), suspect(2, WAITING)]
+    assert HangSuspect.decode_all(HangSuspect.encode_all(reports)) == reports
+    assert HangSuspect.decode_all("garbage") == [] and HangSuspect.decode_all("[]") == []
+
+
+def test_process_state_tells_stopped_busy_and_waiting_processes_apart():
+    import signal
+    import time
+
+    from ftrun.launch.heartbeat import BUSY, STOPPED, WAITING, process_state
+
+    sleeping = subprocess.Popen(["sleep", "60"])
+    waiting = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
+    try:
+        time.sleep(1.0)
+        with open(f"/proc/{sleeping.pid}/wchan") as f:
+            if f.read() in ("", "0"):
+                pytest.skip("this kernel does not show where a process waits (/proc/PID/wchan)")
+        assert process_state(sleeping.pid) == BUSY  # sleeping in its own code, like a stuck rank
+        assert process_state(waiting.pid) == WAITING  # on a futex, like a rank blocked in a gloo collective
+        os.kill(sleeping.pid, signal.SIGSTOP)
+        time.sleep(0.2)
+        assert process_state(sleeping.pid) == STOPPED
+        assert process_state(2 ** 22 + 1) == BUSY  # no such process: nothing to tell
+    finally:
+        for proc in (sleeping, waiting):
+            proc.kill()
+            proc.wait()
+
+
+def test_clean_tells_each_jobs_shared_memory_files_apart():
+    from ftrun.launch.clean import job_of
+
+    for name, job in [("ftrun-slurm-7-node1-rank0-slot1", "slurm-7"), ("ftrun-a-b-node0-parity0", "a-b"),
+                      ("ftrun-t1-node12-heartbeat", "t1"), ("ftrun-x.y-launcher", "x.y"), ("ftrun-j_1-secret", "j_1"),
+                      ("ftrun-j-secret.4242", "j"), ("ftrun-slurm-7-host-n3", "slurm-7")]:
+        assert job_of(name) == job, name
+    assert job_of("ftrun-keeper-x-node0") is None and job_of("other-file") is None and job_of("ftrun-x") is None

@@ -1,2 +1,2 @@
 """The control plane: the store interface and its hosting, the coordination keys, the job spec, the job secret
-and fault specs. Below :mod:`ftrun.snapshot` and :mod:`ftrun.launch`; it imports neither."""
+and the values it signs, and fault specs. Below :mod:`ftrun.snapshot` and :mod:`ftrun.launch`; it imports neither."""

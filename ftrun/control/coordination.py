@@ -1,10 +1,33 @@
 """The control-plane protocol between the supervisors of a job, over the control store.
 
-All keys live under ``ftrun/<job>/``. Protocol, in the order a generation goes through it:
+Key layout. ``ftrun/<job>/incarnation`` holds the job's current *run* ``{"run": N, "token": ...}``; every other
+key of the run lives under ``ftrun/<job>/<N>/`` (:meth:`Coordinator.key`), so a long-lived ``ftrun store``
+reused by a later run of the same job id never shows it the earlier run's keys. The first launcher of a new run
+takes N + 1 by compare-and-set (:func:`open_run`) when run N ended (``<N>/state`` set by its launchers), looks
+dead (its supervisors' beats do not move for :data:`RUN_STALE_AFTER` seconds) or belongs to another SLURM
+step (``token``); later nodes and replacement supervisors of a running job join N. SLURM's node-rank
+agreement (``ftrun/<job>/slurm-step/<step>/...``, before a run is chosen) is keyed by its step instead.
+
+Signing. Every value is written and read through :class:`~ftrun.control.signed.SignedStore`: it carries an
+HMAC-SHA256 with the job secret over its key and payload, and a value that does not verify (garbage, forged,
+truncated, copied from another key) reads as absent with one warning per key and process. There are no
+unsigned counters: beats are signed values of one writer each, and a node rank's incarnation count moves by
+compare-and-set on its exact bytes (torch's ``add`` is not used: on a value that is not a number the store
+drops the caller's connection, which would end a supervisor). What is left to a writer without the secret:
+replaying an older authentic value of the same key, and overwriting or deleting values. A replayed ``gen``
+never moves the generation backwards (a coordinator ignores a generation lower than one it knows, and a fresh
+one also consults ``history/``); a replayed beat makes a dead node look alive as long as the replays go on (the
+job waits instead of restarting); a replayed incarnation document makes a new launcher start a new run.
+Overwriting or deleting a value the protocol waits for (a ready mark, a claim) stalls the job until a timeout
+ends it: a denial of service that signing cannot prevent (local jobs listen on loopback only; see
+:mod:`ftrun.control.store`).
+
+Protocol of a run, in the order a generation goes through it:
 
 1. ``gen`` holds the current :class:`Generation` as JSON. Whoever first sees a failure moves it from
-   generation g to g+1 by compare-and-set on the exact bytes it read, with the cause; exactly one writer wins,
-   everyone else reads the winner's document. ``history/<g>`` keeps every generation's document.
+   generation g to g+1 by compare-and-set on the exact bytes it read (authentic or not), with the cause;
+   exactly one writer wins, everyone else reads the winner's document. ``history/<g>`` keeps every
+   generation's document.
 2. Every supervisor watching ``gen`` stops its trainers when it changes, then marks ``gen/<g>/ready/<node>``
    with its incarnation (``node/<r>/incarnation`` counts the supervisors that ever ran as node r). Node 0
    publishes the generation's fresh trainer store in ``gen/<g>/master`` before it marks itself ready.
@@ -14,19 +37,27 @@ All keys live under ``ftrun/<job>/``. Protocol, in the order a generation goes t
    it in ``gen/<g>/restore``.
 4. A node whose trainers all exited 0 marks ``gen/<g>/done/<node>``; the job is done when every node has.
 
-Liveness: every supervisor adds to ``node/<r>/beat`` twice a second; peers watch the counters (never clocks),
-and a counter that stops moving for ``node_timeout`` means the node is lost. A supervisor that starts as a
-replacement (incarnation > 1) whose predecessor was part of the current generation bumps the generation.
-Bumping past ``max_restarts`` ends the job: supervisors stop instead of starting the next generation.
+Liveness: every supervisor writes a growing count to ``node/<r>/beat`` four times a second; peers watch the
+values (never clocks), and a value that stops changing for ``node_timeout`` means the node is lost. A supervisor
+that starts as a replacement (incarnation > 1) whose predecessor was part of the current generation bumps the
+generation. Bumping past ``max_restarts`` ends the job: supervisors stop instead of starting the next generation.
 """
 
 from __future__ import annotations
 
 import json
+import random
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
 
-from torch.distributed import TCPStore
+from torch.distributed import DistError, TCPStore
+
+from ftrun.control.signed import SignedStore
+
+RUN_STALE_AFTER = 1.5  # seconds without any beat of a run that did not end before a new launcher starts a new run
+_CAS_TRIES = 200  # compare-and-set attempts on a key someone keeps rewriting before giving up (a store under attack)
+_RUN_PROBE = 8  # runs looked ahead for newer ones (a launcher that died before creating its run leaves a gap)
 
 
 @dataclass(frozen=True)
@@ -50,6 +81,9 @@ class Generation:
         return cls(**json.loads(raw))
 
 
+GENESIS = Generation(0, "start", "job started")  # generation 0 as read when the store holds no authentic one
+
+
 @dataclass(frozen=True)
 class Failure:
     """A failure as seen by one observer, before it becomes (or fails to become) the next generation."""
@@ -62,75 +96,235 @@ class Failure:
     step: int | None = None
 
 
-class Coordinator:
-    """One process's view of the protocol above; every call is a short, non-blocking store round trip."""
+@dataclass
+class _Trust:
+    """What this process uses for one job's control store: the secret, where warnings go, which keys it already
+    warned about, and the run it belongs to (None: the store's current run)."""
 
-    def __init__(self, store: TCPStore, job_id: str, node_rank: int, nnodes: int) -> None:
-        self.store = store
+    secret: str
+    warn: Callable[[str], None] | None
+    run: int | None
+    warned: set[str] = field(default_factory=set)
+
+
+_JOBS: dict[str, _Trust] = {}
+
+
+def use_job(job_id: str, secret: str, warn: Callable[[str], None] | None = None, run: int | None = None) -> None:
+    """Register this process's secret (and warning sink, and run) of ``job_id``: every :class:`Coordinator` of
+    the job made afterwards from a plain store uses them (as the keeper link's and the beat thread's do, which
+    open their own store connections)."""
+    _JOBS[job_id] = _Trust(secret, warn, run)
+
+
+def signed(store: TCPStore | SignedStore, job_id: str) -> SignedStore:
+    """``store`` wrapped with the secret :func:`use_job` registered for ``job_id`` (as is when already signed)."""
+    if isinstance(store, SignedStore):
+        return store
+    trust = _JOBS.get(job_id)
+    if trust is None:
+        raise RuntimeError(f"no secret for job {job_id} in this process (ftrun.control.coordination.use_job)")
+    return SignedStore(store, trust.secret, trust.warn, trust.warned)
+
+
+def incarnation_key(job_id: str) -> str:
+    """The key naming the job's current run (it exists once any launcher of the job started)."""
+    return f"ftrun/{job_id}/incarnation"
+
+
+def _run_doc(store: SignedStore, raw: bytes | None, job_id: str) -> tuple[int, str | None] | None:
+    """(run, token) of the incarnation document ``raw``; None when absent or not authentic."""
+    payload = store.open(incarnation_key(job_id), raw) if raw else None
+    if payload is None:
+        return None
+    doc = json.loads(payload)
+    return int(doc["run"]), doc.get("token")
+
+
+def _newest_run(store: SignedStore, job_id: str, start: int) -> int:
+    """The newest run >= ``start`` that has a generation key, looking up to :data:`_RUN_PROBE` runs past each
+    one found (a newer one than the incarnation document says means the document is a replay)."""
+    newest, probe = start, start + 1
+    while probe <= newest + _RUN_PROBE:
+        if store.check([f"ftrun/{job_id}/{probe}/gen"]):
+            newest = probe
+        probe += 1
+    return newest
+
+
+def current_run(store: SignedStore, job_id: str) -> int | None:
+    """The job's current run in the store (None: no run yet)."""
+    doc = _run_doc(store, store.get_raw(incarnation_key(job_id)), job_id)
+    newest = _newest_run(store, job_id, doc[0] if doc else 0)
+    return newest or None
+
+
+def open_run(store: SignedStore, job_id: str, token: str | None, stale_after: float = RUN_STALE_AFTER) -> int:
+    """The run this launcher belongs to: the current one if it is joinable (same ``token``; without tokens:
+    not ended and not dead), else a new one, taken by compare-and-set so that concurrent launchers agree."""
+    key = incarnation_key(job_id)
+    for _ in range(_CAS_TRIES):
+        raw = store.get_raw(key) or b""
+        doc = _run_doc(store, raw, job_id)
+        newest = _newest_run(store, job_id, doc[0] if doc else 0)
+        if doc is not None and newest > doc[0]:
+            store.warn_once(key, f"names run {doc[0]}, but run {newest} exists (a replay)")
+        elif doc is not None and _joinable(store, job_id, doc, token, stale_after):
+            return doc[0]
+        won, _ = store.compare_set(key, raw, json.dumps({"run": newest + 1, "token": token}))
+        if won:
+            return newest + 1
+    raise DistError(f"the control store's {key} keeps changing; giving up")
+
+
+def _joinable(store: SignedStore, job_id: str, doc: tuple[int, str | None], token: str | None,
+              stale_after: float) -> bool:
+    run, theirs = doc
+    if token is not None or theirs is not None:
+        return token == theirs
+    prefix = f"ftrun/{job_id}/{run}/"
+    if store.get(prefix + "state") is not None:
+        return False  # ended
+    job = store.get(prefix + "job")
+    if job is None:
+        return True  # being set up by the launcher that took it
+    keys = [f"{prefix}node/{node}/beat" for node in range(int(json.loads(job)["nnodes"]))]
+    before = store.multi_get(keys)
+    if all(value is None for value in before):
+        return True  # no supervisor up yet
+    time.sleep(stale_after)
+    return store.multi_get(keys) != before
+
+
+class Coordinator:
+    """One process's view of the protocol above; every call is a short, non-blocking store round trip.
+
+    ``store`` is a :class:`SignedStore`, or a plain store signed with the secret :func:`use_job` registered.
+    ``run``: the job's run (default: the one :func:`use_job` registered, else the store's current run)."""
+
+    def __init__(self, store: TCPStore | SignedStore, job_id: str, node_rank: int, nnodes: int,
+                 run: int | None = None) -> None:
+        self.store = signed(store, job_id)
         self.job_id = job_id
         self.node_rank = node_rank
         self.nnodes = nnodes
-        self._prefix = f"ftrun/{job_id}/"
+        trust = _JOBS.get(job_id)
+        if run is None and trust is not None:
+            run = trust.run
+        self.run = run if run is not None else current_run(self.store, job_id) or 0
+        self._prefix = f"ftrun/{job_id}/{self.run}/"
+        self._newest: tuple[Generation, bytes] | None = None  # the newest authentic generation read
+        self._beats: list[int] = [0] * nnodes  # the last authentic beat count read of each node
+        self._beat: int | None = None  # this node's last beat count written
 
     def key(self, *parts: object) -> str:
         return self._prefix + "/".join(str(p) for p in parts)
 
     def get(self, *parts: object) -> bytes | None:
-        """The value of the key made of ``parts``, or None when it is not set (never blocks)."""
-        full = self.key(*parts)
-        return self.store.get(full) if self.store.check([full]) else None
+        """The authentic value of the key made of ``parts``, or None when it is not set or not authentic (never
+        blocks)."""
+        return self.store.get(self.key(*parts))
 
     # -- generations ------------------------------------------------------------------------------------
     def init_job(self, doc: dict[str, object]) -> None:
         """Create generation 0 unless the job already exists (a node or launcher that starts late)."""
         start = Generation(0, "start", "job started", time=time.time()).encode()
-        if self.store.compare_set(self.key("gen"), "", start).decode() == start:
+        if self.store.compare_set(self.key("gen"), b"", start)[0]:
             self.store.set(self.key("history", 0), start)
-        self.store.compare_set(self.key("job"), "", json.dumps(doc))
+        self.store.compare_set(self.key("job"), b"", json.dumps(doc))
 
     def job_doc(self) -> dict[str, object] | None:
         raw = self.get("job")
         return None if raw is None else json.loads(raw)
 
+    def _generation(self, key: str, payload: bytes | None) -> tuple[Generation, bytes] | None:
+        if payload is None:
+            return None
+        try:
+            return Generation.decode(payload), payload
+        except (ValueError, TypeError):
+            self.store.warn_once(key, "not a generation document")
+            return None
+
+    def _from_history(self, found: tuple[Generation, bytes] | None) -> tuple[Generation, bytes]:
+        """The newest generation in ``history/`` from ``found`` on (a fresh reader cannot be fooled by a
+        replayed older ``gen``)."""
+        gen = found[0].gen + 1 if found else 0
+        while (newer := self._generation(self.key("history", gen), self.get("history", gen))) is not None:
+            found, gen = newer, gen + 1
+        return found or (GENESIS, GENESIS.encode().encode())
+
     def current_raw(self) -> bytes:
-        return self.store.get(self.key("gen"))
+        """The current generation's document (authentic JSON; equal documents are equal bytes).
+
+        A ``gen`` value that is not authentic, or an authentic one of a lower generation than this coordinator
+        already returned (a replay), is ignored with a warning: the newest authentic one is returned again."""
+        key = self.key("gen")
+        found = self._generation(key, self.get("gen"))
+        known = self._newest
+        if known is None:
+            self._newest = self._from_history(found)
+        elif found is not None and found[0].gen >= known[0].gen:
+            self._newest = found
+        elif found is not None:
+            self.store.warn_once(key, f"generation {found[0].gen} is older than generation {known[0].gen} "
+                                 "(a replay)")
+        assert self._newest is not None
+        return self._newest[1]
 
     def current(self) -> Generation:
         return Generation.decode(self.current_raw())
 
     def bump(self, seen: bytes, failure: Failure) -> tuple[bytes, bool]:
-        """Move from the generation whose raw document is ``seen`` to the next one.
+        """Move from the generation whose document is ``seen`` to the next one.
 
-        Returns the raw document now current and whether this call's failure made it.
-        """
+        Returns the document now current and whether this call's failure made it. The compare-and-set starts
+        from the exact bytes ``gen`` holds, so a garbage or replayed value there is replaced, never followed."""
         old = Generation.decode(seen)
-        new = Generation(old.gen + 1, failure.kind, failure.reason, failure.node, failure.rank,
-                         failure.detected_by, time.time(), failure.step)
-        encoded = new.encode()
-        now = self.store.compare_set(self.key("gen"), seen.decode(), encoded)
-        won = now.decode() == encoded
-        if won:
-            self.store.set(self.key("history", new.gen), encoded)
-        return now, won
+        key = self.key("gen")
+        for _ in range(_CAS_TRIES):
+            stored = self.store.get_raw(key) or b""
+            found = self._generation(key, self.store.open(key, stored) if stored else None)
+            if found is not None and found[0].gen > old.gen:
+                self._newest = found
+                return found[1], False
+            new = Generation(old.gen + 1, failure.kind, failure.reason, failure.node, failure.rank,
+                             failure.detected_by, time.time(), failure.step)
+            encoded = new.encode()
+            if self.store.compare_set(key, stored, encoded)[0]:
+                self.store.set(self.key("history", new.gen), encoded)
+                self._newest = (new, encoded.encode())
+                return encoded.encode(), True
+            time.sleep(random.uniform(0.001, 0.01))
+        raise DistError(f"the control store's {key} keeps changing; giving up")
 
     def history(self) -> list[Generation]:
         gens = []
         for g in range(self.current().gen + 1):
-            raw = self.get(f"history/{g}")
-            if raw is not None:
-                gens.append(Generation.decode(raw))
+            found = self._generation(self.key("history", g), self.get("history", g))
+            if found is not None:
+                gens.append(found[0])
         return gens
 
     # -- membership and barriers ----------------------------------------------------------------------------
     def register(self) -> int:
-        """Count this supervisor as an incarnation of its node rank; returns 1 for the first."""
-        return self.store.add(self.key("node", self.node_rank, "incarnation"), 1)
+        """Count this supervisor as an incarnation of its node rank; returns 1 for the first.
+
+        A value there that is not authentic counts as 0 (this supervisor then takes itself for the first)."""
+        key = self.key("node", self.node_rank, "incarnation")
+        for _ in range(_CAS_TRIES):
+            stored = self.store.get_raw(key) or b""
+            payload = self.store.open(key, stored) if stored else None
+            count = int(payload) + 1 if payload is not None else 1
+            if self.store.compare_set(key, stored, str(count))[0]:
+                return count
+        raise DistError(f"the control store's {key} keeps changing; giving up")
 
     def mark(self, gen: int, what: str, value: object = 1) -> None:
         self.store.set(self.key("gen", gen, what, self.node_rank), str(value))
 
     def marks(self, gen: int, what: str) -> dict[int, str]:
-        """node -> value for every node that set ``gen/<gen>/<what>/<node>``."""
+        """node -> value for every node that set ``gen/<gen>/<what>/<node>`` (authentic values only)."""
         found = {}
         for node in range(self.nnodes):
             raw = self.get(f"gen/{gen}/{what}/{node}")
@@ -161,18 +355,34 @@ class Coordinator:
     def publish_master(self, gen: int, addr: str, port: int) -> None:
         self.store.set(self.key("gen", gen, "master"), f"{addr}:{port}")
 
-    def master(self, gen: int) -> tuple[str, int]:
-        addr, _, port = self.store.get(self.key("gen", gen, "master")).decode().rpartition(":")
+    def master(self, gen: int) -> tuple[str, int] | None:
+        """The trainer store of ``gen`` node 0 published (None: not, or not authentically)."""
+        raw = self.get("gen", gen, "master")
+        if raw is None:
+            return None
+        addr, _, port = raw.decode().rpartition(":")
         return addr, int(port)
 
     # -- liveness -------------------------------------------------------------------------------------------
     def beat(self) -> None:
-        self.store.add(self.key("node", self.node_rank, "beat"), 1)
+        """Write this node's next beat count (going on from the count in the store, so it keeps changing across
+        replacements)."""
+        key = self.key("node", self.node_rank, "beat")
+        if self._beat is None:
+            payload = self.get("node", self.node_rank, "beat")
+            self._beat = int(payload) if payload is not None else 0
+        self._beat += 1
+        self.store.set(key, str(self._beat))
 
     def beats(self) -> list[int]:
-        return [int(v) for v in self.store.multi_get([self.key("node", n, "beat") for n in range(self.nnodes)])]
+        """Every node's beat count; a value that is not authentic leaves the last authentic one in place."""
+        values = self.store.multi_get([self.key("node", n, "beat") for n in range(self.nnodes)])
+        for node, value in enumerate(values):
+            if value is not None:
+                self._beats[node] = int(value)
+        return list(self._beats)
 
     def touch_beats(self) -> None:
-        """Make every node's beat key exist, so :meth:`beats` never blocks."""
+        """Make every node's beat key exist, so :meth:`beats` reads them in one round trip."""
         for node in range(self.nnodes):
-            self.store.add(self.key("node", node, "beat"), 0)
+            self.store.compare_set(self.key("node", node, "beat"), b"", "0")

@@ -17,6 +17,9 @@ EXIT_DONE = 0
 EXIT_JOB_FAILED = 3
 EXIT_STOPPED = 4
 EXIT_STOPPED_UNSAVED = 5  # stopped, but the final persist to the checkpoint directory did not complete
+# The kind of a generation that stops the whole job: a supervisor was told to stop (SIGTERM, SIGINT), and every
+# node follows. Its ``detected_by`` is the signal's name (SIGTERM: the job exits 143 like a signalled launcher).
+STOP_KIND = "stop"
 
 
 @dataclass(frozen=True)
@@ -29,7 +32,7 @@ class NodeSpec:
     nproc_per_node: int
     store_host: str
     store_port: int
-    master_addr: str
+    master_addr: str  # the address of this node as peers reach it (its trainer store, its keeper)
     target: str
     args: list[str]
     module: bool
@@ -53,6 +56,8 @@ class NodeSpec:
     persist_grace: float = 60.0  # seconds allowed for the final persist when stopping
     log_dir: str | None = None
     faults: list[str] = field(default_factory=list)
+    bind_addr: str = "127.0.0.1"  # the address this node's listening sockets bind (local mode: loopback)
+    run: int = 0  # the job's run (incarnation) whose control-store keys this node uses
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

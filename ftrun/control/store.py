@@ -4,35 +4,86 @@ The control store of a job and each generation's trainer store are plain ``torch
 servers. Connecting is done in two stages so that failures are bounded and readable: first a plain TCP
 probe until the endpoint accepts (unreachable -> :class:`UsageError` after ``timeout``), then the store
 handshake in a helper thread with a deadline (a port held by something that is not a store never answers).
+
+Binding: torch's server listens on every interface by itself, so :func:`host_store` binds the listening socket
+itself (to one address, :data:`LOOPBACK` unless told otherwise) and hands it to torch (``master_listen_fd``).
+Local jobs bind every store to :data:`LOOPBACK`; multi-node jobs to ``--rdzv-bind``, by default the address
+of the interface that reaches the control store's host (:func:`route_address`), 0.0.0.0 only when asked.
 """
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import socket
 import threading
 import time
 from datetime import timedelta
 
+import psutil
 from torch.distributed import DistError, TCPStore
 
 from ftrun.errors import UsageError
+
+LOOPBACK = "127.0.0.1"
+WILDCARDS = ("0.0.0.0", "::", "")
 
 # Store operations (get/wait) that outlive this are errors; the job itself only uses non-blocking calls.
 STORE_OP_TIMEOUT = timedelta(seconds=60)
 _HANDSHAKE_TIMEOUT = 5.0
 
 
-def host_store(port: int, what: str = "control store", host: str = "127.0.0.1") -> TCPStore:
-    """Start a store server on ``port`` (0: any free port); a port in use is a :class:`UsageError`.
-
-    torch's server listens on every interface; ``host`` is where its own client connects.
-    """
+def host_store(port: int, what: str = "control store", bind: str = LOOPBACK) -> TCPStore:
+    """Start a store server listening on ``bind``:``port`` only (port 0: any free port; ``bind`` 0.0.0.0: every
+    interface); a port in use is a :class:`UsageError`."""
+    family = socket.AF_INET6 if ":" in bind else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
-        return TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=STORE_OP_TIMEOUT)
-    except DistError as err:
-        if "EADDRINUSE" in str(err) or "address already in use" in str(err):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((bind, port))
+        sock.listen(socket.SOMAXCONN)
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
             raise UsageError(f"{what} port {port} is already in use (choose another with --rdzv-endpoint)") from None
-        raise UsageError(f"cannot start the {what} on port {port}: {str(err).splitlines()[0]}") from None
+        raise UsageError(f"cannot start the {what} on {bind}:{port}: {err.strerror}") from None
+    client = (LOOPBACK if family == socket.AF_INET else "::1") if bind in WILDCARDS else bind
+    bound = sock.getsockname()[1]
+    try:  # the store owns the descriptor from here on (it closes it when it goes)
+        return TCPStore(client, bound, is_master=True, wait_for_workers=False, timeout=STORE_OP_TIMEOUT,
+                        master_listen_fd=sock.detach())
+    except DistError as err:
+        raise UsageError(f"cannot start the {what} on {bind}:{bound}: {str(err).splitlines()[0]}") from None
+
+
+def route_address(host: str, port: int) -> str:
+    """The local address this host uses to reach ``host:port`` (a UDP socket connected to it; nothing is sent):
+    loopback for a local endpoint, else the address of the interface on the way."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(address)
+            return str(probe.getsockname()[0])
+    except OSError as err:
+        raise UsageError(f"cannot find the local address that reaches {host}:{port}: "
+                         f"{err.strerror or err}") from None
+
+
+def check_bind_address(address: str, flag: str = "--rdzv-bind") -> str:
+    """``address`` as an IP this host can listen on (an address of one of its interfaces, any loopback, or a
+    wildcard); anything else is a :class:`UsageError`."""
+    if address in WILDCARDS:
+        return address or "0.0.0.0"
+    try:
+        resolved = socket.getaddrinfo(address, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (OSError, UnicodeError):
+        raise UsageError(f"{flag} {address!r} does not resolve") from None
+    ip = ipaddress.ip_address(resolved.split("%")[0])
+    local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
+    if not (ip.is_loopback or ip.is_unspecified or str(ip) in local):
+        raise UsageError(f"{flag} {address} is not an address of this host (its addresses: "
+                         f"{', '.join(sorted(a for a in local if ':' not in a)) or 'none'})")
+    return str(ip)
 
 
 def wait_until_reachable(host: str, port: int, timeout: float) -> None:

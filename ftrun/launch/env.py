@@ -3,20 +3,33 @@
 torchrun's variables (the contract scripts rely on) are set exactly as torchrun's local elastic agent sets
 them, with one deliberate difference: ``TORCHELASTIC_RESTART_COUNT`` is the job-wide generation, the same on
 every node. ``MASTER_ADDR``/``MASTER_PORT`` name the trainer store of the generation, hosted by node 0's
-supervisor (hence ``TORCHELASTIC_USE_AGENT_STORE=True``).
+supervisor (hence ``TORCHELASTIC_USE_AGENT_STORE=True``). When that store is on loopback (every node on this
+host), ``GLOO_SOCKET_IFNAME`` defaults to the loopback interface, so gloo listens on loopback only too.
+
+Of ftrun's own variables a trainer gets only the client's (:data:`TRAINER_FTRUN_VARIABLES`) and the user's
+settings (:data:`USER_FTRUN_VARIABLES`): every other ``FTRUN_*`` variable is an internal of the launcher,
+supervisor or keeper (the node spec with the control store's address, the job secret) and is removed.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from dataclasses import dataclass
 
+import psutil
+
 from ftrun.control.faults import ENV_TRAINER_FAULTS
+from ftrun.control.spec import ENV_SHM_DIR
 from ftrun.launch.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
 ENV_JOB_ID = "FTRUN_JOB_ID"
 ENV_NODE_RANK = "FTRUN_NODE_RANK"
+TRAINER_FTRUN_VARIABLES = (ENV_JOB_ID, ENV_NODE_RANK, ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT, ENV_KEEPER_SOCKET,
+                           ENV_TRAINER_FAULTS)
+USER_FTRUN_VARIABLES = (ENV_SHM_DIR,)
 
 TORCHRUN_VARIABLES = (
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
@@ -57,7 +70,7 @@ def default_omp_threads(trainers_on_host: int) -> int:
 
 def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, heartbeat_file: str,
                 keeper_socket: str, error_file: str, faults: str) -> dict[str, str]:
-    env = dict(base)
+    env = {k: v for k, v in base.items() if not k.startswith("FTRUN_") or k in USER_FTRUN_VARIABLES}
     env.update({
         "RANK": str(place.rank),
         "LOCAL_RANK": str(place.local_rank),
@@ -85,4 +98,22 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
     env.setdefault("OMP_NUM_THREADS", str(omp_threads))
+    loopback = loopback_interface() if _is_loopback(place.master_addr) else None
+    if loopback is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
     return env
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
+def loopback_interface() -> str | None:
+    """The name of the interface holding 127.0.0.1 ("lo" on Linux), or None."""
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+            return name
+    return None

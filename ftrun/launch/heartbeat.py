@@ -16,6 +16,7 @@ Injected trainer faults (:mod:`ftrun.control.faults`) fire here, right after the
 from __future__ import annotations
 
 import atexit
+import json
 import mmap
 import os
 import signal
@@ -23,7 +24,7 @@ import struct
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 
@@ -182,6 +183,15 @@ class HangDetector:
             return self.initial
         return max(self.floor, self.factor * max(self._intervals))
 
+    @property
+    def step(self) -> int:
+        """The step of the last beat seen (-1: none)."""
+        return self._step
+
+    def silence(self, now: float) -> float:
+        """Seconds since this trainer's last beat was seen (since its start before the first)."""
+        return now - self._since
+
     def observe(self, beat: Beat, now: float) -> str | None:
         """Feed the latest slot contents; returns why the trainer is hung, or None."""
         if beat.beats != self._beats:
@@ -195,12 +205,70 @@ class HangDetector:
                     self._intervals.append((beat.monotonic_ns - self._step_ns) / 1e9)
                 self._step, self._step_ns = beat.step, beat.monotonic_ns
             return None
-        if not self.armed:
+        if not self.armed or now - self._since <= self.timeout:
             return None
-        silent = now - self._since
-        timeout = self.timeout
-        if silent <= timeout:
-            return None
+        return self.describe(now)
+
+    def describe(self, now: float) -> str:
+        """How long the trainer has been silent, against its timeout."""
         what = ("still exiting" if self.exiting else "no heartbeat" if self._seen_this_trainer
                 else "no first heartbeat")
-        return f"{what} for {silent:.1f}s (timeout {timeout:.1f}s, last step {self._step})"
+        return f"{what} for {now - self._since:.1f}s (timeout {self.timeout:.1f}s, last step {self._step})"
+
+
+# How a silent trainer's process looks (:func:`process_state`); a lower value is more likely the cause of a hang.
+STOPPED = 0  # stopped by a signal (SIGSTOP) or a debugger: it cannot be waiting for anyone
+BUSY = 1  # running, sleeping, or in I/O: not waiting on a futex
+WAITING = 2  # its main thread waits on a futex, as a rank blocked in a collective does (gloo)
+_STATE_WORDS = {STOPPED: "stopped by a signal", BUSY: "", WAITING: "waiting"}
+
+
+def process_state(pid: int) -> int:
+    """:data:`STOPPED`, :data:`WAITING` or :data:`BUSY` (also when /proc cannot tell) for the process ``pid``."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rpartition(")")[2].split()[0]
+        if state in ("T", "t"):
+            return STOPPED
+        with open(f"/proc/{pid}/wchan") as f:
+            return WAITING if "futex" in f.read() else BUSY
+    except (OSError, IndexError):
+        return BUSY
+
+
+@dataclass(frozen=True)
+class HangSuspect:
+    """A silent trainer as its node reports it when a hang is being attributed (see :func:`culprit`)."""
+
+    rank: int
+    node: int
+    state: int  # STOPPED, BUSY or WAITING
+    step: int  # of its last beat
+    last_beat: float  # wall-clock time of its last beat (from the trainer's own monotonic clock)
+    reason: str  # "no heartbeat for 2.1s (timeout 2.0s, last step 20)"
+
+    @staticmethod
+    def encode_all(suspects: list[HangSuspect]) -> str:
+        return json.dumps([asdict(s) for s in suspects])
+
+    @classmethod
+    def decode_all(cls, raw: str) -> list[HangSuspect]:
+        """The suspects of one node (none from a value that does not parse)."""
+        try:
+            return [cls(**doc) for doc in json.loads(raw)]
+        except (ValueError, TypeError):
+            return []
+
+    def describe(self) -> str:
+        word = _STATE_WORDS.get(self.state, "")
+        return f"{self.reason}{', ' + word if word else ''}"
+
+
+def culprit(suspects: list[HangSuspect]) -> HangSuspect:
+    """The trainer that stopped first, among the silent ones of the whole job.
+
+    When one rank stops, its peers block in their next collective and fall silent too, at the same step and
+    within milliseconds of its last beat: the beats alone cannot tell them apart. So, in order: a process stopped
+    by a signal; then one that is not waiting on a futex (a rank waiting in a gloo collective is); then the lowest
+    step; then the oldest last beat; then the lowest rank, so that every node that decides picks the same one."""
+    return min(suspects, key=lambda s: (s.state, s.step, s.last_beat, s.rank))

@@ -29,22 +29,24 @@ import uuid
 
 import psutil
 from rich.console import Console
-from torch.distributed import TCPStore
+from torch.distributed import DistError, TCPStore
 
 from ftrun.config import JobConfig, split_endpoint
 from ftrun.errors import UsageError
 from ftrun.events import EventLog
-from ftrun.control.coordination import Coordinator, Failure, Generation
+from ftrun.control.coordination import Coordinator, Failure, Generation, open_run, signed, use_job
+from ftrun.control.signed import SignedStore
+from ftrun.launch.capacity import local_fit_problem, this_host
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
-from ftrun.control.secret import local_secret, shared_secret
+from ftrun.control.secret import local_secret, shared_secret, write_secret_file
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
-                               safe_job_id, shm_dir, unlink_node_files)
-from ftrun.control.store import connect_store, host_store
+                               STOP_KIND, safe_job_id, shm_dir, unlink_node_files)
+from ftrun.control.store import LOOPBACK, WILDCARDS, check_bind_address, connect_store, host_store, route_address
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.keeper import ENV_JOB_SECRET
-from ftrun.snapshot.persist import complete_steps, step_name
+from ftrun.snapshot.persist import complete_steps, job_dir, step_name
 from ftrun.ui.live import LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
@@ -97,10 +99,21 @@ def announce_job(job_id: str, endpoint: str, nnodes: int) -> str:
     return path
 
 
+def _stop_signal(coord: Coordinator) -> int:
+    """The signal that stopped the job, as its generation of kind "stop" names it (SIGTERM when unknown)."""
+    try:
+        gen = coord.current()
+        return signal.Signals[gen.detected_by] if gen.kind == STOP_KIND else signal.SIGTERM
+    except (KeyError, DistError):
+        return signal.SIGTERM
+
+
 class Launcher:
     def __init__(self, cfg: JobConfig, target: str, args: list[str]) -> None:
         self.cfg = cfg
         self.target = resolve_target(cfg, target)
+        if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host())):
+            raise UsageError(problem)
         self.args = args
         self.job_id = job_id_for(cfg)
         self.node_rank = cfg.node_rank or 0  # under srun: agreed with the other nodes once the store is up
@@ -115,29 +128,45 @@ class Launcher:
         self.store_server: TCPStore | None = None
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
         self.signalled: int | None = None
-        self.secret = ("" if cfg.erasure[1] == 0 else local_secret() if cfg.local_mode
-                       else shared_secret(self.job_id, cfg.secret_file))
+        # signs every control-store value (and authenticates keepers to each other); never given to trainers
+        self.secret = local_secret() if cfg.local_mode else shared_secret(self.job_id, cfg.secret_file)
+        self.bind = self._bind_address()
+        self.job_run = 0  # the job's run in the control store (taken or joined in run())
+
+    def _bind_address(self) -> str:
+        """The address this node's listening sockets bind: loopback in local mode, else ``--rdzv-bind`` (checked)
+        or the address of the interface that reaches the control store's host."""
+        cfg = self.cfg
+        if cfg.local_mode:
+            return LOOPBACK
+        if cfg.rdzv_bind is not None:
+            return check_bind_address(cfg.rdzv_bind)
+        assert cfg.rdzv_endpoint is not None
+        return route_address(*split_endpoint(cfg.rdzv_endpoint))
 
     def _open_store(self) -> tuple[str, int, TCPStore]:
         """Host or join the control store; returns (host, port, client)."""
         cfg = self.cfg
         if cfg.local_mode:
             port = split_endpoint(cfg.rdzv_endpoint)[1] if cfg.rdzv_endpoint else 0
-            self.store_server = host_store(port)
-            return "127.0.0.1", self.store_server.port, self.store_server
+            self.store_server = host_store(port, bind=LOOPBACK)
+            return LOOPBACK, self.store_server.port, self.store_server
         assert cfg.rdzv_endpoint is not None
         host, port = split_endpoint(cfg.rdzv_endpoint)
         if cfg.node_rank == 0 and is_local_host(host):
             try:
-                self.store_server = host_store(port)
+                self.store_server = host_store(port, bind=self.bind)
                 return host, port, self.store_server
             except UsageError:
                 pass  # an `ftrun store` may already serve this endpoint: join it, or say it is not a store
         return host, port, connect_store(host, port, cfg.rdzv_timeout)
 
     def _master_addr(self, store_host: str) -> str:
-        if self.cfg.local_mode or ipaddress.ip_address(socket.gethostbyname(store_host)).is_loopback:
-            return "127.0.0.1"
+        """This node's address as peers reach it: the bound address, else (bound to every interface) the host."""
+        if self.bind not in WILDCARDS:
+            return self.bind
+        if ipaddress.ip_address(socket.gethostbyname(store_host)).is_loopback:
+            return LOOPBACK
         return socket.gethostname()
 
     def _node_spec(self, node: int, store_host: str, store_port: int) -> NodeSpec:
@@ -152,8 +181,9 @@ class Launcher:
             hang_timeout_initial=cfg.hang_timeout_initial, hang_step_factor=cfg.hang_step_factor,
             node_timeout=cfg.node_timeout, stop_grace=cfg.stop_grace, zygote=cfg.zygote,
             ec_group=cfg.erasure[0], ec_parity=cfg.erasure[1], ec_backend=cfg.ec_backend,
-            ckpt_dir=os.path.abspath(cfg.ckpt_dir) if cfg.ckpt_dir else None, persist_every=cfg.persist_every,
-            keep=cfg.keep, persist_grace=cfg.persist_grace, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject)
+            ckpt_dir=job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None, persist_every=cfg.persist_every,
+            keep=cfg.keep, persist_grace=cfg.persist_grace, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject,
+            bind_addr=self.bind, run=self.job_run)
 
     def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
@@ -169,6 +199,9 @@ class Launcher:
                                     stdout=output, stderr=output, start_new_session=True,
                                     preexec_fn=lambda: die_with_parent(launcher))
 
+    def _store_warning(self, message: str) -> None:
+        self.events.emit("store_rejected", message)
+
     def _on_signal(self, signum: int, frame: object) -> None:
         if self.signalled is not None:  # second Ctrl-C: no more grace
             for proc in self.procs.values():
@@ -181,16 +214,23 @@ class Launcher:
 
     def run(self) -> int:
         become_subreaper()
-        store_host, store_port, store = self._open_store()
+        store_host, store_port, raw_store = self._open_store()
         cfg = self.cfg
+        use_job(self.job_id, self.secret, self._store_warning)
+        store = signed(raw_store, self.job_id)
         if self.slurm is not None:
             self._agree_slurm_rank(store)
-        coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes)
+        token = f"slurm-{self.slurm.job_id}.{self.slurm.step_id}" if self.slurm is not None else None
+        self.job_run = open_run(store, self.job_id, token)
+        coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes, run=self.job_run)
         coord.init_job({"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
-                        "max_restarts": cfg.max_restarts, "target": self.target})
+                        "max_restarts": cfg.max_restarts, "target": self.target,
+                        "ckpt_dir": job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None})
+        secret_file = write_secret_file(self.job_id, self.secret)  # for `ftrun status` on this host
         announce = announce_job(self.job_id, f"{store_host}:{store_port}", cfg.nnodes)
         nodes = range(cfg.nnodes) if cfg.local_mode else [self.node_rank]
-        mode = ("local, simulated nodes" if cfg.local_mode else f"node {self.node_rank} of {cfg.nnodes}"
+        mode = ("local" if cfg.nnodes == 1 else f"all {cfg.nnodes} nodes simulated on this host: no --node-rank")
+        mode = (mode if cfg.local_mode else f"node {self.node_rank} of {cfg.nnodes}"
                 + (f", SLURM node {self.slurm.node_name}" if self.slurm else ""))
         self.events.emit("start", f"job {self.job_id}: {cfg.nnodes} node(s) x {cfg.nproc_per_node} trainer(s) "
                          f"({mode}), control store {store_host}:{store_port}, running {self.target}",
@@ -198,7 +238,7 @@ class Launcher:
                          store=f"{store_host}:{store_port}", node_rank=self.node_rank,
                          slurm_node=self.slurm.node_name if self.slurm else None)
         if cfg.ckpt_dir and not cfg.resume and self.node_rank == 0:
-            self._move_aside(cfg.ckpt_dir)
+            self._move_aside(job_dir(cfg.ckpt_dir, self.job_id))
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:
@@ -208,7 +248,10 @@ class Launcher:
                 self.view = LiveView(Console(stderr=True))
             code = self._wait(coord, store_host, store_port)
             state = "done" if code == 0 else "stopped" if self.signalled is not None else "failed"
-            coord.store.set(coord.key("state"), state)
+            if cfg.local_mode or self.signalled is not None or code in (0, EXIT_FAILED):
+                # the run ended: a later launcher of this job id starts a new one (a lost node of a multi-node
+                # job does not end it: its replacement joins the run)
+                coord.store.set(coord.key("state"), state)
             if self.view is not None:
                 self.view.update(gather(coord))
                 self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
@@ -216,8 +259,9 @@ class Launcher:
             self._leave(coord)
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            with contextlib.suppress(FileNotFoundError):  # two launchers of a job may share this host
-                os.unlink(announce)
+            for path in (announce, secret_file):
+                with contextlib.suppress(FileNotFoundError):  # two launchers of a job may share this host
+                    os.unlink(path)
             kill_descendants()
             for node in nodes:  # what supervisors killed before they could clean up left behind
                 unlink_node_files(self.job_id, node)
@@ -226,7 +270,7 @@ class Launcher:
                     os.unlink(claim_path(self.job_id, self.slurm.node_name))
         return code
 
-    def _agree_slurm_rank(self, store: TCPStore) -> None:
+    def _agree_slurm_rank(self, store: SignedStore) -> None:
         """Under srun: take the node rank whose snapshots this node holds from an earlier step, or a free one."""
         assert self.slurm is not None
         step = self.slurm
@@ -263,9 +307,13 @@ class Launcher:
                 if lost and self.cfg.local_mode and self.signalled is None:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
                     raw, won = coord.bump(coord.current_raw(), Failure("node-lost", reason, node, None, "launcher"))
+                    gen = Generation.decode(raw).gen
                     if won:
                         self.events.emit("failure", f"failure: {reason} (seen by launcher)", node=node,
-                                         kind="node-lost", generation=Generation.decode(raw).gen)
+                                         kind="node-lost", generation=gen)
+                    if gen > self.cfg.max_restarts:  # no replacement: the other nodes stop at the limit too
+                        results[node] = code
+                        continue
                     self.events.emit("node_lost", f"starting a replacement for node {node}", node=node,
                                      exit_code=code)
                     self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
@@ -274,6 +322,8 @@ class Launcher:
             if self.view is not None:
                 self._refresh(coord)
             time.sleep(_POLL_INTERVAL)
+        if self.signalled is None and {EXIT_STOPPED, EXIT_STOPPED_UNSAVED} & set(results.values()):
+            self.signalled = _stop_signal(coord)  # a supervisor was told to stop, and the job stopped with it
         if self.signalled is not None:
             if EXIT_STOPPED_UNSAVED in results.values():
                 return EXIT_UNSAVED

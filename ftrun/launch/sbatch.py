@@ -6,6 +6,9 @@ attempt is one ``srun`` step of ftrun on ``nodes`` of them. A lost node ends the
 node) but not the allocation: the next attempt runs on the nodes left, where the surviving nodes resume from
 their RAM and a spare, taking the lost node's rank, rebuilds its snapshots from its peers' parity
 (:mod:`ftrun.launch.slurm`). ftrun's exit code decides what happens next (see :data:`EXIT_MEANING`).
+
+``--no-resume`` (:data:`FIRST_RUN_FLAGS`) is given to the first attempt only, and not after a requeue
+(``SLURM_RESTART_COUNT`` > 0): a retried or requeued step must resume the job's own checkpoint, not move it aside.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from ftrun.launch.launcher import EXIT_FAILED
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: ftrun stopped and persisted the newest step; requeue it to resume
 TERM_WARNING = 180  # seconds before the time limit at which SLURM sends the steps SIGTERM (--signal)
+FIRST_RUN_FLAGS = ("--no-resume",)  # ftrun flags for the first attempt of the job's first run only
 EXIT_MEANING = {
     0: "the training finished",
     USAGE_EXIT_CODE: "bad command or input: do not run it again",
@@ -46,13 +50,13 @@ _TEMPLATE = """\
 
 FTRUN=({command})
 ATTEMPTS={attempts}
-
+{first_run}
 stopping=
 trap 'stopping=1' TERM
 for attempt in $(seq 1 "$ATTEMPTS"); do
     echo "ftrun-batch: attempt $attempt of $ATTEMPTS on {nodes} node(s)"
-    srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 "${{FTRUN[@]}}" &
-    step=$!
+    srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 {words} &
+    step=$!{forget}
     wait "$step"; rc=$?
     while kill -0 "$step" 2>/dev/null; do wait "$step"; rc=$?; done  # a trapped signal interrupted wait
     case $rc in
@@ -68,14 +72,31 @@ exit {failed}
 """
 
 
-def render(nodes: int, spares: int, attempts: int, ftrun_args: list[str], ftrun: list[str] | None = None) -> str:
-    """The batch script for ``ftrun [ftrun_args]`` on ``nodes`` nodes plus ``spares`` spares."""
+_FIRST_RUN = """\
+# {flags}: on the first attempt only, and not once SLURM requeued the job: a retry or a requeue resumes
+FIRST=({flags})
+if [ "${{SLURM_RESTART_COUNT:-0}}" != 0 ]; then FIRST=(); fi
+"""
+
+
+def render(nodes: int, spares: int, attempts: int, ftrun_args: list[str], ftrun: list[str] | None = None,
+           script_at: int | None = None) -> str:
+    """The batch script for ``ftrun [ftrun_args]`` on ``nodes`` nodes plus ``spares`` spares. ``script_at``: the
+    index in ``ftrun_args`` where the script and its arguments start (None: unknown, no flag is first-run only)."""
     if nodes < 1 or spares < 0 or attempts < 1:
         raise UsageError("--nodes and --attempts must be at least 1 and --spares at least 0")
     if not ftrun_args:
         raise UsageError("give the ftrun arguments after --, for example: -- --nproc-per-node 8 train.py")
-    command = [*(ftrun or [sys.executable, "-m", "ftrun"]), *ftrun_args]
+    flags, script = (ftrun_args, []) if script_at is None else (ftrun_args[:script_at], ftrun_args[script_at:])
+    first = [flag for flag in flags if flag in FIRST_RUN_FLAGS] if script_at is not None else []
+    prefix = [*(ftrun or [sys.executable, "-m", "ftrun"]), *(flag for flag in flags if flag not in first)]
+    words, first_run, forget = '"${FTRUN[@]}"', "", ""
+    if first:
+        at = len(prefix)
+        words = f'"${{FTRUN[@]:0:{at}}}" "${{FIRST[@]}}" "${{FTRUN[@]:{at}}}"'
+        first_run, forget = _FIRST_RUN.format(flags=shlex.join(first)), "; FIRST=()"
     meanings = "\n".join(f"#   {code}: {meaning}" for code, meaning in EXIT_MEANING.items())
     return _TEMPLATE.format(nodes=nodes, spares=spares, total=nodes + spares, attempts=attempts,
-                            command=shlex.join(command), meanings=meanings, usage=USAGE_EXIT_CODE,
-                            failed=EXIT_FAILED, preempted=EXIT_PREEMPTED, warning=TERM_WARNING)
+                            command=shlex.join([*prefix, *script]), meanings=meanings, usage=USAGE_EXIT_CODE,
+                            failed=EXIT_FAILED, preempted=EXIT_PREEMPTED, warning=TERM_WARNING, words=words,
+                            first_run=first_run, forget=forget)

@@ -23,16 +23,16 @@ import os
 import re
 import socket
 import subprocess
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from ftrun.errors import UsageError
 from ftrun.control.spec import safe_job_id, shm_dir
 
 if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+    from ftrun.control.signed import SignedStore
 
 PORT_BASE = 20000
 PORT_SPAN = 20000  # store port = PORT_BASE + job id % PORT_SPAN
@@ -180,19 +180,20 @@ def assign_node_ranks(claims: list[int | None], nnodes: int) -> list[int]:
     return [rank if rank is not None else next(free) for rank in ranks]
 
 
-def agree_node_rank(store: TCPStore, job_id: str, step: SlurmStep, claim: int | None, timeout: float) -> int:
+def agree_node_rank(store: SignedStore, job_id: str, step: SlurmStep, claim: int | None, timeout: float) -> int:
     """This node's rank in the step, agreed with the step's other nodes over the control store given what this
-    node claims (:func:`read_claim`), and then claimed (see above)."""
-    from torch.distributed import DistError  # the launcher has imported torch already; config does not need to
-
+    node claims (:func:`read_claim`), and then claimed (see above). A claim that is not authentic counts as not
+    made yet (its node's own claim replaces it)."""
     prefix = f"ftrun/{job_id}/slurm-step/{step.step_id}/claim/"
     store.set(prefix + str(step.node_id), json.dumps(claim))
     keys = [prefix + str(node_id) for node_id in range(step.nnodes)]
-    try:
-        store.wait(keys, timedelta(seconds=timeout))
-    except DistError:
-        raise UsageError(f"not every node of SLURM step {step.job_id}.{step.step_id} started ftrun within "
-                         f"{timeout:g}s") from None
-    rank = assign_node_ranks([json.loads(store.get(key)) for key in keys], step.nnodes)[step.node_id]
+    deadline = time.monotonic() + timeout
+    while None in (claims := store.multi_get(keys)):
+        if time.monotonic() > deadline:
+            raise UsageError(f"not every node of SLURM step {step.job_id}.{step.step_id} started ftrun within "
+                             f"{timeout:g}s")
+        time.sleep(0.05)
+    rank = assign_node_ranks([json.loads(value) for value in claims if value is not None],
+                             step.nnodes)[step.node_id]
     write_claim(job_id, step.node_name, rank)
     return rank

@@ -15,11 +15,15 @@ trainer and kept across generations; if it dies it is restarted at once and the 
 :class:`~ftrun.snapshot.link.KeeperLink` thread agrees each generation's restore step with the other nodes
 while the trainers start (they wait for it in ``Snapshotter.restore``). A fatal keeper error (no room in
 /dev/shm) ends the job: it becomes a generation of kind "fatal", which every supervisor turns into an exit.
+A supervisor told to stop (SIGTERM, SIGINT) stops the whole job the same way, with a generation of kind "stop":
+every node stops its trainers, persists the newest step and exits.
+
+A hung trainer's peers block in their next collective and fall silent too; the rank blamed is agreed job-wide
+(:meth:`Supervisor._attribute_hang`), so it is the one that stopped first whichever node's timeout fires first.
 """
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import select
@@ -38,14 +42,14 @@ from typing import TypeVar
 from torch.distributed import DistError, TCPStore
 
 from ftrun.events import EventLog
-from ftrun.control.coordination import Coordinator, Failure, Generation
-from ftrun.launch.env import TrainerPlace, trainer_env
+from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
+from ftrun.launch.env import ENV_JOB_ID, TrainerPlace, trainer_env
 from ftrun.control.faults import parse_faults, trainer_faults_env
-from ftrun.launch.heartbeat import HangDetector, HeartbeatTable
+from ftrun.launch.heartbeat import Beat, HangDetector, HangSuspect, HeartbeatTable, culprit, process_state
 from ftrun.launch.processes import (become_subreaper, describe_exit, die_with_parent, kill_descendants, reap,
                                     signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
-                               safe_job_id, shm_path)
+                               STOP_KIND, safe_job_id, shm_path)
 from ftrun.control.store import connect_store, host_store
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
 from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD,
@@ -61,6 +65,9 @@ SECONDARY_GRACE = 0.15
 PEER_CHECK_INTERVAL = 0.25
 BEAT_INTERVAL = 0.25
 KEEPER_START_TIMEOUT = 30.0
+# A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
+# gen/<g>/suspects/<node> once one of them asks (gen/<g>/hang); the asker waits this long for all of them.
+HANG_VOTE_WAIT = 1.0
 
 
 class JobFailed(Exception):
@@ -130,6 +137,8 @@ class Supervisor:
         self._next_status = 0.0
         self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=f"ftrun-{spec.job_id}-node{self.node}-")
         self._stopping = False
+        self._stop_signal = signal.SIGTERM
+        self._suspects_sent = -1  # the generation whose silent trainers this node reported
 
     # -- life cycle -------------------------------------------------------------------------------------------
     def run(self) -> int:
@@ -139,6 +148,9 @@ class Supervisor:
         signal.signal(signal.SIGUSR1, lambda *_: self._lose_node("parity-loss (from the keeper)"))
         beater: _Beater | None = None
         try:
+            if not self.secret:
+                raise JobFailed("no job secret in the environment; start supervisors with the ftrun launcher")
+            use_job(self.spec.job_id, self.secret, self._store_warning, run=self.spec.run)
             store = connect_store(self.spec.store_host, self.spec.store_port, self.spec.rdzv_timeout)
             self.coord = Coordinator(store, self.spec.job_id, self.node, self.spec.nnodes)
             self.incarnation = self.coord.register()
@@ -175,17 +187,20 @@ class Supervisor:
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping = True
+        self._stop_signal = signal.Signals(signum)
+
+    def _store_warning(self, message: str) -> None:
+        """A control-store value was ignored (not authentic): one line per key, never a failure."""
+        self.events.emit("store_rejected", message, node=self.node)
 
     def _peer_address(self) -> str:
         """Open the keeper's peer socket (erasure coding) once; its address as peers reach it ('' when off)."""
         if self.spec.ec_parity == 0:
             return ""
         if self.peer_socket is None:
-            if not self.secret:
-                raise JobFailed("erasure coding needs the job secret; start nodes with the ftrun launcher")
-            host = self.spec.master_addr
-            loopback = ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
-            self.peer_socket = socket.create_server(("127.0.0.1" if loopback else "", 0), backlog=128)
+            bind = self.spec.bind_addr
+            self.peer_socket = socket.create_server((bind, 0), backlog=128,
+                                                    family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
         return f"{self.spec.master_addr}:{self.peer_socket.getsockname()[1]}"
 
     def _start_keeper(self) -> None:
@@ -234,7 +249,8 @@ class Supervisor:
         if self.link is not None:
             self.link.stop()
         if self.keeper is not None:
-            self.keeper.send_signal(KEEPER_STOP_SIGNAL)
+            # os.kill, not Popen.send_signal: that does nothing once returncode is set, as it is here (reap())
+            os.kill(self.keeper.pid, KEEPER_STOP_SIGNAL)
             deadline = time.monotonic() + self.spec.stop_grace
             while not _reaped(self.keeper.pid):
                 if time.monotonic() > deadline:
@@ -262,6 +278,9 @@ class Supervisor:
                                             detected_by="replacement supervisor"))
         while True:
             gen = Generation.decode(seen)
+            if gen.kind == STOP_KIND:
+                self._publish_status("stopped", gen.gen, now=True)
+                return self._stopped()
             if gen.gen > self.spec.max_restarts:
                 raise JobFailed(f"restart limit reached ({self.spec.max_restarts} restarts); last failure: "
                                 f"{gen.reason}")
@@ -272,6 +291,7 @@ class Supervisor:
                 seen = changed
                 continue
             if self._stopping:
+                self._ask_stop(seen)
                 return self._stopped()
             assert self.link is not None
             self.link.begin(gen.gen)
@@ -294,17 +314,17 @@ class Supervisor:
         """With a checkpoint directory: persist the newest globally committed step before the keeper stops."""
         if self.spec.ckpt_dir is None or self.link is None:
             return True
-        ok = self.link.finish(self.spec.persist_grace)
-        if not ok:
-            self.events.emit("durability", f"WARNING the final persist to {self.spec.ckpt_dir} did not complete "
-                             f"within {self.spec.persist_grace:g}s", node=self.node, degraded=True)
-        return ok
+        problem = self.link.finish(self.spec.persist_grace)
+        if problem is not None:
+            self.events.emit("durability", f"WARNING the final persist to {self.spec.ckpt_dir} {problem}",
+                             node=self.node, degraded=True, reason=problem)
+        return problem is None
 
     def _rendezvous(self, gen: int, seen: bytes) -> bytes | None:
         """Meet every node at generation ``gen``; returns the new raw generation if it moved on meanwhile."""
         if self.node == 0:
             self.trainer_store = None  # the previous generation's store closes with its last reference
-            self.trainer_store = host_store(0, "trainer store")
+            self.trainer_store = host_store(0, "trainer store", bind=self.spec.bind_addr)
             self.coord.publish_master(gen, self.spec.master_addr, self.trainer_store.port)
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
@@ -326,7 +346,10 @@ class Supervisor:
     def _start_trainers(self, gen: int) -> None:
         assert self.heartbeats is not None
         t0 = time.monotonic()
-        addr, port = self.coord.master(gen)
+        master = self.coord.master(gen)
+        if master is None:
+            raise JobFailed(f"the trainer store of generation {gen} is missing from the control store")
+        addr, port = master
         for local in range(self.spec.nproc_per_node):
             place = TrainerPlace(self.spec.job_id, self.node, self.spec.nnodes, local, self.spec.nproc_per_node,
                                  gen, self.spec.max_restarts, addr, port)
@@ -381,7 +404,7 @@ class Supervisor:
         leader = _LeaderLog(self.coord, self.events, gen) if self.node == 0 else None
         while True:
             if self._stopping:
-                return "stop"
+                return self._ask_stop(seen)
             for pid, code in reap().items():
                 trainer = self.trainers.get(pid)
                 if self.keeper is not None and pid == self.keeper.pid:
@@ -389,8 +412,9 @@ class Supervisor:
                 if trainer is None:
                     continue
                 trainer.exit_code = code
+                # SLURM signals every process of a step at once: the trainer heard it first
                 if code == -signal.SIGTERM and self._stop_signal_follows():
-                    return "stop"  # SLURM signals every process of a step at once: the trainer heard it first
+                    return self._ask_stop(seen)
                 if code != 0:
                     if code > 0:
                         moved = self._wait_for_other_failure(seen)
@@ -406,12 +430,10 @@ class Supervisor:
                                  node=self.node, generation=g)
             now = time.monotonic()
             table = [self.heartbeats.read(local) for local in range(self.spec.nproc_per_node)]
-            for trainer in self.trainers.values():
-                if trainer.exit_code is None:
-                    hung = self.detectors[trainer.local_rank].observe(table[trainer.local_rank], now)
-                    if hung:
-                        return self._fail(seen, Failure("hang", f"rank {trainer.rank} hung: {hung}", self.node,
-                                                        trainer.rank, "heartbeat", self._step_of(trainer)))
+            hung = [t for t in self.trainers.values()  # every detector sees every beat (no any(): it stops early)
+                    if t.exit_code is None and self.detectors[t.local_rank].observe(table[t.local_rank], now)]
+            if hung:
+                return self._attribute_hang(seen, g, table)
             for fault in node_faults:
                 if any(beat.step >= fault.step for beat in table):
                     self._lose_node(fault.spec)
@@ -420,9 +442,6 @@ class Supervisor:
                 self.coord.mark(g, "up", time.time())
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
-            if self.link is not None and self.link.failure is not None:
-                reason, self.link.failure = self.link.failure, None
-                return self._fail(seen, Failure("rebuild", reason, self.node, None, "keeper"))
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw
@@ -437,6 +456,8 @@ class Supervisor:
                         return self._fail(seen, Failure(
                             "node-lost", f"node {peer} lost: no supervisor beat for {now - last_change[peer]:.1f}s",
                             peer, None, f"node {self.node} (supervisor beats)"))
+                if self._suspects_sent != g and self.coord.get("gen", g, "hang") is not None:
+                    self._send_suspects(g, table)  # a peer attributes a hang: report this node's silent trainers
                 if done and len(self.coord.marks(g, "done")) == self.spec.nnodes:
                     if leader is not None:
                         leader.finish()
@@ -444,6 +465,47 @@ class Supervisor:
                 if leader is not None:
                     leader.poll()
             time.sleep(POLL_INTERVAL)
+
+    def _send_suspects(self, gen: int, table: list[Beat]) -> list[HangSuspect]:
+        """Report this node's silent trainers (silent for half their timeout or more) as hang suspects."""
+        self._suspects_sent = gen
+        now, now_ns, wall = time.monotonic(), time.monotonic_ns(), time.time()
+        suspects = []
+        for trainer in self.trainers.values():
+            detector, beat = self.detectors[trainer.local_rank], table[trainer.local_rank]
+            silent = detector.silence(now)
+            if trainer.exit_code is None and detector.armed and silent >= detector.timeout / 2:
+                reason = detector.describe(now)
+                last = wall - (now_ns - beat.monotonic_ns) / 1e9 if beat.beats else wall - silent
+                suspects.append(HangSuspect(trainer.rank, self.node, process_state(trainer.pid), beat.step, last,
+                                            reason))
+        self.coord.mark(gen, "suspects", HangSuspect.encode_all(suspects))
+        return suspects
+
+    def _attribute_hang(self, seen: bytes, gen: int, table: list[Beat]) -> bytes:
+        """A trainer of this node is hung. Its peers, on every node, block in their next collective and fall
+        silent too, so the rank to blame is chosen job-wide: every node reports its silent trainers, and the one
+        that stopped first (:func:`~ftrun.launch.heartbeat.culprit`) is the failure. Returns the raw generation
+        now current."""
+        mine = self._send_suspects(gen, table)  # again if sent before: it holds the hung trainer now
+        self.coord.store.set(self.coord.key("gen", gen, "hang"), str(self.node))
+        deadline = time.monotonic() + HANG_VOTE_WAIT
+        while True:
+            reports = self.coord.marks(gen, "suspects")
+            if len(reports) == self.spec.nnodes or time.monotonic() > deadline:
+                break
+            now_raw = self.coord.current_raw()
+            if now_raw != seen:
+                return now_raw
+            time.sleep(0.05)
+        reports.pop(self.node, None)
+        suspects = mine + [s for raw in reports.values() for s in HangSuspect.decode_all(raw)]
+        chosen = culprit(suspects)
+        also = sorted(s.rank for s in suspects if s is not chosen)
+        reason = f"rank {chosen.rank} hung: {chosen.describe()}" + (
+            f"; also silent, waiting for it: rank(s) {', '.join(map(str, also))}" if also else "")
+        return self._fail(seen, Failure("hang", reason, chosen.node, chosen.rank, "heartbeat",
+                                        chosen.step if chosen.step >= 0 else None))
 
     def _publish_status(self, state: str, gen: int, now: bool = False) -> None:
         """This node's :class:`~ftrun.ui.status.NodeStatus`, every :data:`PUBLISH_INTERVAL` at most (``now``:
@@ -503,12 +565,32 @@ class Supervisor:
         if won:
             at = f" at step {failure.step}" if failure.step is not None else ""
             self.events.emit("failure", f"failure: {failure.reason}{at} (seen by {failure.detected_by})", **fields)
-            if failure.kind != "fatal":
+            if new.gen > self.spec.max_restarts and failure.kind != "fatal":
+                self.events.emit("generation", f"generation {new.gen}: not started, the restart limit "
+                                 f"(--max-restarts {self.spec.max_restarts}) is reached", generation=new.gen,
+                                 reason=failure.reason)
+            elif failure.kind != "fatal":
                 self.events.emit("generation", f"generation {new.gen}: restarting every node's trainers",
                                  generation=new.gen, reason=failure.reason)
         else:
             self.events.emit("failure", f"also seen: {failure.reason}", console=False, primary=False, **fields)
         return raw
+
+    def _ask_stop(self, seen: bytes) -> str:
+        """This supervisor was told to stop (SIGTERM, SIGINT): move the job to a generation of kind "stop" (unless
+        one is current), so every node stops its trainers, persists the newest step and exits. Returns "stop"."""
+        name = self._stop_signal.name
+        failure = Failure(STOP_KIND, f"node {self.node}'s supervisor got {name}", self.node, None, name)
+        for _ in range(100):  # the generation can move meanwhile (a failure seen elsewhere): ask again after it
+            if Generation.decode(seen).kind == STOP_KIND:
+                break
+            seen, won = self.coord.bump(seen, failure)
+            if won:
+                self.events.emit("stop", f"{failure.reason}: every node stops its trainers"
+                                 f"{' and persists the newest step' if self.spec.ckpt_dir else ''}",
+                                 node=self.node, generation=Generation.decode(seen).gen, signal=name)
+                break
+        return "stop"
 
     def _lose_node(self, spec: str) -> None:
         """Injected node loss: SIGKILL every process of this node, supervisor included, and unlink its segments."""
@@ -598,6 +680,11 @@ def _reaped(pid: int) -> bool:
 
 def main() -> None:
     spec = NodeSpec.from_env()
+    # The spec (the control store's address, ...) is for this process and its keeper only, which gets it
+    # explicitly; the zygote and the trainers inherit this environment. The job id stays visible, so that
+    # `ftrun clean` can tell this job's processes.
+    del os.environ[ENV_NODE_SPEC]
+    os.environ[ENV_JOB_ID] = spec.job_id
     sys.exit(Supervisor(spec).run())
 
 

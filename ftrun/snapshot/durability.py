@@ -1,17 +1,36 @@
 """Coordination of the durable tier over the control store, run by each supervisor's keeper link.
 
-Keys under ``ftrun/<job>/persist/`` (job-wide, not per generation):
+Persisting step S needs every rank's slot of S to stay in RAM, on every node, until it is on disk. Slots turn
+over as fast as steps are committed (a keeper overwrites a slot once a newer step is *restorable*), and nodes
+learn which step is restorable at different times: a step named by node 0 may already be overwritten on a node
+by the time it reads the name. So a persist is a *round* in two phases, under ``ftrun/<job>/persist/``:
 
-- ``request``: the step every keeper is asked to persist. Node 0 sets it every ``persist_every`` globally
-  committed steps, and once more to the newest committed step when the job stops or ends (``final`` then
-  holds that step too). One request at a time: while one is being written, a newer step waits (only the
-  newest waiting one is kept), so a slow disk makes persists rarer, never piles up unfinished ones.
-- ``<step>/<node>``: JSON outcome of a node's keeper for that step: ``{"entries": {rank: manifest entry}}`` or
-  ``{"error": "..."}``, with ``bytes`` and ``seconds``.
-- ``done``: the newest step complete on disk. Node 0, once every node has reported a step, writes the manifest
-  and renames the step's directory into place (:func:`ftrun.snapshot.persist.finalize`), prunes old steps, and
-  sets ``done``; if any node failed, it removes the partial directory and sets ``degraded`` to the reason
-  (one warning; training goes on from RAM, and the next request tries again).
+1. **hold.** Node 0 opens round T: ``round`` = ``{"round": T, "generation": g, "step": null}``. Each other node
+   of generation g, on reading it, stops raising its keeper's restorable step and answers
+   ``round/<T>/hold/<node>`` with that step F. A keeper never overwrites a slot of a step at or above its
+   restorable step (it only replaces slots older than the newest step it holds, and only once that newest step
+   is restorable).
+2. **write.** Once every other node answered, node 0 names ``S = max F`` over their answers and its own
+   restorable step (``"step": S``), in the same tick, so node 0 itself never holds. S is committed by every rank
+   (it is restorable somewhere), and no node can have overwritten it: each keeper's restorable step stayed at
+   most its F <= S since it answered. Each node asks its keeper to persist S; the keeper pins S's slots in the same request that
+   lifts the hold, writes them, and the node answers ``round/<T>/<node>`` with the outcome. Node 0 finishes the
+   step when every node has answered (:func:`ftrun.snapshot.persist.finalize`) and prunes old ones.
+
+A hold lasts about two link ticks; a trainer waits in it only if it commits two more steps meanwhile (one
+slot is free; a pinned slot in the way brings in the spare third slot). Memory: at most three slots per rank,
+the third only while a persist is written.
+
+Rounds run one at a time. Node 0 opens the next once ``persist_every`` globally committed steps have passed
+since it opened the previous one and that one is closed; so at any instant the newest complete step on disk is
+at most ``persist_every`` committed steps plus one round behind the newest committed step, at any snapshot rate.
+A generation change cancels the open round (``"step": -1``; a node lifts its hold when its generation changes);
+the next round opens in the new generation. The final persist (``final``: every trainer has stopped, slots no
+longer change) skips the hold and names the newest committed step at once.
+
+Outcome keys, written by node 0: ``done`` (newest step complete on disk) and ``done_time``; ``degraded`` (why the
+last round failed; "" once one succeeds); ``failed`` and ``failed_reason`` (the newest step whose round failed,
+and why); ``rounds`` and ``failures`` (counts). :mod:`ftrun.ui.durable` reads them.
 """
 
 from __future__ import annotations
@@ -20,18 +39,46 @@ import json
 import os
 import shutil
 import time
+from dataclasses import dataclass
 from typing import Any
 
-from ftrun.events import EventLog
 from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
+from ftrun.events import EventLog
 from ftrun.snapshot.persist import complete_steps, finalize, manifest, prune, remove_partial, step_name
 
-REQUEST_INTERVAL = 0.2  # how often a node reads the job's persist request
+READ_INTERVAL = 0.2  # how often a node reads the round document while it holds nothing for one
+CANCELLED = -1  # the step of a round cancelled by a generation change
+
+
+@dataclass(frozen=True)
+class Round:
+    """The ``round`` document: round ``round`` of generation ``generation`` persists ``step`` (None: hold phase;
+    :data:`CANCELLED`)."""
+
+    round: int
+    generation: int
+    step: int | None = None
+    final: bool = False
+
+    def encode(self) -> str:
+        return json.dumps({"round": self.round, "generation": self.generation, "step": self.step,
+                           "final": self.final})
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Round | None:
+        """The document, or None when ``raw`` is not one (never raises)."""
+        try:
+            doc = json.loads(raw)
+            found = cls(int(doc["round"]), int(doc["generation"]),
+                        None if doc["step"] is None else int(doc["step"]), bool(doc["final"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return found
 
 
 class Durability:
-    """One node's part of the protocol above; node 0 also decides and finalizes."""
+    """One node's part of the protocol above; node 0 also opens rounds and finishes steps."""
 
     def __init__(self, spec: NodeSpec, coord: Coordinator, events: EventLog) -> None:
         assert spec.ckpt_dir is not None
@@ -40,13 +87,22 @@ class Durability:
         self.coord = coord
         self.events = events
         self.leader = spec.node_rank == 0
-        self.request = 0  # the newest request this node knows of
-        self.done = 0
-        self._commits = 0  # globally committed steps seen since the last request (node 0)
-        self._queued = 0  # node 0: the newest step to ask for once the request being written is finished
-        self._reported = 0  # the newest step whose outcome this node published
-        self._degraded: str | None = None
+        self.generation = -1
+        # this node's side
+        self.persist: tuple[int, int] = (0, 0)  # (round, step) its keeper is asked to persist
+        self.hold: int | None = None  # the restorable step its keeper is held at, while a round is in its hold
+        self._holding = 0  # the round it holds for
+        self._reported = 0  # the newest round whose outcome it published
         self._next_read = 0.0
+        # node 0's side
+        self.open: Round | None = None  # the round in progress
+        self.done = _number(coord.get("persist", "done")) or 0  # a replacement node 0 goes on from the store
+        self._commits = 0  # globally committed steps seen since the last round was opened
+        self._final = 0  # the step of the final persist, once asked
+        self._final_opened = False
+        self._degraded: str | None = None
+        self._rounds = _number(coord.get("persist", "rounds")) or 0
+        self._failures = _number(coord.get("persist", "failures")) or 0
 
     def disk_steps(self) -> set[int]:
         """Complete steps of this job, with as many ranks as it has now, on disk."""
@@ -54,89 +110,139 @@ class Durability:
         return {step for step in complete_steps(self.root, self.spec.job_id)
                 if manifest(self.root, step)["world"] == world}
 
-    def committed(self, step: int) -> None:
-        """Node 0: a new globally committed step; ask for a persist every ``persist_every`` of them."""
-        if not self.leader:
-            return
-        self._commits += 1
-        if self._commits >= self.spec.persist_every:
-            self.ask(step)
+    # -- every node ------------------------------------------------------------------------------------------
+    def begin(self, generation: int) -> None:
+        """The generation's restore step is agreed: lift any hold; node 0 cancels the round of an older one."""
+        self.generation = generation
+        self.hold = None
+        if self.leader and self.open is not None and self.open.generation != generation:
+            self._set_round(Round(self.open.round, self.open.generation, CANCELLED))
+            if self.open.step:
+                remove_partial(self.root, self.open.step)
+            self.open = None
+            self._commits = self.spec.persist_every  # due again in the new generation
 
-    def ask(self, step: int, final: bool = False) -> None:
-        """Node 0: ask every keeper to persist ``step`` (``final``: the last one of this run), or queue it while
-        the request before it is being written."""
-        self._commits = 0
-        if final:
-            self.coord.store.set(self.coord.key("persist", "final"), str(step))
-        if step <= max(self.request, self.done):
-            return
-        if self.request > self.done:
-            self._queued = max(self._queued, step)
-            return
-        self.request = step
-        self.coord.store.set(self.coord.key("persist", "request"), str(step))
-
-    def tick(self, outcome: dict[str, Any]) -> int:
-        """Publish this keeper's outcome, read the request, and (node 0) finalize; returns the step to ask the
-        keeper to persist."""
-        step = int(outcome.get("step", 0))
-        if step > self._reported:
-            self._reported = step
-            self.coord.store.set(self.coord.key("persist", step, self.spec.node_rank), json.dumps(outcome))
+    def tick(self, outcome: dict[str, Any], restorable: int) -> None:
+        """Publish the keeper's outcome, follow the round document (updates :attr:`persist` and :attr:`hold`),
+        and on node 0 drive the rounds. ``restorable``: the newest step this node knows every rank can restore."""
+        done_round = int(outcome.get("round", 0))
+        if done_round > self._reported:
+            self._reported = done_round
+            self.coord.store.set(self.coord.key("persist", "round", done_round, self.spec.node_rank),
+                                 json.dumps(outcome))
+        if self.leader:
+            self._lead(restorable)
         now = time.monotonic()
-        if now >= self._next_read:
-            self._next_read = now + REQUEST_INTERVAL
-            raw = self._get("request")
-            self.request = max(self.request, int(raw)) if raw else self.request
-            if self.leader and self.request > self.done:
-                self._finalize(self.request)
-            if self.leader and self._queued and self.request <= self.done:
-                queued, self._queued = self._queued, 0
-                self.ask(queued)
-        return self.request
-
-    def _get(self, *key: object) -> bytes | None:
-        return self.coord.get("persist", *key)
-
-    def _finalize(self, step: int) -> None:
-        outcomes = {}
-        for node in range(self.spec.nnodes):
-            raw = self._get(step, node)
-            if raw is None:
-                return  # not every node has reported yet
-            outcomes[node] = json.loads(raw)
-        self.done = step
-        errors = [o["error"] for o in outcomes.values() if "error" in o]
-        if errors:
-            remove_partial(self.root, step)
-            reason = "; ".join(errors)
-            self.coord.store.set(self.coord.key("persist", "degraded"), reason)
-            self.coord.store.set(self.coord.key("persist", "failed"), str(step))
-            if reason != self._degraded:
-                self._degraded = reason
-                self.events.emit("durability", f"WARNING durability degraded: persisting step {step} to {self.root} "
-                                 f"failed ({reason}); training goes on from RAM snapshots, retrying at the next "
-                                 "persist", step=step, degraded=True, reason=reason)
+        if self.hold is None and now < self._next_read and not self.leader:
             return
-        entries = {int(r): e for o in outcomes.values() for r, e in o["entries"].items()}
+        self._next_read = now + READ_INTERVAL
+        raw = self.coord.get("persist", "round")
+        current = Round.decode(raw) if raw is not None else None
+        if current is None or current.round < max(self._holding, self.persist[0]):
+            return
+        if current.step is None:
+            if current.generation == self.generation and current.round > self._holding and not self.leader:
+                self._holding, self.hold = current.round, restorable
+                self.coord.store.set(self.coord.key("persist", "round", current.round, "hold", self.spec.node_rank),
+                                     str(restorable))
+            return
+        self._holding = max(self._holding, current.round)
+        self.hold = None
+        if current.step > 0 and current.round > self.persist[0]:
+            self.persist = (current.round, current.step)
+
+    # -- node 0 ----------------------------------------------------------------------------------------------
+    def committed(self, step: int) -> None:
+        """Node 0: a new globally committed step."""
+        self._commits += 1
+
+    def ask_final(self, step: int) -> None:
+        """Node 0: every trainer has stopped; persist ``step``, the newest committed one, after the open round."""
+        self._final = step
+        self.coord.store.set(self.coord.key("persist", "final"), str(step))
+
+    def _lead(self, restorable: int) -> None:
+        opened = self.open
+        if opened is None:
+            if self._final > self.done and not self._final_opened:
+                self._final_opened = True
+                self._open(Round(self._round_number() + 1, self.generation, self._final, final=True))
+            elif self._commits >= self.spec.persist_every and self.generation >= 0 and not self._final:
+                self._commits = 0
+                self._open(Round(self._round_number() + 1, self.generation))
+            return
+        if opened.step is None:  # node 0 answers last, as it names the step: it never holds
+            holds = self._answers(opened.round, "hold", first=1)
+            if holds is not None:
+                step = max([restorable] + [int(h) for h in holds.values() if h.isdigit()])
+                if step <= self.done:  # nothing newer than what is on disk
+                    self._set_round(Round(opened.round, opened.generation, CANCELLED))
+                    self.open = None
+                else:
+                    self.open = Round(opened.round, opened.generation, step)
+                    self._set_round(self.open)
+            return
+        outcomes = self._answers(opened.round)
+        if outcomes is not None:
+            self.open = None
+            self._finish(opened, {node: _outcome(raw) for node, raw in outcomes.items()})
+
+    def _round_number(self) -> int:
+        raw = self.coord.get("persist", "round")
+        current = Round.decode(raw) if raw is not None else None
+        return current.round if current is not None else 0
+
+    def _open(self, new: Round) -> None:
+        self.open = new
+        self._set_round(new)
+
+    def _set_round(self, new: Round) -> None:
+        self.coord.store.set(self.coord.key("persist", "round"), new.encode())
+
+    def _answers(self, number: int, *what: str, first: int = 0) -> dict[int, str] | None:
+        """node -> answer to round ``number`` (its hold, or its outcome) of nodes ``first``.., once all of them
+        answered; else None."""
+        found = {}
+        for node in range(first, self.spec.nnodes):
+            raw = self.coord.get("persist", "round", number, *what, node)
+            if raw is None:
+                return None
+            found[node] = raw.decode(errors="replace")
+        return found
+
+    def _finish(self, finished: Round, outcomes: dict[int, dict[str, Any]]) -> None:
+        """Every node wrote its ranks' files of the round's step (or failed): finish the step on disk, or report
+        why not."""
+        step = finished.step
+        assert step is not None and step > 0
+        self._rounds += 1
+        errors = [str(o["error"]) for o in outcomes.values() if "error" in o]
+        entries: dict[int, dict] = {}
+        if not errors:
+            try:
+                entries = {int(r): e for o in outcomes.values() for r, e in o["entries"].items()}
+            except (KeyError, TypeError, ValueError, AttributeError):
+                errors = ["a node's outcome is malformed"]
         t0 = time.perf_counter()
         replaced = self.step_path(step) + ".replaced"
-        try:
-            if os.path.isdir(self.step_path(step)):  # left by an earlier run of the job (it resumed from older)
-                os.rename(self.step_path(step), replaced)
-            path = finalize(self.root, step, self.spec.job_id, self.spec.nnodes, self.spec.nproc_per_node, entries)
-            pruned = prune(self.root, self.spec.keep)
-            shutil.rmtree(replaced, ignore_errors=True)
-        except (OSError, ValueError) as err:
-            remove_partial(self.root, step)
-            self.coord.store.set(self.coord.key("persist", "degraded"), str(err))
-            self.coord.store.set(self.coord.key("persist", "failed"), str(step))
-            self.events.emit("durability", f"WARNING durability degraded: finishing step {step} failed ({err})",
-                             step=step, degraded=True, reason=str(err))
+        if not errors:
+            try:
+                if os.path.isdir(self.step_path(step)):  # left by an earlier run of the job (it resumed from older)
+                    os.rename(self.step_path(step), replaced)
+                path = finalize(self.root, step, self.spec.job_id, self.spec.nnodes, self.spec.nproc_per_node,
+                                entries)
+                pruned = prune(self.root, self.spec.keep, self.spec.job_id)
+                shutil.rmtree(replaced, ignore_errors=True)
+            except (OSError, ValueError) as err:
+                errors = [str(err)]
+        if errors:
+            self._failed(step, "; ".join(errors))
             return
+        self.done = step
         nbytes = sum(int(e["bytes"]) for e in entries.values())
-        seconds = max(float(o["seconds"]) for o in outcomes.values())  # the keepers' writes, in parallel
+        seconds = max(float(o.get("seconds", 0.0)) for o in outcomes.values())  # the keepers wrote in parallel
         finishing = time.perf_counter() - t0  # manifest, rename, pruning
+        self._set_counts()
         self.coord.store.set(self.coord.key("persist", "done_time"), str(time.time()))
         self.coord.store.set(self.coord.key("persist", "done"), str(step))
         if self._degraded is not None:
@@ -147,18 +253,52 @@ class Durability:
                          f"{'; removed steps ' + str(pruned) if pruned else ''}", step=step, bytes=nbytes,
                          seconds=seconds, finish_seconds=finishing, path=path, pruned=pruned)
 
-    def final_outcome(self) -> bool | None:
-        """After the final request: True once its step is on disk, False if it failed, None while unknown."""
-        final = self._get("final")
+    def _failed(self, step: int, reason: str) -> None:
+        remove_partial(self.root, step)
+        self._failures += 1
+        self._set_counts()
+        self.coord.store.set(self.coord.key("persist", "degraded"), reason)
+        self.coord.store.set(self.coord.key("persist", "failed_reason"), reason)
+        self.coord.store.set(self.coord.key("persist", "failed"), str(step))
+        if reason != self._degraded:  # one warning per cause; the counts say how often
+            self._degraded = reason
+            self.events.emit("durability", f"WARNING durability degraded: persisting step {step} to {self.root} "
+                             f"failed ({reason}); training goes on from RAM snapshots, retrying at the next "
+                             "persist", step=step, degraded=True, reason=reason)
+
+    def _set_counts(self) -> None:
+        self.coord.store.set(self.coord.key("persist", "rounds"), str(self._rounds))
+        self.coord.store.set(self.coord.key("persist", "failures"), str(self._failures))
+
+    def final_outcome(self) -> str | None:
+        """After :meth:`ask_final` (by node 0): "" once the final step is on disk, why not once it failed, None
+        while unknown."""
+        final = _number(self.coord.get("persist", "final"))
         if final is None:
             return None
-        step = int(final)
-        done, failed = self._get("done"), self._get("failed")
-        if step == 0 or (done is not None and int(done) >= step):  # 0: nothing was ever committed
-            return True
-        if failed is not None and int(failed) >= step:
-            return False
+        done, failed = _number(self.coord.get("persist", "done")), _number(self.coord.get("persist", "failed"))
+        if final == 0 or (done is not None and done >= final):  # 0: nothing was ever committed
+            return ""
+        if failed is not None and failed >= final:
+            reason = self.coord.get("persist", "degraded")
+            return reason.decode(errors="replace") if reason else "failed"
         return None
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.root, step_name(step))
+
+
+def _outcome(raw: str) -> dict[str, Any]:
+    """A node's outcome document; a malformed one counts as an error."""
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        doc = None
+    return doc if isinstance(doc, dict) else {"error": "malformed outcome"}
+
+
+def _number(raw: bytes | None) -> int | None:
+    try:
+        return None if raw is None else int(raw)
+    except ValueError:
+        return None

@@ -61,8 +61,21 @@ def _check_root(root: str) -> None:
 
 
 def inventory(root: str, verify: bool = True) -> list[StepInfo]:
-    """Every step directory of ``root``, by step; ``verify`` reads every byte of complete steps (CRC-32)."""
+    """Every step directory of every job in ``root`` (a ``--ckpt-dir``, or one job's directory in it), by job and
+    step; ``verify`` reads every byte of complete steps (CRC-32)."""
     _check_root(root)
+    rows = [row for directory in persist.job_dirs(root) for row in _job_inventory(directory, verify)]
+    if not rows:
+        raise UsageError(f"{root}: no checkpoint steps in it (<job>/step-NNNNNNNN directories)")
+    return rows
+
+
+def failed(rows: list[StepInfo]) -> list[StepInfo]:
+    """The rows of steps that fail verification (a corrupt rank, an unreadable manifest)."""
+    return [row for row in rows if row.corrupt or row.state == "invalid"]
+
+
+def _job_inventory(root: str, verify: bool) -> list[StepInfo]:
     rows = []
     for step in persist.step_dirs(root):
         path = os.path.join(root, persist.step_name(step))
@@ -78,9 +91,8 @@ def inventory(root: str, verify: bool = True) -> list[StepInfo]:
         path = persist.partial_dir(root, step)
         with os.scandir(path) as found:
             files = [e.stat().st_size for e in found if e.name.startswith("rank-") and e.is_file()]
-        rows.append(StepInfo(step, path, "partial", None, None, len(files), sum(files), os.stat(path).st_mtime, None))
-    if not rows:
-        raise UsageError(f"{root}: no checkpoint steps in it (step-NNNNNNNN directories)")
+        rows.append(StepInfo(step, path, "partial", os.path.basename(root), None, len(files), sum(files),
+                             os.stat(path).st_mtime, None))
     return sorted(rows, key=lambda row: (row.step, row.state != "complete"))
 
 
@@ -121,13 +133,34 @@ def _check(row: StepInfo) -> str:
     return "; ".join(f"rank {r} corrupt: {p}" for r, p in sorted(row.corrupt.items())) or "ok"
 
 
-def export_step(root: str, out: str, fmt: str, step: int | None = None) -> Iterator[str]:
-    """Write every rank of complete ``step`` (default: the newest) of ``root`` to ``out`` in format ``fmt``,
-    yielding each file's path once written. Every rank is verified before anything is written; files are
-    written under a temporary name and renamed, mode 0600, in ``out`` (created 0700)."""
+def job_root(ckpt_dir: str, job: str | None) -> str:
+    """The directory of ``job``'s steps in ``ckpt_dir``; without ``job``, of its only job (or ``ckpt_dir`` itself
+    when it is one job's directory). A missing or ambiguous job is a :class:`UsageError`."""
+    _check_root(ckpt_dir)
+    dirs = persist.job_dirs(ckpt_dir)
+    if job is not None:
+        wanted = persist.job_dir(ckpt_dir, job)
+        if wanted not in [os.path.abspath(d) for d in dirs]:
+            raise UsageError(f"{ckpt_dir}: no steps of job {job!r} (jobs: {', '.join(_jobs(dirs)) or 'none'})")
+        return wanted
+    if len(dirs) != 1:
+        raise UsageError(f"{ckpt_dir}: {'no job with steps' if not dirs else 'steps of several jobs'} in it"
+                         f"{' (' + ', '.join(_jobs(dirs)) + '); choose one with --job' if dirs else ''}")
+    return dirs[0]
+
+
+def _jobs(dirs: list[str]) -> list[str]:
+    return [os.path.basename(os.path.normpath(d)) for d in dirs]
+
+
+def export_step(ckpt_dir: str, out: str, fmt: str, step: int | None = None, job: str | None = None) -> Iterator[str]:
+    """Write every rank of complete ``step`` (default: the newest) of ``job`` (default: the only one) in
+    ``ckpt_dir`` to ``out`` in format ``fmt``, yielding each file's path once written. Every rank is verified
+    before anything is written; files are written under a temporary name and renamed, mode 0600, in ``out``
+    (created 0700)."""
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
-    _check_root(root)
+    root = job_root(ckpt_dir, job)
     steps = persist.complete_steps(root)
     if not steps:
         raise UsageError(f"{root}: no complete step to export")

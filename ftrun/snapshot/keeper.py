@@ -24,10 +24,11 @@ every rank, with complete parity on every node), so a slot is only overwritten o
 protected. A replacement node's keeper rebuilds its ranks' slots of the agreed step from its group's parity
 (``rebuild``) before the plan is told.
 
-With a checkpoint directory (``--ckpt-dir``) a persister thread writes the step the job asks for (``persist``,
-told by the link) from the slots to disk (:mod:`ftrun.snapshot.persist`), at the lowest CPU and I/O priority.
-The slots it reads are pinned meanwhile; a trainer that would overwrite one gets another slot (a spare third
-one, allocated the first time it is needed), so persistence never stalls training. At a generation start the
+With a checkpoint directory (``--ckpt-dir``) a persister thread writes the step the job asks for (``persist``
+of a round, told by the link: :mod:`ftrun.snapshot.durability`) from the slots to disk
+(:mod:`ftrun.snapshot.persist`), at the lowest CPU and I/O priority. The slots of that step are pinned in the
+request that names it, before the same request may raise ``restorable``, and stay pinned until they are written;
+a trainer that would overwrite one gets another slot (a spare third one, allocated the first time it is needed). At a generation start the
 keeper can also ``load`` a persisted step into its slots (verified) when disk holds the newest step every rank
 can restore.
 """
@@ -160,9 +161,10 @@ class Keeper:
         self.seals: queue.Queue[tuple[int, int, int]] = queue.Queue()
         self.redundancy: Redundancy | None = None
         self.coding = threading.Lock()  # one encoding or rebuild at a time
-        self.persist_request = 0  # the step the job asked every keeper to persist (the link tells it)
-        self.persisted: dict[str, Any] = {}  # the outcome of the last one: step, entries or error, bytes, seconds
+        self.persist_request: tuple[int, int] = (0, 0)  # (round, step) the job asks to persist (the link tells it)
+        self.persisted: dict[str, Any] = {}  # the outcome of the last one: round, step, entries or error, seconds
         self.pinned: dict[int, set[int]] = {}  # local rank -> slots being persisted (not to be overwritten)
+        self._pinned_round = 0  # the persist round the pins are for
         self._stopping = False
 
     def enable_redundancy(self, secret: bytes, listener: socket.socket) -> None:
@@ -318,11 +320,15 @@ class Keeper:
         self.cond.notify_all()
 
     def op_poll(self, generation: int, plan: int, restorable: int, committed: int = 0,
-                peers: dict[str, str] | None = None, persist: int = 0) -> dict[str, Any]:
+                peers: dict[str, str] | None = None, persist_round: int = 0, persist: int = 0) -> dict[str, Any]:
         with self.cond:
             self._apply_plan(generation, plan)
-            if persist > self.persist_request:
-                self.persist_request = persist
+            if persist_round > self.persist_request[0]:  # pinned before restorable moves: see durability
+                self.persist_request = (persist_round, persist)
+                indexes = [rank.index_of(persist) for rank in self.ranks]
+                self._pinned_round = persist_round
+                self.pinned = ({} if None in indexes else
+                               {local: {index} for local, index in enumerate(indexes)})  # type: ignore[misc]
             if peers:
                 self._set_peers(peers)
             if generation == self.generation:
@@ -536,15 +542,15 @@ class Keeper:
         handled = 0
         while True:
             with self.cond:
-                while not self._stopping and self.persist_request <= handled:
+                while not self._stopping and self.persist_request[0] <= handled:
                     self.cond.wait(1.0)
                 if self._stopping:
                     return
-                step = handled = self.persist_request
-                indexes = [rank.index_of(step) for rank in self.ranks]
-                if None not in indexes:
-                    self.pinned = {local: {index} for local, index in enumerate(indexes)}  # type: ignore[misc]
-            result: dict[str, Any] = {"step": step}
+                handled, step = self.persist_request
+                pinned = [next(iter(self._pinned(local)), None) for local in range(len(self.ranks))]
+                indexes = [i if i is not None and rank.steps[i] == step else None
+                           for rank, i in zip(self.ranks, pinned)]
+            result: dict[str, Any] = {"round": handled, "step": step}
             t0 = time.perf_counter()
             try:
                 if None in indexes:
@@ -554,7 +560,8 @@ class Keeper:
                 result["error"] = f"node {self.node}: {(err.strerror if isinstance(err, OSError) else None) or err}"
             result["seconds"] = time.perf_counter() - t0
             with self.cond:
-                self.pinned = {}
+                if self._pinned_round == handled:  # not a newer round's pins
+                    self.pinned = {}
                 self.persisted = result
                 self.cond.notify_all()
 

@@ -5,9 +5,12 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
 - ``held/<node>``: JSON :class:`Holdings`: the verified snapshot steps of every rank of the node, the steps
   its keeper holds complete parity of, and the address its keeper serves peers on; published once at the
   start of g. Every node computes the same :class:`RestorePlan` from all of them (:func:`plan_restore`): the
-  newest step that every rank holds, or can get rebuilt from its EC group's parity; the nodes that must
-  rebuild it do so (their keepers, from the group's nodes that hold the step and its parity), and only then
-  tell their keeper the plan; trainers wait for it.
+  restore chain: the newest step that every rank holds in RAM, else can get rebuilt from its EC group's
+  parity, else loads from disk, else step 0. The nodes that lack a parity step rebuild it first (their keepers,
+  from the group's nodes that hold the step and its parity; ``rebuild/<step>/<node>``: "ok" or why not); for a
+  disk step every node's keeper loads and verifies it first (``load/<step>/<node>``). If any of them fails,
+  every node excludes that source for that step and plans again within g: a failed source is never tried
+  twice and never costs a restart. Only then do they tell their keeper the plan; trainers wait for it.
 - ``commit/<node>``, ``parity/<node>``: JSON ``[steps]``, the steps every rank of the node holds now and the
   steps its keeper holds complete parity of; the link publishes them whenever they change and, while the node
   holds a step newer than the last known protected one, reads the other nodes' to tell the keeper the newest
@@ -17,10 +20,8 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
 
 ``group/<X>/protected`` (job-wide key): group X's protected step, for the status view.
 
-With a checkpoint directory, each ``held`` document also lists the complete steps of the job on disk; when
-one is newer than anything RAM and parity can restore, every node's keeper loads it (``gen/<g>/load/<step>/
-<node>``: "ok" or why not); if any rank's file fails its checksum, every node agrees on the next older step
-instead. Persisting itself is coordinated by :mod:`ftrun.snapshot.durability`.
+With a checkpoint directory, each ``held`` document also lists the complete steps of the job on disk.
+Persisting itself is coordinated by :mod:`ftrun.snapshot.durability`.
 """
 
 from __future__ import annotations
@@ -90,9 +91,11 @@ def group_of(node: int, group: int) -> list[int]:
     return list(range(base, base + group))
 
 
-def plan_restore(held: dict[int, Holdings], group: int, parity: int, bad: frozenset[int] = frozenset()) -> RestorePlan:
-    """The newest step every rank can restore: held in RAM, or rebuilt from parity of its group, else from disk
-    (a step complete on disk for every node, not in ``bad``: found corrupt).
+def plan_restore(held: dict[int, Holdings], group: int, parity: int, bad: frozenset[int] = frozenset(),
+                 bad_parity: frozenset[int] = frozenset()) -> RestorePlan:
+    """The newest step every rank can restore: held in RAM, or rebuilt from parity of its group (not a step in
+    ``bad_parity``: a rebuild of it failed), else from disk (a step complete on disk for every node, not in
+    ``bad``: found corrupt).
 
     A node can rebuild step s when at least ``k = group - parity`` other nodes of its group are *complete* for
     s: every rank of theirs holds s and their keeper holds its parity (then every stripe has k fragments).
@@ -106,7 +109,7 @@ def plan_restore(held: dict[int, Holdings], group: int, parity: int, bad: frozen
         steps = set(holdings.steps)
         if parity:
             others = [n for n in group_of(node, group) if n != node and n in held]
-            for step in set().union(*(held[n].steps & held[n].parity for n in others)) - steps:
+            for step in set().union(*(held[n].steps & held[n].parity for n in others)) - steps - bad_parity:
                 if sum(complete(n, step) for n in others) >= group - parity:
                     steps.add(step)
         available.append(steps)
@@ -134,7 +137,6 @@ class KeeperLink(threading.Thread):
         self.address = address
         self.keeper = KeeperClient(socket_name(job, spec.node_rank), patience=1.0)
         self.fatal: str | None = None  # ends the job (no room for snapshots)
-        self.failure: str | None = None  # ends the generation (a rebuild failed); the supervisor clears it
         self._generation = -1
         self._plans: dict[int, int] = {}
         self._committed = self._restorable = 0
@@ -142,12 +144,12 @@ class KeeperLink(threading.Thread):
         self._peers: dict[str, str] = {}
         self._published: dict[str, list[int]] = {}
         self.durability = Durability(spec, self.coord, events) if spec.ckpt_dir else None
-        self._persist = 0  # the step the keeper is asked to persist
         self._finish_by: float | None = None  # set by finish(): the deadline of the final persist
         self.rebuilding = False  # its keeper is rebuilding this node's snapshots from parity (status)
         self.keeper_status: dict[str, Any] = {}  # the keeper's view for the status document (ftrun.ui.status)
         self._bad_disk: set[int] = set()  # persisted steps found corrupt: never tried again
-        self._final: bool | None = None
+        self._bad_parity: set[int] = set()  # steps whose rebuild from parity failed: never tried again
+        self._final: str | None = "did not complete"  # why the final persist failed (None: it is on disk)
         self._final_grace = 0.0
         self._asked_final = self._marked_stopped = False
         self._finished = threading.Event()
@@ -160,15 +162,16 @@ class KeeperLink(threading.Thread):
     def stop(self) -> None:
         self._halt.set()
 
-    def finish(self, grace: float) -> bool:
+    def finish(self, grace: float) -> str | None:
         """The trainers have stopped (or ended): persist the newest globally committed step, within ``grace``
-        seconds; True when it is on disk (or there is no checkpoint directory, or nothing to persist)."""
+        seconds. None when it is on disk (or there is no checkpoint directory, or nothing to persist); else why not
+        ("did not complete within 60s", "failed: <reason>")."""
         if self.durability is None:
-            return True
+            return None
         self._final_grace = grace
         self._finish_by = time.monotonic() + grace
         self._finished.wait(grace + 1)
-        return bool(self._final)
+        return self._final
 
     def run(self) -> None:
         while not self._halt.is_set():
@@ -200,56 +203,68 @@ class KeeperLink(threading.Thread):
             held = {node: Holdings.decode(raw) for node, raw in self.coord.marks(gen, "held").items()}
             if len(held) < self.nnodes:
                 time.sleep(LINK_INTERVAL)
+        if self.parity:
+            self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
         plan = self._plan(gen, held)
         if plan is None:
             return
-        if self.parity:
-            self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
-        if self.node in plan.rebuild:
-            self.rebuilding = True
-            try:
-                self.keeper.request("rebuild", generation=gen, step=plan.step, complete=plan.rebuild[self.node],
-                                    peers=self._peers)
-            except KeeperError as err:
-                self.failure = f"node {self.node} could not rebuild step {plan.step} from parity: {err}"
-                self._plans[gen] = plan.step
-                return
-            finally:
-                self.rebuilding = False
         self.keeper.request("poll", generation=gen, plan=plan.step, restorable=plan.step, committed=plan.step,
                             peers=self._peers)
         self._plans[gen] = self._committed = self._restorable = plan.step
         self._published = {}
         self.coord.publish_restore(gen, plan.step, {"parity": "RAM + parity", "disk": "disk"}.get(plan.source, "RAM"))
+        if self.durability is not None:
+            self.durability.begin(gen)
         self._report(gen, plan, held)
 
     def _plan(self, gen: int, held: dict[int, Holdings]) -> RestorePlan | None:
-        """The generation's plan; a disk step is loaded by every node first, and skipped if any rank's is corrupt.
-        None when the generation moved on meanwhile."""
+        """The generation's plan, down the restore chain: RAM, else peers' parity, else disk, else step 0.
+
+        A parity step is first rebuilt by the nodes that lack it, a disk step first loaded by every node (and
+        verified); if any of them fails, every node marks that source bad for that step (never tried again by
+        this node) and plans again, within the same generation: a failed source never costs a restart. None when
+        the generation moved on meanwhile."""
         while True:
-            plan = plan_restore(held, self.group, self.parity, frozenset(self._bad_disk))
-            if plan.source != "disk":
+            plan = plan_restore(held, self.group, self.parity, frozenset(self._bad_disk), frozenset(self._bad_parity))
+            if plan.source == "disk":
+                what, workers = f"load/{plan.step}", set(held)
+            elif plan.source == "parity":
+                what, workers = f"rebuild/{plan.step}", set(plan.rebuild)
+            else:
                 return plan
-            try:
-                self.keeper.request("load", generation=gen, step=plan.step)
-                outcome = "ok"
-            except KeeperError as err:
-                outcome = str(err)
-            what = f"load/{plan.step}"
-            self.coord.store.set(self.coord.key("gen", gen, what, self.node), outcome)
+            if self.node in workers:
+                self.coord.store.set(self.coord.key("gen", gen, what, self.node), self._fetch(gen, plan))
             outcomes = self.coord.marks(gen, what)
-            while len(outcomes) < self.nnodes:
+            while not workers <= set(outcomes):
                 if self._halt.is_set() or self._generation != gen:
                     return None
                 time.sleep(LINK_INTERVAL)
                 outcomes = self.coord.marks(gen, what)
-            problems = {node: o for node, o in outcomes.items() if o != "ok"}
+            problems = {node: o for node, o in outcomes.items() if o != "ok" and node in workers}
             if not problems:
                 return plan
-            self._bad_disk.add(plan.step)
-            self.events.emit("persist_corrupt", f"persisted step {plan.step} is not loadable ({problems}); never "
-                             "loaded, trying an older one", console=self.node == 0, generation=gen, step=plan.step,
+            bad, source = (self._bad_disk, "persisted") if plan.source == "disk" else (self._bad_parity, "parity of")
+            bad.add(plan.step)
+            self.events.emit("restore_source_failed", f"generation {gen}: {source} step {plan.step} is not "
+                             f"restorable ({problems}); never tried again, trying the next source",
+                             console=self.node == 0, generation=gen, step=plan.step, source=plan.source,
                              problems=problems)
+
+    def _fetch(self, gen: int, plan: RestorePlan) -> str:
+        """This node's part of ``plan`` before it can be told: load the disk step, or rebuild from parity;
+        "ok" or why not."""
+        self.rebuilding = plan.source == "parity"
+        try:
+            if plan.source == "disk":
+                self.keeper.request("load", generation=gen, step=plan.step)
+            else:
+                self.keeper.request("rebuild", generation=gen, step=plan.step, complete=plan.rebuild[self.node],
+                                    peers=self._peers)
+        except KeeperError as err:
+            return str(err) or "failed"
+        finally:
+            self.rebuilding = False
+        return "ok"
 
     def _report(self, gen: int, plan: RestorePlan, held: dict[int, Holdings]) -> None:
         leader = self.node == 0
@@ -287,10 +302,16 @@ class KeeperLink(threading.Thread):
                              restored_from="none", **fields)
 
     def _relay(self, gen: int) -> None:
-        reply = self.keeper.request("poll", generation=gen, plan=self._plans[gen], restorable=self._restorable,
-                                    committed=self._committed, peers=self._peers, persist=self._persist)
+        persist, restorable = (0, 0), self._restorable
         if self.durability is not None:
-            self._persist = self.durability.tick(reply["persisted"])
+            persist = self.durability.persist
+            if self.durability.hold is not None:  # a persist round holds the keeper's slots (see durability)
+                restorable = min(restorable, self.durability.hold)
+        reply = self.keeper.request("poll", generation=gen, plan=self._plans[gen], restorable=restorable,
+                                    committed=self._committed, peers=self._peers, persist_round=persist[0],
+                                    persist=persist[1])
+        if self.durability is not None:
+            self.durability.tick(reply["persisted"], self._restorable)
         if reply.get("fatal") and self.fatal is None:
             self.fatal = reply["fatal"]
         self.keeper_status = {"ranks": reply["ranks"], "shm_bytes": reply["shm_bytes"], "committed": self._committed}
@@ -341,8 +362,9 @@ class KeeperLink(threading.Thread):
             if everyone or now > self._finish_by - self._final_grace / 2:
                 self._catch_up(gen)
                 self._asked_final = True
-                self.durability.ask(self._committed, final=True)
+                self.durability.ask_final(self._committed)
         outcome = self.durability.final_outcome()
         if outcome is not None or now > self._finish_by:
-            self._final = bool(outcome)
+            self._final = (f"did not complete within {self._final_grace:g}s" if outcome is None
+                           else f"failed: {outcome}" if outcome else None)
             self._finished.set()

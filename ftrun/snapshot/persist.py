@@ -1,8 +1,11 @@
 """The durable tier: committed snapshots written to a checkpoint directory, one directory per step.
 
-Layout of ``<ckpt-dir>`` (every file is created with mode 0600, every directory 0700)::
+Layout of ``<ckpt-dir>`` (every file is created with mode 0600, every directory 0700). Each job has its own
+directory, named by its job id (``--rdzv-id``), so jobs that share a ``--ckpt-dir`` never write, prune or
+resume each other's steps::
 
-    <ckpt-dir>/step-00000030/        a complete step, renamed atomically from <ckpt-dir>/.step-00000030.partial/
+    <ckpt-dir>/<job>/                the job's directory (:func:`job_dir`); below it, ``<dir>`` for short
+    <dir>/step-00000030/             a complete step, renamed atomically from <dir>/.step-00000030.partial/
         manifest.json               {"format": 1, "job": "<job id>", "step": 30, "world": 4, "nnodes": 2,
                                      "nproc_per_node": 2, "time": <unix seconds>,
                                      "ranks": {"0": {"file": "rank-00000.snap", "bytes": <file size>,
@@ -35,6 +38,7 @@ import re
 import shutil
 import time
 
+from ftrun.control.spec import safe_job_id
 from ftrun.snapshot.slot import CHUNK, EMPTY, HEADER_SIZE, SlotFile
 
 FORMAT = 1
@@ -45,6 +49,24 @@ _PARTIAL = re.compile(r"\.step-(\d{8,})\.partial")
 
 class CorruptStep(ValueError):
     """A rank file of a step is missing or fails verification; the one-line message says which and why."""
+
+
+def job_dir(ckpt_dir: str, job: str) -> str:
+    """The directory of ``job``'s steps in ``ckpt_dir`` (absolute)."""
+    return os.path.join(os.path.abspath(ckpt_dir), safe_job_id(job))
+
+
+def job_dirs(ckpt_dir: str) -> list[str]:
+    """The job directories in ``ckpt_dir`` (those holding step directories), sorted; ``[ckpt_dir]`` itself when
+    it holds steps (a job's own directory)."""
+    if step_dirs(ckpt_dir) or step_dirs(ckpt_dir, partial=True):
+        return [ckpt_dir]
+    try:
+        with os.scandir(ckpt_dir) as found:
+            subdirs = sorted(e.path for e in found if e.is_dir() and not e.name.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return [d for d in subdirs if step_dirs(d) or step_dirs(d, partial=True)]
 
 
 def step_name(step: int) -> str:
@@ -195,10 +217,11 @@ def remove_partial(root: str, step: int) -> None:
         shutil.rmtree(partial_dir(root, step))
 
 
-def prune(root: str, keep: int) -> list[int]:
-    """Delete complete steps beyond the newest ``keep`` (never the newest complete one) and every partial
-    directory of a step older than the newest complete one; returns the steps deleted, oldest first."""
-    complete = complete_steps(root)
+def prune(root: str, keep: int, job: str | None = None) -> list[int]:
+    """Delete complete steps (of ``job`` when given) beyond the newest ``keep`` (never the newest complete one)
+    and every partial directory of a step older than the newest complete one; returns the steps deleted, oldest
+    first."""
+    complete = complete_steps(root, job)
     doomed = complete[:-max(keep, 1)]
     for step in doomed:
         remove_partial(root, step)

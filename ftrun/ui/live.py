@@ -2,7 +2,9 @@
 
 A job is found through the launcher files in the shared-memory directory (``ftrun-<job>-launcher``, JSON with
 the control store's endpoint; see :func:`ftrun.launch.launcher.announce_job`) or at an explicit endpoint. The
-viewer only reads the store. :class:`LiveView` is the refreshing view, also usable by a launcher (``--tui``).
+viewer only reads the store, authenticated like every reader (:mod:`ftrun.control.signed`): with the secret the
+job's launcher left on this host (``ftrun-<job>-secret``), else the one derived from ``--secret-file`` and the
+job id as multi-node jobs do; values that do not verify are ignored with a warning on stderr. :class:`LiveView` is the refreshing view, also usable by a launcher (``--tui``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from rich.live import Live
 
 from ftrun.config import split_endpoint
 from ftrun.errors import UsageError
-from ftrun.control.coordination import Coordinator
+from ftrun.control.coordination import Coordinator, incarnation_key, use_job
+from ftrun.control.secret import read_secret_file, shared_secret
 from ftrun.control.spec import shm_dir
 from ftrun.control.store import connect_store
 from ftrun.ui.status import PUBLISH_INTERVAL, JobStatus, gather
@@ -161,7 +164,8 @@ def find_job(job: str | None) -> Announced:
     return jobs[0]
 
 
-def attach(endpoint: str | None, job: str | None, timeout: float = CONNECT_TIMEOUT) -> Coordinator:
+def attach(endpoint: str | None, job: str | None, timeout: float = CONNECT_TIMEOUT,
+           secret_file: str | None = None) -> Coordinator:
     """A read-only coordinator of the job, found as the module docstring says; every failure is a UsageError."""
     if endpoint is None:
         found = find_job(job)
@@ -176,18 +180,22 @@ def attach(endpoint: str | None, job: str | None, timeout: float = CONNECT_TIMEO
         raise UsageError(f"--endpoint must be HOST:PORT, got {endpoint!r}") from None
     store = connect_store(host, port, timeout)
     store.set_timeout(STORE_TIMEOUT)
+    if not store.check([incarnation_key(job)]):
+        raise UsageError(f"no job {job!r} at the control store {endpoint}")
+    secret = read_secret_file(job) or shared_secret(job, secret_file, create=False)
+    use_job(job, secret, lambda message: print(f"ftrun: {message}", file=sys.stderr, flush=True))
     doc = Coordinator(store, job, 0, 1).job_doc()
     if doc is None:
-        raise UsageError(f"no job {job!r} at the control store {endpoint}")
+        raise UsageError(f"no job {job!r} at the control store {endpoint} (or none this secret authenticates)")
     return Coordinator(store, job, 0, nnodes or int(doc["nnodes"]))
 
 
-def attach_waiting(endpoint: str | None, job: str | None) -> Coordinator:
+def attach_waiting(endpoint: str | None, job: str | None, secret_file: str | None = None) -> Coordinator:
     """:func:`attach`, retried every :data:`POLL_INTERVAL` until the job appears (a message says so once)."""
     waiting = False
     while True:
         try:
-            return attach(endpoint, job, timeout=POLL_INTERVAL)
+            return attach(endpoint, job, timeout=POLL_INTERVAL, secret_file=secret_file)
         except AmbiguousJob:
             raise
         except UsageError:
@@ -219,9 +227,11 @@ def _follow(coord: Coordinator, view: View) -> str:
         time.sleep(POLL_INTERVAL)
 
 
-def status_command(endpoint: str | None, job: str | None, as_json: bool, once: bool, wait: bool) -> int:
+def status_command(endpoint: str | None, job: str | None, as_json: bool, once: bool, wait: bool,
+                   secret_file: str | None = None) -> int:
     """``ftrun status``: the job's status once (a table, or JSON) or live until it ends; returns the exit code."""
-    coord = attach_waiting(endpoint, job) if wait else attach(endpoint, job)
+    coord = (attach_waiting(endpoint, job, secret_file) if wait
+             else attach(endpoint, job, secret_file=secret_file))
     console = Console() if sys.stdout.isatty() else Console(force_terminal=False, no_color=True)
     if once:
         try:

@@ -15,7 +15,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ftrun.control.coordination import Coordinator
-from ftrun.ui.summary import Recovery, recoveries
+from ftrun.ui.durable import disk_state
+from ftrun.ui.summary import Recovery, recoveries, restart_count
 
 PUBLISH_INTERVAL = 0.5
 STALE_AFTER = 3.0
@@ -127,7 +128,7 @@ def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
         state = "running"
     return JobStatus(
         job=coord.job_id, nnodes=coord.nnodes, nproc_per_node=int(job.get("nproc_per_node", 0)), state=state,
-        generation=current.gen, uptime=now - started, restarts=len(events), goodput=_goodput(events, nodes, now - started),
+        generation=current.gen, uptime=now - started, restarts=restart_count(events, job.get("max_restarts")), goodput=_goodput(events, nodes, now - started),
         nodes=nodes, lost=lost, protected=protected, tiers=_tiers(coord, nodes, protected, now), events=events)
 
 
@@ -139,10 +140,10 @@ def _tiers(coord: Coordinator, nodes: dict[int, NodeStatus], protected: dict[int
     if protected:
         step = min(protected.values())
         tiers.append(Tier("EC parity", step or None, None, f"{len(protected)} group(s), the least protected"))
-    done, when, degraded = (coord.get(f"persist/{k}") for k in ("done", "done_time", "degraded"))
-    if done or degraded:
-        tiers.append(Tier("disk", int(done) if done else None, now - float(when) if when else None,
-                          degraded.decode() if degraded else "", bool(degraded)))
+    disk = disk_state(coord, committed, now)
+    if disk is not None:
+        detail = disk.describe() if disk.degraded else f"{disk.where()}; {disk.rounds} persist(s)"
+        tiers.append(Tier("disk", disk.step, disk.age, detail, disk.degraded))
     return tiers
 
 

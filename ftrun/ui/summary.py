@@ -10,6 +10,8 @@ from rich.console import Console
 from rich.table import Table
 
 from ftrun.control.coordination import Coordinator, Generation
+from ftrun.control.spec import STOP_KIND
+from ftrun.ui.durable import disk_state, newest_committed
 
 
 @dataclass(frozen=True)
@@ -29,7 +31,7 @@ def recoveries(coord: Coordinator, history: list[Generation] | None = None) -> l
     """One row per restart of the job (of ``history``, read from the store when not given)."""
     result = []
     for gen in coord.history() if history is None else history:
-        if gen.gen == 0:
+        if gen.gen == 0 or gen.kind == STOP_KIND:  # a stop (a supervisor told to stop) is not a failure
             continue
         ups = coord.marks(gen.gen, "up")
         took = max(float(v) for v in ups.values()) - gen.time if len(ups) == coord.nnodes else None
@@ -38,16 +40,27 @@ def recoveries(coord: Coordinator, history: list[Generation] | None = None) -> l
     return result
 
 
+def restart_count(rows: list[Recovery], max_restarts: object) -> int:
+    """The failures that restarted the trainers: not a fatal error, nor the one past ``max_restarts`` (the
+    job's limit, as in its ``job`` document) that ended the job."""
+    limit = max_restarts if isinstance(max_restarts, int) else None
+    return sum(row.kind != "fatal" and (limit is None or row.gen <= limit) for row in rows)
+
+
 def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
     rows = recoveries(coord)
     console = Console(stderr=True, highlight=False)
     verdict = ("succeeded" if exit_code == 0 else f"stopped by a signal (exit code {exit_code})" if exit_code > 128
                else f"failed (exit code {exit_code})")
-    restarts = sum(row.kind != "fatal" for row in rows)
-    console.print(f"ftrun: job {job_id} {verdict}: {len(rows)} failure(s), {restarts} restart(s)")
-    durability = coord.durability()
-    if durability is not None:
-        console.print(f"ftrun: durability {durability}")
+    limit = (coord.job_doc() or {}).get("max_restarts")
+    restarts = restart_count(rows, limit)
+    over = isinstance(limit, int) and bool(rows) and rows[-1].gen > limit
+    reached = f" (limit reached: --max-restarts {limit})" if over else ""
+    console.print(f"ftrun: job {job_id} {verdict}: {len(rows)} failure(s), {restarts} restart(s){reached}",
+                  soft_wrap=True)
+    disk = disk_state(coord, newest_committed(coord))
+    if disk is not None:
+        console.print(f"ftrun: durability {disk.describe()}")
     if not rows:
         return
     table = Table(title="failures and recoveries", title_justify="left")

@@ -1,0 +1,89 @@
+"""Does a local-mode job (every node simulated on this host) fit this host? Checked before anything starts.
+
+Without ``--node-rank`` ftrun starts all ``--nnodes`` nodes on this host: a supervisor, a keeper and a zygote per
+node and ``--nproc-per-node`` trainers each. A torchrun command moved over without ``--node-rank`` (or a typo in
+``--nnodes``) would otherwise start hundreds of processes before any of them fails. The check refuses a job that
+cannot run here, with one line saying what it would start, what the host has, and how to run on several hosts:
+
+- **cores**: at most :data:`OVERSUBSCRIPTION` trainers per core (the cores this process may run on). Trainers
+  get ``OMP_NUM_THREADS = cores / trainers`` (at least 1), so up to 4 per core they time-share single-threaded,
+  each at a quarter of a core or more: slow but sound for rehearsals and tests (the test suite runs 4 trainers on
+  2 cores). Beyond that heartbeats and collectives slow down past their timeouts, and a real training job of that
+  shape was meant for several hosts.
+- **memory**: the least each process of the job takes, measured on this project's machine (torch 2.13, CPU):
+  a trainer at least :data:`TRAINER_BYTES` (the RSS of a process right after ``import torch``: 218 MiB), each
+  node :data:`NODE_BYTES` more (supervisor 224 MiB, zygote 290 MiB, keeper 29 MiB RSS). A real model needs
+  more; this is a floor, so a job refused here could not have run. Compared with the memory available now
+  (and the cgroup v2 limit, when one is set).
+- **/dev/shm** is not checked here: a snapshot's size is unknown before the first ``save()``, and the lower
+  bound (two 4 KiB slot headers per trainer) is far below the memory floor above. The keeper stops the job
+  with one line saying how much is needed and how much is free when /dev/shm cannot hold the slots.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import psutil
+
+OVERSUBSCRIPTION = 4  # trainers per core
+MIB = 1 << 20
+TRAINER_BYTES = 220 * MIB
+NODE_BYTES = 545 * MIB
+_CGROUP = "/sys/fs/cgroup"
+
+
+@dataclass(frozen=True)
+class Host:
+    """What this host offers a local job."""
+
+    cores: int
+    memory: int  # bytes available now
+
+
+def this_host() -> Host:
+    """Cores this process may run on; memory available now (within the cgroup v2 limit, when one is set)."""
+    memory = psutil.virtual_memory().available
+    try:
+        with open(os.path.join(_CGROUP, "memory.max")) as f:
+            limit = f.read().strip()
+        with open(os.path.join(_CGROUP, "memory.current")) as f:
+            used = int(f.read())
+        if limit != "max":
+            memory = min(memory, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return Host(len(os.sched_getaffinity(0)), max(0, memory))
+
+
+def needed_memory(nnodes: int, nproc_per_node: int) -> int:
+    """The least memory, in bytes, that ``nnodes`` simulated nodes of ``nproc_per_node`` trainers take."""
+    return nnodes * (NODE_BYTES + nproc_per_node * TRAINER_BYTES)
+
+
+def local_fit_problem(nnodes: int, nproc_per_node: int, host: Host) -> str | None:
+    """Why ``nnodes`` x ``nproc_per_node`` cannot all run on ``host`` (one line), or None when they fit."""
+    trainers = nnodes * nproc_per_node
+    memory = needed_memory(nnodes, nproc_per_node)
+    max_trainers = OVERSUBSCRIPTION * host.cores
+    if trainers <= max_trainers and memory <= host.memory:
+        return None
+    if nnodes > 1:
+        what = f"--nnodes {nnodes} x --nproc-per-node {nproc_per_node} without --node-rank simulates every node here"
+        how = (f"to run on {nnodes} hosts, start ftrun on each with --node-rank N (0..{nnodes - 1}) and "
+               "--rdzv-endpoint HOST:PORT of node 0, or under SLURM: srun --ntasks-per-node 1 ftrun ...")
+    else:
+        what, how = f"--nproc-per-node {nproc_per_node}", "give fewer trainers with --nproc-per-node"
+    return (f"{what}: {nnodes} node(s) and {trainers} trainer(s) on this host, at least {_size(memory)} of "
+            f"memory; it has {host.cores} core(s) (at most {max_trainers} trainers, {OVERSUBSCRIPTION} per core) "
+            f"and {_size(host.memory)} available; {how}")
+
+
+def _size(nbytes: int) -> str:
+    value, unit = nbytes / (1 << 30), "GiB"
+    for bigger in ("TiB", "PiB", "EiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, bigger
+    return f"{value:.1f} {unit}"

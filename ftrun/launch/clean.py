@@ -1,0 +1,135 @@
+"""``ftrun clean``: remove what jobs that no longer run left in shared memory.
+
+A job removes its files when it ends, but ``kill -9`` of the top-level ``ftrun`` cannot: its supervisors,
+keepers and trainers die with it (``PR_SET_PDEATHSIG``), and its files stay in the shm dir (``/dev/shm`` or
+``$FTRUN_SHM_DIR``) until the same ``--rdzv-id`` runs again. A job's files there, all named ``ftrun-<job>-...``:
+snapshot slots, parity and the heartbeat table (``-node<N>-...``), the launcher's announce file (``-launcher``),
+the job secret (``-secret``) and SLURM host claims (``-host-<node>``). Only the current user's files count.
+
+A job is live when its launcher's announce file names a running ftrun process (one that started before the
+file was written, so a reused pid does not count), or when any process carries the job in its environment:
+supervisors and keepers in ``FTRUN_NODE_SPEC``, zygotes and trainers in ``FTRUN_JOB_ID``. Processes of other
+users are not visible and do not count. A live job's files are never removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+
+import psutil
+
+from ftrun.control.spec import ENV_NODE_SPEC, safe_job_id, shm_dir
+from ftrun.launch.env import ENV_JOB_ID
+
+_NAMES = [re.compile(pattern) for pattern in (
+    r"ftrun-(?P<job>.+)-launcher",
+    r"ftrun-(?P<job>.+)-secret(\.\d+)?",
+    r"ftrun-(?P<job>.+)-node\d+-[A-Za-z0-9_.-]+",
+    r"ftrun-(?P<job>.+)-host-[A-Za-z0-9_.-]+",
+)]
+
+
+@dataclass
+class JobFiles:
+    """One job's files in the shm dir and, when it is live, what shows it."""
+
+    job: str
+    paths: list[str] = field(default_factory=list)
+    nbytes: int = 0
+    live: list[str] = field(default_factory=list)
+
+
+def job_of(name: str) -> str | None:
+    """The job a file name of the shm dir belongs to (None: not an ftrun file)."""
+    for pattern in _NAMES:
+        found = pattern.fullmatch(name)
+        if found:
+            return found["job"]
+    return None
+
+
+def job_files(job: str | None = None) -> list[JobFiles]:
+    """The jobs that have files of this user in the shm dir (only ``job`` when given), with their liveness."""
+    jobs: dict[str, JobFiles] = {}
+    wanted = safe_job_id(job) if job is not None else None
+    directory = shm_dir()
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        names = []
+    for name in names:
+        owner = job_of(name)
+        if owner is None or (wanted is not None and owner != wanted):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if info.st_uid != os.getuid():
+            continue
+        entry = jobs.setdefault(owner, JobFiles(owner))
+        entry.paths.append(path)
+        entry.nbytes += info.st_size
+    processes = _job_processes(set(jobs))
+    for entry in jobs.values():
+        launcher = _live_launcher(os.path.join(directory, f"ftrun-{entry.job}-launcher"))
+        entry.live = ([f"launcher pid {launcher}"] if launcher else []) + processes.get(entry.job, [])
+    return list(jobs.values())
+
+
+def remove(entry: JobFiles) -> list[str]:
+    """Unlink a job's files (never a live job's); returns the ones that could not be removed, with why."""
+    assert not entry.live, f"job {entry.job} is live"
+    failed = []
+    for path in entry.paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as err:
+            failed.append(f"{path}: {err.strerror}")
+    return failed
+
+
+def _live_launcher(path: str) -> int | None:
+    """The pid in a launcher's announce file when it is a running ftrun started before the file was written."""
+    try:
+        with open(path) as f:
+            pid = int(json.load(f)["pid"])
+        written = os.stat(path).st_mtime
+        proc = psutil.Process(pid)
+        alive = proc.status() != psutil.STATUS_ZOMBIE and proc.create_time() <= written + 1
+        return pid if alive and any("ftrun" in part for part in proc.cmdline()) else None
+    except (OSError, ValueError, KeyError, TypeError, psutil.Error):
+        return None
+
+
+def _job_processes(jobs: set[str]) -> dict[str, list[str]]:
+    """job -> "pid N (what)" for every process of this user that carries one of ``jobs`` in its environment."""
+    found: dict[str, list[str]] = {}
+    if not jobs:
+        return found
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            job = env.get(ENV_JOB_ID)
+            if job not in jobs and ENV_NODE_SPEC in env:
+                job = json.loads(env[ENV_NODE_SPEC]).get("job_id")
+            if job in jobs:
+                found.setdefault(job, []).append(f"pid {proc.pid} ({_label(proc)})")
+        except (psutil.Error, OSError, ValueError, AttributeError):
+            continue
+    return found
+
+
+def _label(proc: psutil.Process) -> str:
+    """``supervisor``, ``keeper``, ``zygote`` (a trainer forked by a zygote shows as one), or the process name."""
+    argv = proc.cmdline()
+    module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
+    return module.rpartition(".")[2] if module.startswith("ftrun.") else proc.name()

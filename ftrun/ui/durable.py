@@ -1,0 +1,84 @@
+"""The durable tier as it is: the newest complete step on disk and how far behind training it is, and how
+persisting went (the counts node 0 keeps in the control store: :mod:`ftrun.snapshot.durability`).
+
+Read from the checkpoint directory itself when this host sees it (the job document names it), else from what
+node 0 last wrote to the store; shown by the summary and by ``ftrun status``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+
+from ftrun.control.coordination import Coordinator
+from ftrun.snapshot.persist import complete_steps, manifest
+
+
+@dataclass(frozen=True)
+class DiskState:
+    """What is on disk for a job, and how its persists went."""
+
+    step: int | None  # newest complete step of the job on disk (None: none)
+    age: float | None  # seconds since that step was written
+    behind: int | None  # steps it lags the newest globally committed step
+    rounds: int  # persists finished, written or failed
+    failures: int
+    reason: str  # why the last failed persist failed ("" when none did)
+
+    @property
+    def degraded(self) -> bool:
+        return self.failures > 0
+
+    def where(self) -> str:
+        if self.step is None:
+            return "no step on disk"
+        lag = ([f"{self.behind} step(s) behind training"] if self.behind is not None else []) + (
+            [f"written {self.age:.1f}s ago"] if self.age is not None else [])
+        return f"newest step on disk {self.step}" + (f" ({', '.join(lag)})" if lag else "")
+
+    def describe(self) -> str:
+        """One line: "ok: newest step on disk 60 (0 step(s) behind training, written 1.2s ago)", or "DEGRADED:
+        3 of 9 persists failed (last: No space left on device); newest step on disk 20 (...)"."""
+        if self.degraded:
+            return (f"DEGRADED: {self.failures} of {self.rounds} persists failed (last: {self.reason}); "
+                    f"{self.where()}")
+        return f"ok: {self.where()}"
+
+
+def disk_state(coord: Coordinator, committed: int, now: float | None = None) -> DiskState | None:
+    """The job's :class:`DiskState` (``committed``: its newest globally committed step); None without a
+    checkpoint directory."""
+    now = time.time() if now is None else now
+    root = (coord.job_doc() or {}).get("ckpt_dir")
+    if not isinstance(root, str):
+        return None
+    done, written = _number(coord.get("persist", "done")), _number(coord.get("persist", "done_time"), float)
+    step = int(done) if done is not None else None
+    with contextlib.suppress(OSError, ValueError):
+        on_disk = complete_steps(root, coord.job_id)
+        step = on_disk[-1] if on_disk else None
+        written = manifest(root, step)["time"] if step is not None else None
+    reason = coord.get("persist", "failed_reason")
+    return DiskState(step, now - written if written is not None else None,
+                     max(0, committed - step) if step is not None and committed else None,
+                     int(_number(coord.get("persist", "rounds")) or 0),
+                     int(_number(coord.get("persist", "failures")) or 0),
+                     reason.decode(errors="replace") if reason else "")
+
+
+def newest_committed(coord: Coordinator) -> int:
+    """The newest globally committed step any node's status document reports (0: none)."""
+    newest = 0
+    for node in range(coord.nnodes):
+        with contextlib.suppress(ValueError, TypeError, AttributeError):
+            newest = max(newest, int(json.loads(coord.get("status", "node", node) or b"{}").get("committed", 0)))
+    return newest
+
+
+def _number(raw: bytes | None, kind: type = int) -> float | None:
+    try:
+        return None if raw is None else kind(raw)
+    except ValueError:
+        return None

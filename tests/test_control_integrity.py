@@ -1,0 +1,307 @@
+"""The control store cannot be steered from outside: every value is signed with the job secret, a value that does
+not verify is ignored with one warning, a replayed generation never moves the job backwards, each run of a job
+id has its own keys, and local jobs listen on loopback only."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from datetime import timedelta
+from pathlib import Path
+
+import psutil
+import pytest
+from torch.distributed import TCPStore
+
+from conftest import SCRIPTS, assert_job_left_nothing, free_port, gpt_args, primary_failures
+from ftrun.control.coordination import Coordinator, Failure, Generation, open_run
+from ftrun.control.secret import secret_path
+from ftrun.control.signed import TAG_MARK, SignedStore
+from ftrun.control.spec import shm_dir
+from ftrun.control.store import LOOPBACK, check_bind_address, host_store, route_address
+from ftrun.errors import UsageError
+from ftrun.launch.slurm import SlurmStep, agree_node_rank
+
+SECRET = "0123456789abcdef" * 4
+ENV_JOB_SECRET = "FTRUN_JOB_SECRET"
+
+
+@pytest.fixture
+def server():
+    store = host_store(0)
+    store.set_timeout(timedelta(seconds=5))
+    yield store
+    del store
+
+
+@pytest.fixture
+def signed(server):
+    """``make(secret=SECRET)``: a (SignedStore, warnings list) pair on the test's store."""
+
+    def make(secret: str = SECRET) -> tuple[SignedStore, list[str]]:
+        warnings: list[str] = []
+        return SignedStore(server, secret, warnings.append), warnings
+
+    return make
+
+
+def coordinator(store: SignedStore, node: int = 0, run: int = 1) -> Coordinator:
+    return Coordinator(store, "job", node, 2, run=run)
+
+
+# -- the signed wrapper -------------------------------------------------------------------------------------------
+
+def test_values_round_trip_and_bad_ones_read_as_absent_with_one_warning_per_key(server, signed):
+    store, warnings = signed()
+    store.set("k", b"payload \x00\xff")
+    assert store.get("k") == b"payload \x00\xff" and server.get("k").endswith(store.seal("k", b"payload \x00\xff")[-64:])
+    assert store.get("missing") is None and not warnings
+    sealed = server.get("k")
+    cases = {
+        "tampered": sealed[:2] + b"X" + sealed[3:],
+        "copied": None,  # the authentic value of "k", stored under another key
+        "garbage": b"\xff garbage {",
+        "truncated": sealed[:-10],
+        "empty": b"",
+        "wrong-secret": SignedStore(server, "another secret, long enough").seal("wrong-secret", b"x"),
+        "tag-of-random-hex": b"7" + TAG_MARK + b"0" * 64,
+    }
+    for key, value in cases.items():
+        server.set(key, sealed if value is None else value)
+        assert store.get(key) is None, key
+        assert store.get(key) is None, key  # a second read warns no more
+    assert [w.split(" of ")[1].split(":")[0] for w in warnings] == list(cases)  # one line per key, naming it
+    assert all("WARNING" in w and "sender unknown" in w for w in warnings)
+    assert store.multi_get(["k", "garbage", "missing"]) == [b"payload \x00\xff", None, None]
+    won, now = store.compare_set("garbage", b"\xff garbage {", "fixed")
+    assert won and store.open("garbage", now) == b"fixed"
+
+
+def test_a_store_of_another_job_secret_reads_nothing(server, signed):
+    ours, _ = signed()
+    theirs, warnings = signed("a different job's secret")
+    ours.set("k", "v")
+    assert theirs.get("k") is None and len(warnings) == 1
+
+
+# -- generations -------------------------------------------------------------------------------------------------
+
+def test_garbage_and_forged_generations_are_ignored_and_bump_replaces_them(server, signed):
+    store, warnings = signed()
+    coord = coordinator(store)
+    coord.init_job({"nnodes": 2})
+    seen = coord.current_raw()
+    assert Generation.decode(seen).gen == 0
+    key = coord.key("gen")
+    forged = Generation(5, "crash", "forged").encode()
+    for value in (b"\xff not json", forged.encode(), forged.encode() + TAG_MARK + b"0" * 64, b""):
+        server.set(key, value)
+        assert coord.current_raw() == seen
+        assert coordinator(store, node=1).current_raw() == seen  # a fresh reader finds it in history/
+    raw, won = coord.bump(seen, Failure("crash", "rank 1 crashed", 0, 1, "waitpid"))
+    assert won and Generation.decode(raw).gen == 1 and coord.current_raw() == raw
+    assert coordinator(store, node=1).current_raw() == raw
+    assert [g.gen for g in coord.history()] == [0, 1]
+    assert warnings and all(key in w for w in warnings)
+
+
+def test_a_replayed_older_generation_never_moves_the_job_backwards(server, signed):
+    store, warnings = signed()
+    coord = coordinator(store)
+    coord.init_job({"nnodes": 2})
+    gen0 = server.get(coord.key("gen"))
+    seen, _ = coord.bump(coord.current_raw(), Failure("crash", "first", 0, 0, "waitpid"))
+    seen, _ = coord.bump(seen, Failure("hang", "second", 1, 2, "heartbeat"))
+    server.set(coord.key("gen"), gen0)  # authentic, but generation 0
+    assert Generation.decode(coord.current_raw()).gen == 2
+    assert Generation.decode(coordinator(store, node=1).current_raw()).gen == 2  # fresh: history/ tells
+    assert any("older than generation 2" in w for w in warnings)
+    raw, won = coordinator(store, node=1).bump(seen, Failure("crash", "third", 1, 3, "waitpid"))
+    assert won and Generation.decode(raw).gen == 3
+
+
+def test_counters_with_garbage_neither_raise_nor_drop_the_connection(server, signed):
+    store, _ = signed()
+    coord = coordinator(store)
+    coord.touch_beats()
+    coord.beat()
+    assert coord.beats() == [1, 0]
+    server.set(coord.key("node", 0, "beat"), b"not a number")
+    server.set(coord.key("node", 1, "beat"), b"\xff")
+    assert coord.beats() == [1, 0]  # the last authentic counts stay
+    coord.beat()  # goes on from the authentic count it knows
+    assert coord.beats() == [2, 0]
+    server.set(coord.key("node", 0, "incarnation"), b"12x")
+    assert coord.register() == 1 and coord.register() == 2
+    assert store.get("still/connected") is None
+
+
+# -- runs (incarnations) -------------------------------------------------------------------------------------------
+
+def test_each_run_of_a_job_id_has_its_own_keys(server, signed):
+    store, warnings = signed()
+    first = open_run(store, "job", None)
+    assert first == 1 and open_run(store, "job", None) == 1  # a later node joins the running run
+    old = Coordinator(store, "job", 0, 2, run=first)
+    old.init_job({"nnodes": 2})
+    old.store.set(old.key("persist", "done"), "60")
+    old.store.set(old.key("state"), "failed")  # its launcher ended it
+    second = open_run(store, "job", None)
+    new = Coordinator(store, "job", 0, 2, run=second)
+    assert second == 2 and new.get("persist", "done") is None and new.job_doc() is None
+    assert Coordinator(store, "job", 0, 2).run == 2  # readers (ftrun status) follow the current run
+    # SLURM steps: one run per step, whatever the previous step left
+    step1 = open_run(store, "job", "slurm-7.1")
+    assert step1 == 3 and open_run(store, "job", "slurm-7.1") == 3 and open_run(store, "job", "slurm-7.2") == 4
+    # a replayed incarnation document cannot send a new launcher into an old run
+    server.set("ftrun/job/incarnation", store.seal("ftrun/job/incarnation", json.dumps({"run": 1, "token": None})))
+    Coordinator(store, "job", 0, 2, run=4).init_job({"nnodes": 2})
+    assert open_run(store, "job", None) == 5 and any("a replay" in w for w in warnings)
+    Coordinator(store, "job", 0, 2, run=5).init_job({"nnodes": 2})
+    server.set("ftrun/job/incarnation", b"garbage")
+    assert open_run(store, "job", None) == 6
+
+
+def test_a_run_whose_supervisors_stopped_beating_is_not_joined(server, signed):
+    store, _ = signed()
+    run = open_run(store, "job", None)
+    coord = Coordinator(store, "job", 0, 2, run=run)
+    coord.init_job({"nnodes": 2})
+    coord.touch_beats()
+    coord.beat()  # then it died without its launcher marking the end
+    assert open_run(store, "job", None, stale_after=0.2) == run + 1
+
+
+def test_slurm_rank_agreement_waits_for_authentic_claims(server, signed, tmp_path, monkeypatch):
+    monkeypatch.setenv("FTRUN_SHM_DIR", str(tmp_path))  # the claim files
+    store, warnings = signed()
+    steps = [SlurmStep("7", "0", node_id, f"n{node_id}", 2, ["n0", "n1"], 1) for node_id in (0, 1)]
+    server.set("ftrun/job/slurm-step/0/claim/1", b"0")  # unsigned: "node 1 holds rank 0"
+    ranks: dict[int, int] = {}
+    late = threading.Timer(0.3, lambda: ranks.update({1: agree_node_rank(store, "job", steps[1], 0, 10)}))
+    late.start()
+    ranks[0] = agree_node_rank(store, "job", steps[0], 1, 10)
+    late.join()
+    assert ranks == {0: 1, 1: 0} and len(warnings) == 1
+
+
+# -- binding ---------------------------------------------------------------------------------------------------------
+
+def listeners(pid: int) -> list[str]:
+    return [f"{c.laddr.ip}:{c.laddr.port}" for c in psutil.Process(pid).net_connections("inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def test_stores_listen_on_the_bound_address_only(server):
+    assert f"{LOOPBACK}:{server.port}" in listeners(os.getpid())
+    assert not [a for a in listeners(os.getpid()) if a.endswith(f":{server.port}") and not a.startswith("127.")]
+    client = TCPStore(LOOPBACK, server.port, is_master=False, timeout=timedelta(seconds=5))
+    client.set("x", "1")
+    assert server.get("x") == b"1"
+    assert route_address("127.0.0.1", 29400) == "127.0.0.1"
+    assert check_bind_address("0.0.0.0") == "0.0.0.0" and check_bind_address("localhost") == "127.0.0.1"
+    with pytest.raises(UsageError, match="198.51.100.77 is not an address of this host"):
+        check_bind_address("198.51.100.77")
+    with pytest.raises(UsageError, match="already in use"):
+        host_store(server.port)
+    external = [a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                if a.family == socket.AF_INET and not a.address.startswith("127.")]
+    if external:  # multi-node default: the address of the interface on the way to the endpoint, nothing else
+        assert route_address(external[0], 29400) == external[0]
+        other = host_store(0, bind=external[0])
+        assert [a for a in listeners(os.getpid()) if a.endswith(f":{other.port}")] == [f"{external[0]}:{other.port}"]
+
+
+@pytest.mark.timeout(60)
+def test_ftrun_store_binds_its_host_and_refuses_a_foreign_one():
+    bad = subprocess.run([sys.executable, "-m", "ftrun", "store", "--host", "198.51.100.77", "--port", "0"],
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.strip().splitlines() == [
+        bad.stderr.strip()] and "198.51.100.77 is not an address of this host" in bad.stderr
+    store = subprocess.Popen([sys.executable, "-m", "ftrun", "store", "--host", "127.0.0.1", "--port", "0"],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        line = store.stdout.readline()
+        assert line.startswith("ftrun store listening on 127.0.0.1:"), line
+        assert all(a.startswith("127.0.0.1:") for a in listeners(store.pid))
+    finally:
+        store.kill()
+        store.wait(10)
+
+
+# -- a running job under attack -------------------------------------------------------------------------------------
+
+def job_listeners(launcher: int) -> dict[int, list[str]]:
+    """pid -> listening TCP addresses, for the launcher and every process under it."""
+    found = {}
+    for proc in [psutil.Process(launcher), *psutil.Process(launcher).children(recursive=True)]:
+        try:
+            found[proc.pid] = listeners(proc.pid)
+        except psutil.Error:
+            pass
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_a_job_ignores_garbage_and_forged_control_values_and_listens_on_loopback_only(start_job, tmp_path,
+                                                                                      gpt_baseline):
+    args, out = gpt_args(tmp_path, "intruded", "--step-time", "0.05")
+    job = start_job("--nnodes", "2", "--nproc-per-node", "2", *args)
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat", 120)
+    # local mode: every listening socket of the job (stores, keepers' peer sockets, gloo) is on loopback
+    sockets = job_listeners(job.proc.pid)
+    endpoint = json.loads(Path(shm_dir(), f"ftrun-{job.job_id}-launcher").read_text())["endpoint"]
+    assert endpoint in sockets[job.proc.pid], sockets
+    assert sum(map(len, sockets.values())) >= 4 and all(
+        a.startswith("127.0.0.1:") for addresses in sockets.values() for a in addresses), sockets
+    # the secret is in a private file for `ftrun status`, never in a trainer's environment
+    assert stat.S_IMODE(os.stat(secret_path(job.job_id)).st_mode) == 0o600
+    for rank in range(4):
+        assert ENV_JOB_SECRET not in job.trainer(rank).environ()
+    host, port = endpoint.rsplit(":", 1)
+    intruder = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    prefix = f"ftrun/{job.job_id}/1/"
+    forged = Generation(7, "crash", "forged by a test", 1, 3, "intruder").encode().encode()
+    for value in (b"\xff garbage {", forged, intruder.get(prefix + "history/0"), forged + TAG_MARK + b"0" * 64):
+        intruder.set(prefix + "gen", value)  # garbage, unsigned, copied from another key, a wrong signature
+        time.sleep(0.2)
+    intruder.set(prefix + "node/1/beat", b"not a number")  # torch's add on it would drop the beater's connection
+    intruder.set(prefix + "node/0/incarnation", b"\xff")
+    assert job.wait(180) == 0, job.output
+    assert out.read_text().strip() == gpt_baseline, job.output
+    assert not primary_failures(job), job.output
+    rejected = [e for e in job.events() if e["event"] == "store_rejected"]
+    assert any(f"{prefix}gen:" in e["message"] for e in rejected), rejected
+    assert f"WARNING ignored the control-store value of {prefix}gen: " in job.output
+    lines = [line for line in job.output.splitlines() if f"{prefix}gen:" in line]
+    assert len(lines) == len({line.split("]")[0].split("[")[-1] for line in lines}), lines  # one per process
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(180)
+def test_a_later_run_of_a_job_id_at_a_long_lived_store_starts_clean(start_job, tmp_path):
+    port = free_port()
+    store = subprocess.Popen([sys.executable, "-m", "ftrun", "store", "--host", "127.0.0.1", "--port", str(port)],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert "listening" in store.stdout.readline()
+        job_id = f"reused{uuid.uuid4().hex[:6]}"
+        node = ("--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1")
+        script = (str(SCRIPTS / "sleeper.py"), "--seconds", "1")
+        first = start_job(*node, "--inject", "crash@rank=0,step=5", *script, job_id=job_id, log_dir=tmp_path / "1")
+        assert first.wait(120) == 0 and "1 failure(s), 1 restart(s)" in first.output, first.output
+        second = start_job(*node, *script, job_id=job_id, log_dir=tmp_path / "2")
+        assert second.wait(120) == 0 and "0 failure(s), 0 restart(s)" in second.output, second.output
+        assert [e["generation"] for e in second.events() if e["event"] == "trainers_started"] == [0]
+        assert_job_left_nothing(second)
+    finally:
+        os.killpg(store.pid, signal.SIGKILL)
+        store.wait(10)

@@ -1,0 +1,134 @@
+"""A running 2-node job under 30 s of hostile traffic to every TCP port it listens on (control store, trainer
+store, keepers' peer sockets, the trainers' gloo sockets): random bytes, frames announcing oversized lengths, and
+well-formed frames with random contents (TorchStore requests setting random keys, some under the job's own prefix
+with values that look signed; keeper frames and handshakes with random MACs). The job must finish with the
+failure-free result and no failure. Traffic is bounded in count and time and goes to loopback only."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import struct
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from conftest import assert_job_left_nothing, gpt_args, primary_failures
+from ftrun.control.signed import TAG_MARK
+from ftrun.control.spec import shm_dir
+from ftrun.snapshot.transport import FRAME, FRAME_MAGIC, HELLO, MAC_LEN, NONCE_LEN
+
+FUZZ_SECONDS = 30.0
+MAX_SENDS = 6000  # connections opened in all
+MAX_CHUNK = 64 << 10  # bytes sent on one connection at most
+RESCAN_EVERY = 1.0  # seconds between looks for the job's listening ports (trainer stores change per generation)
+# torch TCPStore's wire format (torch 2.x): a query byte, then u64 little-endian lengths before strings
+STORE_VALIDATE = b"\x00" + struct.pack("<I", 0x3C85F7CE)
+STORE_QUERIES = {"set": 1, "compare_set": 2, "get": 3, "add": 4, "check": 5, "multi_get": 10}
+
+
+def _string(data: bytes, length: int | None = None) -> bytes:
+    return struct.pack("<Q", len(data) if length is None else length) + data
+
+
+def store_frame(rng: random.Random, prefix: str) -> bytes:
+    """A validated TCPStore request with random contents: a set/compare_set/add/get/check of a random key (half
+    of them under the job's prefix, values half "signed"), or one that announces an oversized length."""
+    key = (f"/{prefix}{rng.randbytes(6).hex()}" if rng.random() < 0.5 else "/" + rng.randbytes(8).hex()).encode()
+    value = rng.randbytes(rng.randint(0, 256))
+    if rng.random() < 0.5:
+        value += TAG_MARK + rng.randbytes(32).hex().encode()
+    kind = rng.choice(["set", "compare_set", "add", "get", "check", "oversized"])
+    if kind == "set":
+        body = _string(key) + _string(value)
+    elif kind == "compare_set":
+        body = _string(key) + _string(b"") + _string(value)
+    elif kind == "add":
+        body = _string(key) + struct.pack("<q", rng.randint(-1000, 1000))
+    elif kind in ("get", "check"):
+        body = (_string(key) if kind == "get" else struct.pack("<Q", 1) + _string(key))
+    else:
+        kind = rng.choice(["set", "multi_get", "check"])
+        body = struct.pack("<Q", rng.choice([2**31, 2**40, 2**63, 2**64 - 1])) + rng.randbytes(64)
+    return STORE_VALIDATE + bytes([STORE_QUERIES[kind]]) + body
+
+
+def keeper_frame(rng: random.Random) -> bytes:
+    """A keeper-transport message: a frame with random JSON before any handshake, one announcing oversized
+    lengths, or a handshake answer with a random MAC (sent after the server's hello)."""
+    kind = rng.choice(["frame", "oversized", "handshake"])
+    if kind == "frame":
+        body = json.dumps({"op": rng.choice(["status", "fetch", "persist", "echo"]), "x": rng.random()}).encode()
+        return FRAME.pack(FRAME_MAGIC, len(body), 0) + body
+    if kind == "oversized":
+        return FRAME.pack(FRAME_MAGIC, rng.choice([2**20, 2**32 - 1]), rng.choice([2**40, 2**64 - 1]))
+    return rng.randbytes(NONCE_LEN + MAC_LEN)
+
+
+def job_ports(launcher: int) -> dict[int, str]:
+    """port -> "store", "keeper" or "raw" for every TCP port the job's processes listen on (loopback only)."""
+    procs = [psutil.Process(launcher), *psutil.Process(launcher).children(recursive=True)]
+    ports: dict[int, str] = {}
+    for proc in procs:
+        try:
+            cmdline = " ".join(proc.cmdline())
+            found = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
+        except psutil.Error:
+            continue
+        for address in found:
+            assert address.ip == "127.0.0.1", (cmdline, address)
+            kind = ("keeper" if "ftrun.snapshot.keeper" in cmdline else
+                    "store" if proc.pid == launcher or "ftrun.launch.supervisor" in cmdline else "raw")
+            if ports.get(address.port) != "keeper":  # the supervisor holds its keeper's socket too
+                ports[address.port] = kind
+    return ports
+
+
+def send(port: int, data: bytes, expect_hello: bool = False) -> None:
+    """Connect to 127.0.0.1:``port``, (read a keeper's hello,) send ``data``, close; any error is fine."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.settimeout(0.5)
+            if expect_hello:
+                sock.recv(HELLO.size)
+            sock.sendall(data[:MAX_CHUNK])
+    except OSError:
+        pass
+
+
+@pytest.mark.timeout(300)
+def test_job_survives_hostile_traffic_on_every_listening_port(start_job, tmp_path, gpt_baseline):
+    args, out = gpt_args(tmp_path, "hostile", "--step-time", "0.6")  # 60 steps: longer than the fuzzing
+    job = start_job("--nnodes", "2", "--nproc-per-node", "2", *args)
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat", 120)
+    prefix = f"ftrun/{job.job_id}/1/"
+    assert Path(shm_dir(), f"ftrun-{job.job_id}-launcher").exists()
+    rng = random.Random(20261123)
+    sent: dict[str, int] = {}
+    ports: dict[int, str] = {}
+    start = rescan = time.monotonic()
+    while time.monotonic() - start < FUZZ_SECONDS and sum(sent.values()) < MAX_SENDS and job.proc.poll() is None:
+        if not ports or time.monotonic() >= rescan:
+            ports, rescan = job_ports(job.proc.pid), time.monotonic() + RESCAN_EVERY
+        for port, kind in list(ports.items()):
+            choice = rng.choice(["bytes", "bytes", kind])
+            if choice == "store":
+                send(port, store_frame(rng, prefix))
+            elif choice == "keeper":
+                frame = keeper_frame(rng)
+                send(port, frame, expect_hello=len(frame) == NONCE_LEN + MAC_LEN)
+            else:
+                send(port, rng.randbytes(rng.choice([1, 16, 4096, MAX_CHUNK])))
+            sent[f"{kind}/{choice}"] = sent.get(f"{kind}/{choice}", 0) + 1
+        time.sleep(len(ports) * FUZZ_SECONDS / MAX_SENDS)  # spread the connections over the whole time
+    fuzzed = time.monotonic() - start
+    print(f"fuzzed {fuzzed:.1f}s, {len(ports)} ports, connections: {sent}")
+    assert job.wait(240) == 0, job.output
+    assert fuzzed >= FUZZ_SECONDS - 1, (fuzzed, sent)  # the job outlasted the fuzzing
+    assert {kind.split("/")[0] for kind in sent} == {"store", "keeper", "raw"}, sent
+    assert out.read_text().strip() == gpt_baseline, job.output
+    assert not primary_failures(job), job.output
+    assert_job_left_nothing(job)
