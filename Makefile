@@ -24,6 +24,7 @@ bench: install
 	$(BIN)/python benchmarks/restart_latency.py
 	$(BIN)/python benchmarks/snapshot.py
 	$(BIN)/python benchmarks/erasure.py
+	$(BIN)/python benchmarks/persist_rounds.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

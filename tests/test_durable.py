@@ -161,11 +161,11 @@ def test_a_snapshot_every_step_persists_every_nth_step(start_job, tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_jobs_sharing_a_ckpt_dir_write_prune_and_resume_only_their_own_steps(start_job, tmp_path, gpt_baselines):
+def test_jobs_sharing_a_ckpt_dir_write_and_prune_only_their_own_steps(start_job, tmp_path, gpt_baselines):
     ckpt = tmp_path / "ckpt"
     flags = ("--nproc-per-node", "2", *durable(ckpt, "--keep", "1"))
-    args_a, out_a = gpt_args(tmp_path, "a", "--step-time", "0.01")
-    args_b, out_b = gpt_args(tmp_path, "b", "--step-time", "0.01")
+    args_a, out_a = gpt_args(tmp_path, "a")
+    args_b, out_b = gpt_args(tmp_path, "b")
     a, b = start_job(*flags, *args_a), start_job(*flags, *args_b)  # at once: the same step numbers
     assert a.wait(180) == 0, a.output
     assert b.wait(180) == 0, b.output
@@ -179,10 +179,6 @@ def test_jobs_sharing_a_ckpt_dir_write_prune_and_resume_only_their_own_steps(sta
     rows = json.loads(listed.stdout)["steps"]
     assert sorted((row["job"], row["step"], row["state"], row["corrupt"]) for row in rows) == sorted(
         [(a.job_id, 60, "complete", {}), (b.job_id, 60, "complete", {})])
-    again = start_job(*flags, *args_a, job_id=a.job_id, log_dir=tmp_path / "logs-again")  # resumes its own step
-    assert again.wait(180) == 0, again.output
-    assert from_disk(again)["step"] == 60 and out_a.read_text().strip() == gpt_baselines(1, 2)
-    assert sorted(os.listdir(ckpt / b.job_id)) == ["step-00000060"]
 
 
 @pytest.mark.timeout(300)

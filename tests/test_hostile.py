@@ -1,22 +1,32 @@
-"""A running 2-node job under 30 s of hostile traffic to every TCP port it listens on (control store, trainer
-store, keepers' peer sockets, the trainers' gloo sockets): random bytes, frames announcing oversized lengths, and
-well-formed frames with random contents (TorchStore requests setting random keys, some under the job's own prefix
-with values that look signed; keeper frames and handshakes with random MACs). The job must finish with the
-failure-free result and no failure. Traffic is bounded in count and time and goes to loopback only."""
+"""A running 2-node job under attack. It listens on loopback only and keeps its secret from trainers. An intruder
+writes garbage, unsigned, copied and wrongly signed generation documents and garbage counters into its control
+store; then 30 s of hostile traffic go to every TCP port it listens on (control store, trainer store, keepers'
+peer sockets, the trainers' gloo sockets): random bytes, frames announcing oversized lengths, and well-formed
+frames with random contents (TCPStore requests setting random keys, some under the job's own prefix with values
+that look signed; keeper frames and handshakes with random MACs). The job must finish with the failure-free
+result and no failure, and say once per process which value it ignored. Traffic is bounded in count and time and
+goes to loopback only."""
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import socket
+import stat
 import struct
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import psutil
 import pytest
 
+from torch.distributed import TCPStore
+
 from conftest import assert_job_left_nothing, gpt_args, primary_failures
+from ftrun.control.coordination import Generation
+from ftrun.control.secret import secret_path
 from ftrun.control.signed import TAG_MARK
 from ftrun.control.spec import shm_dir
 from ftrun.snapshot.transport import FRAME, FRAME_MAGIC, HELLO, MAC_LEN, NONCE_LEN
@@ -99,13 +109,32 @@ def send(port: int, data: bytes, expect_hello: bool = False) -> None:
         pass
 
 
+def intrude(job, prefix: str) -> None:
+    """Write what an intruder with access to the store but not the secret would: garbage, an unsigned forged
+    generation, one copied from another key, one with a wrong signature; garbage beat and incarnation values."""
+    endpoint = json.loads(Path(shm_dir(), f"ftrun-{job.job_id}-launcher").read_text())["endpoint"]
+    host, port = endpoint.rsplit(":", 1)
+    intruder = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    forged = Generation(7, "crash", "forged by a test", 1, 3, "intruder").encode().encode()
+    for value in (b"\xff garbage {", forged, intruder.get(prefix + "history/0"), forged + TAG_MARK + b"0" * 64):
+        intruder.set(prefix + "gen", value)
+        time.sleep(0.2)
+    intruder.set(prefix + "node/1/beat", b"not a number")  # torch's add on it would drop the beater's connection
+    intruder.set(prefix + "node/0/incarnation", b"\xff")
+
+
 @pytest.mark.timeout(300)
-def test_job_survives_hostile_traffic_on_every_listening_port(start_job, tmp_path, gpt_baseline):
+def test_job_survives_forged_control_values_and_hostile_traffic_on_every_listening_port(start_job, tmp_path,
+                                                                                       gpt_baseline):
     args, out = gpt_args(tmp_path, "hostile", "--step-time", "0.6")  # 60 steps: longer than the fuzzing
     job = start_job("--nnodes", "2", "--nproc-per-node", "2", *args)
     job.wait_for_event(lambda e: e["event"] == "first_heartbeat", 120)
     prefix = f"ftrun/{job.job_id}/1/"
-    assert Path(shm_dir(), f"ftrun-{job.job_id}-launcher").exists()
+    # the secret is in a private file for `ftrun status`, never in a trainer's environment
+    assert stat.S_IMODE(os.stat(secret_path(job.job_id)).st_mode) == 0o600
+    assert all("FTRUN_JOB_SECRET" not in job.trainer(rank).environ() for rank in range(4))
+    assert len(job_ports(job.proc.pid)) >= 4  # every one on loopback (job_ports checks)
+    intrude(job, prefix)
     rng = random.Random(20261123)
     sent: dict[str, int] = {}
     ports: dict[int, str] = {}
@@ -131,4 +160,8 @@ def test_job_survives_hostile_traffic_on_every_listening_port(start_job, tmp_pat
     assert {kind.split("/")[0] for kind in sent} == {"store", "keeper", "raw"}, sent
     assert out.read_text().strip() == gpt_baseline, job.output
     assert not primary_failures(job), job.output
+    rejected = [e for e in job.events() if e["event"] == "store_rejected"]
+    assert any(f"{prefix}gen:" in e["message"] for e in rejected), rejected
+    lines = [line for line in job.output.splitlines() if f"ignored the control-store value of {prefix}gen: " in line]
+    assert lines and len(lines) == len({line.split("]")[0].split("[")[-1] for line in lines}), lines  # 1/process
     assert_job_left_nothing(job)

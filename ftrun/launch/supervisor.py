@@ -685,7 +685,10 @@ def main() -> None:
     # `ftrun clean` can tell this job's processes.
     del os.environ[ENV_NODE_SPEC]
     os.environ[ENV_JOB_ID] = spec.job_id
-    sys.exit(Supervisor(spec).run())
+    code = Supervisor(spec).run()  # it has stopped and reaped everything it started
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skips tearing down torch at interpreter exit (about 0.5 s, with nothing left to do)
 
 
 if __name__ == "__main__":
