@@ -47,7 +47,7 @@ from ftrun.control.store import LOOPBACK, WILDCARDS, check_bind_address, connect
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.keeper import ENV_JOB_SECRET
 from ftrun.snapshot.persist import complete_steps, job_dir, step_name
-from ftrun.ui.live import LiveView
+from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
 EXIT_FAILED = 3  # the training failed for good (restart limit, fatal error): do not requeue or run it again
@@ -256,6 +256,8 @@ class Launcher:
                 self.view.update(gather(coord))
                 self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
             print_summary(coord, code, self.job_id)
+            if coord.get(WATCHED) is not None:  # an `ftrun status` view follows the job: let it see the end
+                time.sleep(2 * LIVE_POLL_INTERVAL)
             self._leave(coord)
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -31,6 +31,7 @@ from ftrun.ui.status import PUBLISH_INTERVAL, JobStatus, gather
 from ftrun.ui.view import ENDED, render
 
 POLL_INTERVAL = PUBLISH_INTERVAL  # how often a live view gathers the job's status
+WATCHED = "watched"  # key a live view sets: the launcher then keeps the store up for two more polls at the end
 PLAIN_INTERVAL = 1.0  # how often a view that is not a terminal prints it
 CONNECT_TIMEOUT = 3.0  # seconds to wait for an unreachable store before it is an error
 STORE_TIMEOUT = timedelta(seconds=5)  # a store operation slower than this means the store is gone
@@ -216,6 +217,7 @@ def follow(coord: Coordinator, view: View) -> None:
 
 
 def _follow(coord: Coordinator, view: View) -> str:
+    coord.store.set(coord.key(WATCHED), "1")  # the launcher keeps the store up long enough to show the end
     while True:
         try:
             status = gather(coord)
