@@ -96,13 +96,13 @@ class Durability:
         self._next_read = 0.0
         # node 0's side
         self.open: Round | None = None  # the round in progress
-        self.done = _number(coord.get("persist", "done")) or 0  # a replacement node 0 goes on from the store
+        self.done = number(coord.get("persist", "done")) or 0  # a replacement node 0 goes on from the store
         self._commits = 0  # globally committed steps seen since the last round was opened
         self._final = 0  # the step of the final persist, once asked
         self._final_opened = False
         self._degraded: str | None = None
-        self._rounds = _number(coord.get("persist", "rounds")) or 0
-        self._failures = _number(coord.get("persist", "failures")) or 0
+        self._rounds = number(coord.get("persist", "rounds")) or 0
+        self._failures = number(coord.get("persist", "failures")) or 0
 
     def disk_steps(self) -> set[int]:
         """Complete steps of this job, with as many ranks as it has now, on disk."""
@@ -136,8 +136,7 @@ class Durability:
         if self.hold is None and now < self._next_read and not self.leader:
             return
         self._next_read = now + READ_INTERVAL
-        raw = self.coord.get("persist", "round")
-        current = Round.decode(raw) if raw is not None else None
+        current = self._read_round()
         if current is None or current.round < max(self._holding, self.persist[0]):
             return
         if current.step is None:
@@ -187,9 +186,12 @@ class Durability:
             self.open = None
             self._finish(opened, {node: _outcome(raw) for node, raw in outcomes.items()})
 
-    def _round_number(self) -> int:
+    def _read_round(self) -> Round | None:
         raw = self.coord.get("persist", "round")
-        current = Round.decode(raw) if raw is not None else None
+        return Round.decode(raw) if raw is not None else None
+
+    def _round_number(self) -> int:
+        current = self._read_round()
         return current.round if current is not None else 0
 
     def _open(self, new: Round) -> None:
@@ -273,10 +275,10 @@ class Durability:
     def final_outcome(self) -> str | None:
         """After :meth:`ask_final` (by node 0): "" once the final step is on disk, why not once it failed, None
         while unknown."""
-        final = _number(self.coord.get("persist", "final"))
+        final = number(self.coord.get("persist", "final"))
         if final is None:
             return None
-        done, failed = _number(self.coord.get("persist", "done")), _number(self.coord.get("persist", "failed"))
+        done, failed = number(self.coord.get("persist", "done")), number(self.coord.get("persist", "failed"))
         if final == 0 or (done is not None and done >= final):  # 0: nothing was ever committed
             return ""
         if failed is not None and failed >= final:
@@ -297,8 +299,9 @@ def _outcome(raw: str) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {"error": "malformed outcome"}
 
 
-def _number(raw: bytes | None) -> int | None:
+def number(raw: bytes | None, kind: type = int) -> int | float | None:
+    """``raw`` read as a number of ``kind``, or None when it is absent or not one."""
     try:
-        return None if raw is None else int(raw)
+        return None if raw is None else kind(raw)
     except ValueError:
         return None

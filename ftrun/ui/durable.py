@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ftrun.control.coordination import Coordinator
+from ftrun.snapshot.durability import number
 from ftrun.snapshot.persist import complete_steps, manifest
 
 
@@ -54,7 +55,7 @@ def disk_state(coord: Coordinator, committed: int, now: float | None = None) -> 
     root = (coord.job_doc() or {}).get("ckpt_dir")
     if not isinstance(root, str):
         return None
-    done, written = _number(coord.get("persist", "done")), _number(coord.get("persist", "done_time"), float)
+    done, written = number(coord.get("persist", "done")), number(coord.get("persist", "done_time"), float)
     step = int(done) if done is not None else None
     with contextlib.suppress(OSError, ValueError):
         on_disk = complete_steps(root, coord.job_id)
@@ -63,8 +64,8 @@ def disk_state(coord: Coordinator, committed: int, now: float | None = None) -> 
     reason = coord.get("persist", "failed_reason")
     return DiskState(step, now - written if written is not None else None,
                      max(0, committed - step) if step is not None and committed else None,
-                     int(_number(coord.get("persist", "rounds")) or 0),
-                     int(_number(coord.get("persist", "failures")) or 0),
+                     int(number(coord.get("persist", "rounds")) or 0),
+                     int(number(coord.get("persist", "failures")) or 0),
                      reason.decode(errors="replace") if reason else "")
 
 
@@ -75,10 +76,3 @@ def newest_committed(coord: Coordinator) -> int:
         with contextlib.suppress(ValueError, TypeError, AttributeError):
             newest = max(newest, int(json.loads(coord.get("status", "node", node) or b"{}").get("committed", 0)))
     return newest
-
-
-def _number(raw: bytes | None, kind: type = int) -> float | None:
-    try:
-        return None if raw is None else kind(raw)
-    except ValueError:
-        return None
