@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench etcd clean
 
 install: $(VENV)/.installed
 
@@ -25,6 +25,10 @@ bench: install
 	$(BIN)/python benchmarks/snapshot.py
 	$(BIN)/python benchmarks/erasure.py
 	$(BIN)/python benchmarks/persist_rounds.py
+	$(BIN)/python benchmarks/node_loss.py
+
+etcd: install
+	$(BIN)/python tests/etcd_cluster.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -41,6 +41,16 @@ def run(
     rdzv_bind: Optional[str] = typer.Option(None, "--rdzv-bind", "--rdzv_bind",
                                             help="Multi-node: address the stores listen on (default: the "
                                                  "interface that reaches the endpoint; 0.0.0.0: all)."),
+    rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", "--rdzv_backend",
+                                               help="Control store: c10d (a TCPStore; default) or etcd (a cluster "
+                                                    "with no single point of failure: --rdzv-endpoint h1:2379,...)."),
+    rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf", "--rdzv_conf",
+                                            help="etcd: KEY=VALUE,... with protocol=https, cacert, cert, key, "
+                                                 "user, password."),
+    spares: Optional[int] = typer.Option(None, "--spares",
+                                         help="Local mode: hot spare nodes kept ready to take a lost node's rank."),
+    standby: Optional[bool] = typer.Option(None, "--standby",
+                                           help="Join the job at --rdzv-endpoint as a hot spare (no node rank)."),
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts",
                                                help="Restarts allowed before the job fails."),
     standalone: Optional[bool] = typer.Option(None, "--standalone", help="Single node, local control store."),
@@ -89,6 +99,7 @@ def run(
     cfg = build_config(config, {
         "nnodes": nnodes, "nproc_per_node": nproc_per_node, "node_rank": node_rank,
         "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id, "rdzv_timeout": rdzv_timeout, "rdzv_bind": rdzv_bind,
+        "rdzv_backend": rdzv_backend, "rdzv_conf": rdzv_conf, "spares": spares, "standby": standby,
         "max_restarts": max_restarts, "standalone": standalone, "module": module, "no_python": no_python,
         "log_dir": log_dir, "hang_timeout": hang_timeout, "hang_timeout_initial": hang_timeout_initial,
         "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote, "tui": tui,
@@ -206,6 +217,8 @@ def status(
     wait: bool = typer.Option(False, "--wait", help="Wait for the job to appear instead of failing."),
     secret_file: Optional[str] = typer.Option(None, "--secret-file",
                                               help="With --endpoint: the job's --secret-file (~/.ftrun/secret)."),
+    rdzv_backend: str = typer.Option("c10d", "--rdzv-backend",
+                                     help="With --endpoint: c10d, or etcd (--endpoint h1:2379,h2:2379,...)."),
 ) -> None:
     """Show a running job's nodes, ranks, snapshot tiers and failures, refreshed live until it ends."""
     import os
@@ -213,7 +226,9 @@ def status(
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ warning when the store goes
     from ftrun.ui.live import status_command
 
-    raise typer.Exit(status_command(endpoint, job, as_json, once, wait, secret_file))
+    if rdzv_backend not in ("c10d", "etcd"):
+        raise UsageError(f"--rdzv-backend must be c10d or etcd, got {rdzv_backend!r}")
+    raise typer.Exit(status_command(endpoint, job, as_json, once, wait, secret_file, rdzv_backend))
 
 
 @app.command()

@@ -34,6 +34,10 @@ class JobConfig:
     rdzv_id: str | None = None
     rdzv_timeout: float = 600.0
     rdzv_bind: str | None = None
+    rdzv_backend: str = "c10d"
+    rdzv_conf: str | None = None
+    spares: int = 0
+    standby: bool = False
     max_restarts: int = 10
     standalone: bool = False
     module: bool = False
@@ -76,8 +80,13 @@ class JobConfig:
 
     @property
     def local_mode(self) -> bool:
-        """All nodes simulated on this host: no node rank given (under SLURM, the step gives one)."""
-        return self.node_rank is None
+        """All nodes simulated on this host: no node rank given (under SLURM, the step gives one), not a standby."""
+        return self.node_rank is None and not self.standby
+
+    @property
+    def store_conf(self) -> dict[str, str]:
+        """``--rdzv-conf key=value,...`` as a mapping (checked by :meth:`validate`)."""
+        return parse_rdzv_conf(self.rdzv_conf)
 
     def validate(self) -> None:
         """Raise :class:`UsageError` for the first inconsistent setting."""
@@ -87,8 +96,18 @@ class JobConfig:
             raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise UsageError(f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}")
+        self._validate_backend()
         if self.node_rank is not None and self.rdzv_endpoint is None and self.nnodes > 1:
             raise UsageError("--node-rank needs --rdzv-endpoint HOST:PORT (the control store of the job)")
+        if self.spares < 0:
+            raise UsageError(f"--spares must be 0 or more, got {self.spares}")
+        if self.spares and not self.local_mode:
+            raise UsageError("--spares is for jobs simulated on one host; on another host of a multi-node job "
+                             "start a spare with: ftrun --standby --rdzv-endpoint ... --nproc-per-node P SCRIPT")
+        if self.standby and self.node_rank is not None:
+            raise UsageError("--standby joins a job as a spare without a node rank: drop --node-rank")
+        if self.standby and self.rdzv_endpoint is None:
+            raise UsageError("--standby needs --rdzv-endpoint (the control store of the job it joins)")
         if self.rdzv_bind is not None and self.local_mode:
             raise UsageError("--rdzv-bind is for multi-node jobs (--node-rank): local jobs listen on 127.0.0.1 only")
         if self.standalone and self.node_rank is not None:
@@ -103,12 +122,43 @@ class JobConfig:
                 raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if self.module and self.no_python:
             raise UsageError("-m and --no-python cannot be combined")
-        if self.rdzv_endpoint is not None:
+        if self.rdzv_endpoint is not None and self.rdzv_backend == "c10d":
             split_endpoint(self.rdzv_endpoint)
         problem = group_problem(self.nnodes, *self.erasure, self.ec_backend)
         if problem is not None:
             raise UsageError(problem)
         self.faults  # noqa: B018 - parsing raises UsageError on a bad spec
+
+
+    def _validate_backend(self) -> None:
+        if self.rdzv_backend == "static":  # torchrun's name for a store at a fixed endpoint: what c10d is here
+            self.rdzv_backend = "c10d"
+        if self.rdzv_backend == "etcd-v2":
+            raise UsageError("--rdzv-backend etcd-v2 (etcd's v2 API) is not supported: use --rdzv-backend etcd "
+                             "(etcd v3)")
+        if self.rdzv_backend not in ("c10d", "etcd"):
+            raise UsageError(f"--rdzv-backend must be c10d, static or etcd, got {self.rdzv_backend!r}")
+        conf = self.store_conf
+        if self.rdzv_backend == "etcd":
+            if self.rdzv_endpoint is None:
+                raise UsageError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] (etcd members)")
+            for member in self.rdzv_endpoint.split(","):  # the keys of --rdzv-conf are checked on connecting
+                split_endpoint(member.strip())
+        elif conf:
+            raise UsageError(f"--rdzv-conf {next(iter(conf))}=...: settings are for --rdzv-backend etcd")
+
+
+def parse_rdzv_conf(text: str | None) -> dict[str, str]:
+    """``key=value,key=value`` -> mapping; anything else is a :class:`UsageError`."""
+    conf: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--rdzv-conf must be KEY=VALUE[,KEY=VALUE...], got {item!r}")
+        conf[key.strip()] = value.strip()
+    return conf
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:

@@ -2,8 +2,8 @@
 
 Every process of a job (launcher, supervisors) appends to the same file; each event is one ``write`` on an
 ``O_APPEND`` descriptor, so lines from different processes never interleave. Fields common to all events:
-``time`` (wall clock, seconds), ``event`` (a name from the list below), ``source`` ("launcher", "node N" or
-"keeper N"), ``message`` (the terminal text). Event names: start, node_start, keeper_start, trainers_started,
+``time`` (wall clock, seconds), ``event`` (a name from the list below), ``source`` ("launcher", "node N",
+"keeper N" or "spare NAME"), ``message`` (the terminal text). Event names: start, node_start, keeper_start, trainers_started,
 failure (with the failed rank's last ``step``), generation, restore (the agreed ``step`` and
 ``restored_from``: "ram", "disk", "parity" (with ``rebuilt``: node -> the nodes it rebuilds from) or "none"),
 restored (per rank: bytes, seconds), stopped, stop (a supervisor was told to stop, by ``signal``: every node
@@ -13,7 +13,10 @@ computed its parity of a step), parity_failed, protected (a group's protected st
 rebuild_failed, peer_rejected, store_rejected (a control-store value that is not authentic, or a replayed older
 generation, was ignored; once per key and process), persisted (a step complete on disk), durability (degraded), loaded (a keeper
 loaded a step from disk), restore_source_failed (a parity rebuild or disk load of the planned step failed; the
-next source is planned), no_resume.
+next source is planned), no_resume, spare_up (a hot spare is ready), spare_claimed (a spare took a lost node's
+``node`` rank, ``seconds`` after the failure was seen), spare_took (the local launcher hands that node to it),
+spare_gone, replaced (a supervisor seen as lost found its rank taken by a spare and left), store_outage (the
+control store stopped answering, or answers again).
 """
 
 from __future__ import annotations

@@ -17,6 +17,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+pytest_plugins = ("etcd_cluster",)  # the etcd_module and etcd fixtures (a real 3-member cluster)
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN_PLAIN = ROOT / "examples" / "train_plain.py"
 SCRIPTS = Path(__file__).resolve().parent / "scripts"

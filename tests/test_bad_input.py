@@ -58,6 +58,16 @@ def listening_port():
     (["--nnodes", "2", "--ec-group", "4", str(TRAIN_PLAIN)], ["--ec-group 4 is larger than --nnodes 2"]),
     (["--nnodes", "4", "--ec-group", "3", str(TRAIN_PLAIN)], ["--nnodes 4 cannot be divided into groups"]),
     (["--nnodes", "2", "--ec-backend", "jerasure_rs_vand", str(TRAIN_PLAIN)], ["'jerasure_rs_vand' is not available"]),
+    (["--spares", "-1", str(TRAIN_PLAIN)], ["--spares must be 0 or more"]),
+    (["--standby", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", str(TRAIN_PLAIN)],
+     ["--standby joins a job as a spare without a node rank"]),
+    (["--standby", str(TRAIN_PLAIN)], ["--standby needs --rdzv-endpoint"]),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "--spares", "1", str(TRAIN_PLAIN)],
+     ["--spares is for jobs simulated on one host", "ftrun --standby"]),
+    (["--rdzv-backend", "zookeeper", str(TRAIN_PLAIN)], ["--rdzv-backend must be c10d, static or etcd"]),
+    (["--rdzv-backend", "etcd-v2", str(TRAIN_PLAIN)], ["use --rdzv-backend etcd"]),
+    (["--rdzv-backend", "etcd", str(TRAIN_PLAIN)], ["--rdzv-backend etcd needs --rdzv-endpoint"]),
+    (["--rdzv-conf", "protocol=https", str(TRAIN_PLAIN)], ["settings are for --rdzv-backend etcd"]),
     (["--nnodes", "100000", "--nproc-per-node", "100000", str(TRAIN_PLAIN)],
      ["100000 node(s) and 10000000000 trainer(s) on this host", "core(s)", "available", "--node-rank N", "srun"]),
 ])
@@ -95,3 +105,15 @@ def test_unreachable_endpoint_within_timeout():
     code, stderr, _ = run_ftrun("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{port}",
                                 "--rdzv-timeout", "1", str(TRAIN_PLAIN))
     assert_one_line_error(code, stderr, f"127.0.0.1:{port} is unreachable after 1s")
+
+
+def test_etcd_backend_at_a_port_that_is_not_etcd(listening_port):
+    code, stderr, _ = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{listening_port}",
+                                "--rdzv-timeout", "2", str(TRAIN_PLAIN))
+    assert_one_line_error(code, stderr, f"127.0.0.1:{listening_port}")
+
+
+def test_etcd_backend_at_a_port_nobody_listens_on():
+    code, stderr, _ = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                                "--rdzv-timeout", "1", str(TRAIN_PLAIN))
+    assert_one_line_error(code, stderr, "unreachable after 1s")

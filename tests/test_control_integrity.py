@@ -22,7 +22,8 @@ from torch.distributed import TCPStore
 from conftest import SCRIPTS, assert_job_left_nothing, free_port
 from ftrun.control.coordination import Coordinator, Failure, Generation, open_run
 from ftrun.control.signed import TAG_MARK, SignedStore
-from ftrun.control.store import LOOPBACK, check_bind_address, host_store, route_address
+from ftrun.control.ownership import take
+from ftrun.control.store import LOOPBACK, C10dStore, check_bind_address, host_store, route_address
 from ftrun.errors import UsageError
 from ftrun.launch.slurm import SlurmStep, agree_node_rank
 
@@ -43,7 +44,7 @@ def signed(server):
 
     def make(secret: str = SECRET) -> tuple[SignedStore, list[str]]:
         warnings: list[str] = []
-        return SignedStore(server, secret, warnings.append), warnings
+        return SignedStore(C10dStore(server), secret, warnings.append), warnings
 
     return make
 
@@ -66,7 +67,7 @@ def test_values_round_trip_and_bad_ones_read_as_absent_with_one_warning_per_key(
         "garbage": b"\xff garbage {",
         "truncated": sealed[:-10],
         "empty": b"",
-        "wrong-secret": SignedStore(server, "another secret, long enough").seal("wrong-secret", b"x"),
+        "wrong-secret": SignedStore(C10dStore(server), "another secret, long enough").seal("wrong-secret", b"x"),
         "tag-of-random-hex": b"7" + TAG_MARK + b"0" * 64,
     }
     for key, value in cases.items():
@@ -134,8 +135,8 @@ def test_counters_with_garbage_neither_raise_nor_drop_the_connection(server, sig
     assert coord.beats() == [1, 0]  # the last authentic counts stay
     coord.beat()  # goes on from the authentic count it knows
     assert coord.beats() == [2, 0]
-    server.set(coord.key("node", 0, "incarnation"), b"12x")
-    assert coord.register() == 1 and coord.register() == 2
+    server.set(coord.key("node", 0, "owner"), b"12x")
+    assert take(coord, 0, "a", "h") == 1 and take(coord, 0, "b", "h") == 2
     assert store.get("still/connected") is None
 
 

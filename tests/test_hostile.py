@@ -120,7 +120,7 @@ def intrude(job, prefix: str) -> None:
         intruder.set(prefix + "gen", value)
         time.sleep(0.2)
     intruder.set(prefix + "node/1/beat", b"not a number")  # torch's add on it would drop the beater's connection
-    intruder.set(prefix + "node/0/incarnation", b"\xff")
+    intruder.set(prefix + "node/0/owner", b"\xff")
 
 
 @pytest.mark.timeout(300)

@@ -207,3 +207,12 @@ def test_clean_tells_each_jobs_shared_memory_files_apart():
                       ("ftrun-j-secret.4242", "j"), ("ftrun-slurm-7-host-n3", "slurm-7")]:
         assert job_of(name) == job, name
     assert job_of("ftrun-keeper-x-node0") is None and job_of("other-file") is None and job_of("ftrun-x") is None
+
+
+def test_the_etcd_example_config_is_a_valid_job():
+    from ftrun.config import build_config
+
+    cfg = build_config(str(ROOT / "configs" / "etcd-multinode.yaml"), {"node_rank": 1}, env={})
+    assert cfg.rdzv_backend == "etcd" and cfg.nnodes == 4 and not cfg.local_mode
+    standby = build_config(str(ROOT / "configs" / "etcd-multinode.yaml"), {"standby": True}, env={})
+    assert standby.standby and not standby.local_mode

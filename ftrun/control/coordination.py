@@ -11,7 +11,7 @@ agreement (``ftrun/<job>/slurm-step/<step>/...``, before a run is chosen) is key
 Signing. Every value is written and read through :class:`~ftrun.control.signed.SignedStore`: it carries an
 HMAC-SHA256 with the job secret over its key and payload, and a value that does not verify (garbage, forged,
 truncated, copied from another key) reads as absent with one warning per key and process. There are no
-unsigned counters: beats are signed values of one writer each, and a node rank's incarnation count moves by
+unsigned counters: beats are signed values of one writer each, and a node rank's owner document moves by
 compare-and-set on its exact bytes (torch's ``add`` is not used: on a value that is not a number the store
 drops the caller's connection, which would end a supervisor). What is left to a writer without the secret:
 replaying an older authentic value of the same key, and overwriting or deleting values. A replayed ``gen``
@@ -29,7 +29,8 @@ Protocol of a run, in the order a generation goes through it:
    exactly one writer wins, everyone else reads the winner's document. ``history/<g>`` keeps every
    generation's document.
 2. Every supervisor watching ``gen`` stops its trainers when it changes, then marks ``gen/<g>/ready/<node>``
-   with its incarnation (``node/<r>/incarnation`` counts the supervisors that ever ran as node r). Node 0
+   with its incarnation (``node/<r>/owner`` names the supervisor that runs node rank r and counts those that
+   ever did; see :mod:`ftrun.control.ownership`, which also has the hot spares' claims). Node 0
    publishes the generation's fresh trainer store in ``gen/<g>/master`` before it marks itself ready.
 3. When all nodes are ready every supervisor starts its trainers with ``TORCHELASTIC_RESTART_COUNT=g``, and
    notes ``gen/<g>/started/<node>`` and, once each local trainer has beaten, ``gen/<g>/up/<node>`` (wall time).
@@ -37,8 +38,9 @@ Protocol of a run, in the order a generation goes through it:
    it in ``gen/<g>/restore``.
 4. A node whose trainers all exited 0 marks ``gen/<g>/done/<node>``; the job is done when every node has.
 
-Liveness: every supervisor writes a growing count to ``node/<r>/beat`` four times a second; peers watch the
-values (never clocks), and a value that stops changing for ``node_timeout`` means the node is lost. A supervisor
+Liveness: every supervisor writes a growing count to ``node/<r>/beat`` four times a second; each node watches
+the values (never clocks) of the few nodes after it on a ring (:mod:`ftrun.launch.peers`), and a value that
+stops changing for ``node_timeout`` means the node is lost. A supervisor
 that starts as a replacement (incarnation > 1) whose predecessor was part of the current generation bumps the
 generation. Bumping past ``max_restarts`` ends the job: supervisors stop instead of starting the next generation.
 """
@@ -51,9 +53,10 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
-from torch.distributed import DistError, TCPStore
+from torch.distributed import DistError
 
 from ftrun.control.signed import SignedStore
+from ftrun.control.store import Store
 
 RUN_STALE_AFTER = 1.5  # seconds without any beat of a run that did not end before a new launcher starts a new run
 _CAS_TRIES = 200  # compare-and-set attempts on a key someone keeps rewriting before giving up (a store under attack)
@@ -72,6 +75,7 @@ class Generation:
     detected_by: str = ""
     time: float = 0.0
     step: int | None = None  # the failed rank's last reported step
+    incarnation: int | None = None  # node-lost: the lost owner's incarnation (:mod:`ftrun.control.ownership`)
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -94,6 +98,7 @@ class Failure:
     rank: int | None = None
     detected_by: str = ""
     step: int | None = None
+    incarnation: int | None = None  # node-lost: the lost owner's incarnation
 
 
 @dataclass
@@ -117,7 +122,7 @@ def use_job(job_id: str, secret: str, warn: Callable[[str], None] | None = None,
     _JOBS[job_id] = _Trust(secret, warn, run)
 
 
-def signed(store: TCPStore | SignedStore, job_id: str) -> SignedStore:
+def signed(store: Store | SignedStore, job_id: str) -> SignedStore:
     """``store`` wrapped with the secret :func:`use_job` registered for ``job_id`` (as is when already signed)."""
     if isinstance(store, SignedStore):
         return store
@@ -202,7 +207,7 @@ class Coordinator:
     ``store`` is a :class:`SignedStore`, or a plain store signed with the secret :func:`use_job` registered.
     ``run``: the job's run (default: the one :func:`use_job` registered, else the store's current run)."""
 
-    def __init__(self, store: TCPStore | SignedStore, job_id: str, node_rank: int, nnodes: int,
+    def __init__(self, store: Store | SignedStore, job_id: str, node_rank: int, nnodes: int,
                  run: int | None = None) -> None:
         self.store = signed(store, job_id)
         self.job_id = job_id
@@ -289,7 +294,7 @@ class Coordinator:
                 self._newest = found
                 return found[1], False
             new = Generation(old.gen + 1, failure.kind, failure.reason, failure.node, failure.rank,
-                             failure.detected_by, time.time(), failure.step)
+                             failure.detected_by, time.time(), failure.step, failure.incarnation)
             encoded = new.encode()
             if self.store.compare_set(key, stored, encoded)[0]:
                 self.store.set(self.key("history", new.gen), encoded)
@@ -307,30 +312,14 @@ class Coordinator:
         return gens
 
     # -- membership and barriers ----------------------------------------------------------------------------
-    def register(self) -> int:
-        """Count this supervisor as an incarnation of its node rank; returns 1 for the first.
-
-        A value there that is not authentic counts as 0 (this supervisor then takes itself for the first)."""
-        key = self.key("node", self.node_rank, "incarnation")
-        for _ in range(_CAS_TRIES):
-            stored = self.store.get_raw(key) or b""
-            payload = self.store.open(key, stored) if stored else None
-            count = int(payload) + 1 if payload is not None else 1
-            if self.store.compare_set(key, stored, str(count))[0]:
-                return count
-        raise DistError(f"the control store's {key} keeps changing; giving up")
-
     def mark(self, gen: int, what: str, value: object = 1) -> None:
         self.store.set(self.key("gen", gen, what, self.node_rank), str(value))
 
     def marks(self, gen: int, what: str) -> dict[int, str]:
-        """node -> value for every node that set ``gen/<gen>/<what>/<node>`` (authentic values only)."""
-        found = {}
-        for node in range(self.nnodes):
-            raw = self.get(f"gen/{gen}/{what}/{node}")
-            if raw is not None:
-                found[node] = raw.decode()
-        return found
+        """node -> value for every node that set ``gen/<gen>/<what>/<node>`` (authentic values only), in one
+        round trip where the store allows."""
+        values = self.store.multi_get([self.key("gen", gen, what, node) for node in range(self.nnodes)])
+        return {node: raw.decode() for node, raw in enumerate(values) if raw is not None}
 
     def publish_restore(self, gen: int, step: int, source: str) -> None:
         """The agreed snapshot step of ``gen`` (0: none) and where it comes from ("RAM", "RAM + parity")."""
@@ -374,13 +363,15 @@ class Coordinator:
         self._beat += 1
         self.store.set(key, str(self._beat))
 
-    def beats(self) -> list[int]:
-        """Every node's beat count; a value that is not authentic leaves the last authentic one in place."""
-        values = self.store.multi_get([self.key("node", n, "beat") for n in range(self.nnodes)])
-        for node, value in enumerate(values):
+    def beats(self, nodes: list[int] | None = None) -> list[int]:
+        """The beat counts of ``nodes`` (default: every node), in one round trip; a value that is not authentic
+        leaves the last authentic one in place."""
+        nodes = list(range(self.nnodes)) if nodes is None else nodes
+        values = self.store.multi_get([self.key("node", n, "beat") for n in nodes])
+        for node, value in zip(nodes, values):
             if value is not None:
                 self._beats[node] = int(value)
-        return list(self._beats)
+        return [self._beats[node] for node in nodes]
 
     def touch_beats(self) -> None:
         """Make every node's beat key exist, so :meth:`beats` reads them in one round trip."""

@@ -19,7 +19,7 @@ Invariants:
   deleting a value, which can only delay the job or make it fail on a timeout (denial of service; the store's
   binding and the network are the defence there).
 
-Nothing here imports torch: the wrapped store is anything with torch ``Store``'s methods.
+Nothing here imports torch: the wrapped store is a :class:`~ftrun.control.store.Store` (c10d or etcd).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from torch.distributed import TCPStore
+    from ftrun.control.store import Store
 
 STORE_LABEL = b"ftrun control store v1"
 SIGNED_LABEL = b"ftrun value\x00"
@@ -46,16 +46,17 @@ def _stderr(message: str) -> None:
 
 
 class SignedStore:
-    """A torch ``TCPStore`` (``raw``) whose values are sealed on write and verified on read; see the module doc.
+    """A :class:`~ftrun.control.store.Store` (``raw``) whose values are sealed on write and verified on read; see the module doc.
 
     ``warned`` may be shared by several wrappers of one process (one warning per key per process)."""
 
-    def __init__(self, store: TCPStore, secret: str | bytes, warn: Callable[[str], None] | None = None,
+    def __init__(self, store: Store, secret: str | bytes, warn: Callable[[str], None] | None = None,
                  warned: set[str] | None = None) -> None:
         if not secret:
             raise ValueError("the control store needs the job secret")
         raw_secret = secret.encode() if isinstance(secret, str) else secret
         self.raw = store
+        self.poll_interval = store.poll_interval
         self._key = hmac.new(raw_secret, STORE_LABEL, hashlib.sha256).digest()
         self._warn = warn or _stderr
         self._warned = set() if warned is None else warned
@@ -96,28 +97,23 @@ class SignedStore:
         self.raw.set(key, self.seal(key, value))
 
     def get_raw(self, key: str) -> bytes | None:
-        """The exact bytes stored under ``key`` (authentic or not), or None when it is not set; never blocks
-        (unless the key is deleted between the check and the read)."""
-        return bytes(self.raw.get(key)) if self.raw.check([key]) else None
+        """The exact bytes stored under ``key`` (authentic or not), or None when it is not set; never blocks."""
+        return self.raw.get_many([key])[0]
 
     def get(self, key: str) -> bytes | None:
         """The authentic payload of ``key``, or None (not set, or not authentic)."""
         return self.open(key, self.get_raw(key))
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes | None]:
-        """Payloads of ``keys`` (None: missing or not authentic), in one round trip when every key exists."""
-        if not keys:
-            return []
-        if not self.raw.check(list(keys)):
-            return [self.get(key) for key in keys]
-        return [self.open(key, bytes(raw)) for key, raw in zip(keys, self.raw.multi_get(list(keys)))]
+        """Payloads of ``keys`` (None: missing or not authentic), in one round trip where the store allows."""
+        return [self.open(key, raw) for key, raw in zip(keys, self.raw.get_many(list(keys)))]
 
     def compare_set(self, key: str, expected: bytes, value: str | bytes) -> tuple[bool, bytes]:
         """Store ``value`` if ``key`` holds exactly the bytes ``expected`` (b"": not set). Returns whether this
         call stored it and the bytes ``key`` holds now."""
         sealed = self.seal(key, value)
-        now = bytes(self.raw.compare_set(key, expected, sealed))
+        now = self.raw.compare_set(key, expected, sealed)
         return now == sealed, now
 
     def check(self, keys: Sequence[str]) -> bool:
-        return bool(self.raw.check(list(keys)))
+        return self.raw.check(list(keys))

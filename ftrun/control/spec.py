@@ -17,6 +17,7 @@ EXIT_DONE = 0
 EXIT_JOB_FAILED = 3
 EXIT_STOPPED = 4
 EXIT_STOPPED_UNSAVED = 5  # stopped, but the final persist to the checkpoint directory did not complete
+EXIT_REPLACED = 6  # this node was seen as lost and a spare took its node rank: it left the job
 # The kind of a generation that stops the whole job: a supervisor was told to stop (SIGTERM, SIGINT), and every
 # node follows. Its ``detected_by`` is the signal's name (SIGTERM: the job exits 143 like a signalled launcher).
 STOP_KIND = "stop"
@@ -58,6 +59,10 @@ class NodeSpec:
     faults: list[str] = field(default_factory=list)
     bind_addr: str = "127.0.0.1"  # the address this node's listening sockets bind (local mode: loopback)
     run: int = 0  # the job's run (incarnation) whose control-store keys this node uses
+    rdzv_backend: str = "c10d"  # the control store: "c10d" (a TCPStore at store_host:store_port) or "etcd"
+    rdzv_endpoint: str = ""  # etcd: the members' host:port, comma-separated
+    rdzv_conf: dict[str, str] = field(default_factory=dict)  # etcd: TLS and authentication settings
+    spare: str = ""  # a hot spare's name: no node rank yet (node_rank -1) until it claims a lost one
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

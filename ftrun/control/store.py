@@ -1,4 +1,6 @@
-"""Hosting of and connections to torch ``TCPStore`` servers, with errors a user can act on.
+"""The control store interface (:class:`Store`), and hosting of and connections to torch ``TCPStore`` servers
+(its c10d implementation, :class:`C10dStore`), with errors a user can act on. The etcd implementation is in
+:mod:`ftrun.control.etcd`.
 
 The control store of a job and each generation's trainer store are plain ``torch.distributed.TCPStore``
 servers. Connecting is done in two stages so that failures are bounded and readable: first a plain TCP
@@ -18,7 +20,9 @@ import ipaddress
 import socket
 import threading
 import time
+from collections.abc import Sequence
 from datetime import timedelta
+from typing import Protocol
 
 import psutil
 from torch.distributed import DistError, TCPStore
@@ -28,9 +32,72 @@ from ftrun.errors import UsageError
 LOOPBACK = "127.0.0.1"
 WILDCARDS = ("0.0.0.0", "::", "")
 
+ABSENT = b"\x00ftrun: no such key\x00"  # never a stored value: values are signed (see C10dStore)
 # Store operations (get/wait) that outlive this are errors; the job itself only uses non-blocking calls.
 STORE_OP_TIMEOUT = timedelta(seconds=60)
 _HANDSHAKE_TIMEOUT = 5.0
+
+
+class Store(Protocol):
+    """The raw key-value operations the control plane uses (values are bytes; :class:`~ftrun.control.signed.
+    SignedStore` signs and checks them). Every call is one short round trip (a few for many keys) and never waits
+    for a key to appear. A store that cannot be reached for good raises ``torch.distributed.DistError``.
+
+    ``poll_interval``: the shortest interval at which a process should poll the store for changes (seconds; 0:
+    as often as the caller needs). A TCPStore answers in tens of microseconds; an etcd read costs a linearizable
+    round trip through the leader and about 0.7 ms of client CPU, so its callers poll at most ten times a second.
+    """
+
+    poll_interval: float
+
+    def set(self, key: str, value: bytes) -> None:
+        """Store ``value`` under ``key``."""
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The value of each key, None for a key that is not set."""
+
+    def compare_set(self, key: str, expected: bytes, value: bytes) -> bytes:
+        """Store ``value`` if ``key`` holds exactly ``expected`` (b"": not set); the bytes ``key`` holds now."""
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key is set."""
+
+    def close(self) -> None:
+        """Drop the connection (a hosted server stops with its owner)."""
+
+
+class C10dStore:
+    """:class:`Store` over a torch ``TCPStore`` (a client, or the server's own client).
+
+    A read of keys that may be missing cannot use ``multi_get`` (it waits for them): each key is read with
+    ``compare_set(key, ABSENT, ABSENT)``, which answers ``ABSENT`` for a missing key and the value for a present
+    one (whose value is never ``ABSENT``) without waiting and without writing: one round trip per key."""
+
+    poll_interval = 0.0
+
+    def __init__(self, store: TCPStore) -> None:
+        self.tcp = store
+
+    def set(self, key: str, value: bytes) -> None:
+        self.tcp.set(key, value)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        keys = list(keys)
+        if not keys:
+            return []
+        if len(keys) > 2 and self.tcp.check(keys):  # two round trips for all (multi_get waits for missing keys)
+            return [bytes(value) for value in self.tcp.multi_get(keys)]
+        values = [bytes(self.tcp.compare_set(key, ABSENT, ABSENT)) for key in keys]
+        return [None if value == ABSENT else value for value in values]
+
+    def compare_set(self, key: str, expected: bytes, value: bytes) -> bytes:
+        return bytes(self.tcp.compare_set(key, expected, value))
+
+    def check(self, keys: Sequence[str]) -> bool:
+        return bool(self.tcp.check(list(keys)))
+
+    def close(self) -> None:
+        """Nothing to do: torch closes the connection when the store object goes."""
 
 
 def host_store(port: int, what: str = "control store", bind: str = LOOPBACK) -> TCPStore:

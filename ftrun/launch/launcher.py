@@ -26,6 +26,7 @@ import sys
 import tempfile
 import time
 import uuid
+from dataclasses import replace
 
 import psutil
 from rich.console import Console
@@ -34,16 +35,20 @@ from torch.distributed import DistError, TCPStore
 from ftrun.config import JobConfig, split_endpoint
 from ftrun.errors import UsageError
 from ftrun.events import EventLog
-from ftrun.control.coordination import Coordinator, Failure, Generation, open_run, signed, use_job
+from ftrun.control.backend import OutageReport, StoreAddress, open_store
+from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
+from ftrun.control.ownership import owner
 from ftrun.control.signed import SignedStore
 from ftrun.launch.capacity import local_fit_problem, this_host
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
 from ftrun.control.secret import local_secret, shared_secret, write_secret_file
+from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
-from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
-                               STOP_KIND, safe_job_id, shm_dir, unlink_node_files)
-from ftrun.control.store import LOOPBACK, WILDCARDS, check_bind_address, connect_store, host_store, route_address
+from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
+                                EXIT_STOPPED_UNSAVED, NodeSpec, STOP_KIND, safe_job_id, shm_dir, unlink_node_files)
+from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
+                                 route_address)
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.keeper import ENV_JOB_SECRET
 from ftrun.snapshot.persist import complete_steps, job_dir, step_name
@@ -89,13 +94,21 @@ def is_local_host(host: str) -> bool:
     return any(ipaddress.ip_address(a).is_loopback or a in local for a in addresses)
 
 
-def announce_job(job_id: str, endpoint: str, nnodes: int) -> str:
-    """Write ``<shm dir>/ftrun-<job>-launcher`` (JSON: job, endpoint, nnodes, pid; mode 0600) so that
+def script_digest(cfg: JobConfig, target: str) -> str:
+    """What the script is, by content: a spare that joins must run the same one (paths may differ by host)."""
+    if cfg.module:
+        return f"module {target}"
+    with open(target, "rb") as f:
+        return "sha256 " + hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def announce_job(job_id: str, endpoint: str, nnodes: int, backend: str) -> str:
+    """Write ``<shm dir>/ftrun-<job>-launcher`` (JSON: job, endpoint, backend, nnodes, pid; mode 0600) so that
     ``ftrun status`` on this host finds the job's control store; the launcher removes it when it exits."""
     path = os.path.join(shm_dir(), f"ftrun-{job_id}-launcher")
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
-        json.dump({"job": job_id, "endpoint": endpoint, "nnodes": nnodes, "pid": os.getpid()}, f)
+        json.dump({"job": job_id, "endpoint": endpoint, "backend": backend, "nnodes": nnodes, "pid": os.getpid()}, f)
     return path
 
 
@@ -126,7 +139,9 @@ class Launcher:
         self.view: LiveView | None = None
         self._next_view = 0.0
         self.store_server: TCPStore | None = None
+        self.address: StoreAddress | None = None  # where the control store is (set by _open_store)
         self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.pool: SparePool | None = None  # --spares
         self.signalled: int | None = None
         # signs every control-store value (and authenticates keepers to each other); never given to trainers
         self.secret = local_secret() if cfg.local_mode else shared_secret(self.job_id, cfg.secret_file)
@@ -142,24 +157,33 @@ class Launcher:
         if cfg.rdzv_bind is not None:
             return check_bind_address(cfg.rdzv_bind)
         assert cfg.rdzv_endpoint is not None
-        return route_address(*split_endpoint(cfg.rdzv_endpoint))
+        return route_address(*split_endpoint(cfg.rdzv_endpoint.split(",")[0]))
 
-    def _open_store(self) -> tuple[str, int, TCPStore]:
-        """Host or join the control store; returns (host, port, client)."""
+    def _open_store(self) -> tuple[str, int, Store]:
+        """Host or join the control store; returns (host, port, client) and sets :attr:`address`. With etcd,
+        host and port are the first member's."""
         cfg = self.cfg
+        report = OutageReport(lambda message: self.events.emit("store_outage", message))
+        if cfg.rdzv_backend == "etcd":
+            assert cfg.rdzv_endpoint is not None
+            self.address = StoreAddress("etcd", cfg.rdzv_endpoint, cfg.store_conf)
+            host, port = split_endpoint(cfg.rdzv_endpoint.split(",")[0])
+            return host, port, open_store(self.address, cfg.rdzv_timeout, report)
         if cfg.local_mode:
             port = split_endpoint(cfg.rdzv_endpoint)[1] if cfg.rdzv_endpoint else 0
             self.store_server = host_store(port, bind=LOOPBACK)
-            return LOOPBACK, self.store_server.port, self.store_server
+            self.address = StoreAddress("c10d", f"{LOOPBACK}:{self.store_server.port}")
+            return LOOPBACK, self.store_server.port, C10dStore(self.store_server)
         assert cfg.rdzv_endpoint is not None
         host, port = split_endpoint(cfg.rdzv_endpoint)
+        self.address = StoreAddress("c10d", cfg.rdzv_endpoint)
         if cfg.node_rank == 0 and is_local_host(host):
             try:
                 self.store_server = host_store(port, bind=self.bind)
-                return host, port, self.store_server
+                return host, port, C10dStore(self.store_server)
             except UsageError:
                 pass  # an `ftrun store` may already serve this endpoint: join it, or say it is not a store
-        return host, port, connect_store(host, port, cfg.rdzv_timeout)
+        return host, port, open_store(self.address, cfg.rdzv_timeout, report)
 
     def _master_addr(self, store_host: str) -> str:
         """This node's address as peers reach it: the bound address, else (bound to every interface) the host."""
@@ -183,7 +207,8 @@ class Launcher:
             ec_group=cfg.erasure[0], ec_parity=cfg.erasure[1], ec_backend=cfg.ec_backend,
             ckpt_dir=job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None, persist_every=cfg.persist_every,
             keep=cfg.keep, persist_grace=cfg.persist_grace, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject,
-            bind_addr=self.bind, run=self.job_run)
+            bind_addr=self.bind, run=self.job_run, rdzv_backend=cfg.rdzv_backend,
+            rdzv_endpoint=cfg.rdzv_endpoint or "" if cfg.rdzv_backend == "etcd" else "", rdzv_conf=cfg.store_conf)
 
     def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes]:
         env = dict(os.environ)
@@ -208,6 +233,8 @@ class Launcher:
                 if proc.poll() is None:
                     proc.kill()
         self.signalled = signum
+        if self.pool is not None:
+            self.pool.signal(signal.SIGTERM)
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
@@ -218,16 +245,17 @@ class Launcher:
         cfg = self.cfg
         use_job(self.job_id, self.secret, self._store_warning)
         store = signed(raw_store, self.job_id)
+        if cfg.standby:
+            return self._run_standby(store, store_host, store_port)
         if self.slurm is not None:
             self._agree_slurm_rank(store)
         token = f"slurm-{self.slurm.job_id}.{self.slurm.step_id}" if self.slurm is not None else None
         self.job_run = open_run(store, self.job_id, token)
         coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes, run=self.job_run)
-        coord.init_job({"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node,
-                        "max_restarts": cfg.max_restarts, "target": self.target,
-                        "ckpt_dir": job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None})
+        coord.init_job(self._job_doc())
         secret_file = write_secret_file(self.job_id, self.secret)  # for `ftrun status` on this host
-        announce = announce_job(self.job_id, f"{store_host}:{store_port}", cfg.nnodes)
+        assert self.address is not None
+        announce = announce_job(self.job_id, self.address.endpoint, cfg.nnodes, self.address.backend)
         nodes = range(cfg.nnodes) if cfg.local_mode else [self.node_rank]
         mode = ("local" if cfg.nnodes == 1 else f"all {cfg.nnodes} nodes simulated on this host: no --node-rank")
         mode = (mode if cfg.local_mode else f"node {self.node_rank} of {cfg.nnodes}"
@@ -244,23 +272,25 @@ class Launcher:
         try:
             for node in nodes:
                 self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
+            if cfg.spares:
+                self.pool = SparePool(cfg.spares, lambda name: self._spawn(
+                    replace(self._node_spec(-1, store_host, store_port), spare=name)), self.events)
+                self.pool.fill()
             if self.output_dir is not None:
                 self.view = LiveView(Console(stderr=True))
             code = self._wait(coord, store_host, store_port)
+            if self.pool is not None:
+                self.pool.stop(cfg.stop_grace)
             state = "done" if code == 0 else "stopped" if self.signalled is not None else "failed"
-            if cfg.local_mode or self.signalled is not None or code in (0, EXIT_FAILED):
-                # the run ended: a later launcher of this job id starts a new one (a lost node of a multi-node
-                # job does not end it: its replacement joins the run)
-                coord.store.set(coord.key("state"), state)
-            if self.view is not None:
-                self.view.update(gather(coord))
-                self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
-            print_summary(coord, code, self.job_id)
-            if coord.get(WATCHED) is not None:  # an `ftrun status` view follows the job: let it see the end
-                time.sleep(2 * LIVE_POLL_INTERVAL)
-            self._leave(coord)
+            try:
+                self._end(coord, code, state)
+            except DistError as err:  # the control store went away (etcd without quorum past --rdzv-timeout)
+                self.events.emit("failed", f"control store lost at the end of the job, no summary: "
+                                 f"{str(err).splitlines()[0]}")
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            if self.pool is not None:
+                self.pool.stop(cfg.stop_grace)
             for path in (announce, secret_file):
                 with contextlib.suppress(FileNotFoundError):  # two launchers of a job may share this host
                     os.unlink(path)
@@ -271,6 +301,78 @@ class Launcher:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(claim_path(self.job_id, self.slurm.node_name))
         return code
+
+    def _end(self, coord: Coordinator, code: int, state: str) -> None:
+        """Record the end of the run, show the summary, and leave."""
+        cfg = self.cfg
+        if cfg.local_mode or self.signalled is not None or code in (0, EXIT_FAILED):
+            # the run ended: a later launcher of this job id starts a new one (a lost node of a multi-node
+            # job does not end it: its replacement joins the run)
+            coord.store.set(coord.key("state"), state)
+        if self.view is not None:
+            self.view.update(gather(coord))
+            self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
+        print_summary(coord, code, self.job_id)
+        if coord.get(WATCHED) is not None:  # an `ftrun status` view follows the job: let it see the end
+            time.sleep(2 * LIVE_POLL_INTERVAL)
+        self._leave(coord)
+
+    def _job_doc(self) -> dict[str, object]:
+        """What every node, and a spare that joins, learns of the job from the control store."""
+        cfg = self.cfg
+        return {"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node, "max_restarts": cfg.max_restarts,
+                "target": self.target, "script": script_digest(cfg, self.target), "args": self.args,
+                "module": cfg.module, "no_python": cfg.no_python,
+                "ec": [*cfg.erasure, cfg.ec_backend], "persist": [cfg.persist_every, cfg.keep],
+                "ckpt_dir": job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None}
+
+    def _run_standby(self, store: SignedStore, store_host: str, store_port: int) -> int:
+        """``--standby``: join the job's current (or next) run as a hot spare; the exit code of the node rank it
+        takes, or 0 when the run ends without needing it."""
+        cfg = self.cfg
+        deadline = time.monotonic() + cfg.rdzv_timeout
+        while True:
+            run = current_run(store, self.job_id)
+            doc = Coordinator(store, self.job_id, -1, 1, run=run).job_doc() if run else None
+            if doc is not None and store.get(f"ftrun/{self.job_id}/{run}/state") is None:
+                break
+            if time.monotonic() > deadline:
+                raise UsageError(f"--standby: no running job {self.job_id} at {self.address.endpoint if self.address else ''} "
+                                 f"within {cfg.rdzv_timeout:g}s")
+            time.sleep(0.1)
+        assert run is not None
+        if int(doc["nproc_per_node"]) != cfg.nproc_per_node:
+            raise UsageError(f"--standby: the job runs {doc['nproc_per_node']} trainer(s) per node, this spare "
+                             f"--nproc-per-node {cfg.nproc_per_node}; not joining")
+        if doc.get("script") != script_digest(cfg, self.target):
+            raise UsageError(f"--standby: {self.target} is not the job's script ({doc.get('target')}: contents "
+                             "differ); not joining")
+        self.job_run = run
+        group, parity, backend = doc["ec"]
+        every, keep = doc["persist"]
+        base = self._node_spec(-1, store_host, store_port)
+        name = f"standby-{socket.gethostname()}-{os.getpid()}"
+        spec = replace(base, nnodes=int(doc["nnodes"]), args=list(doc["args"]), max_restarts=int(doc["max_restarts"]),
+                       ec_group=int(group), ec_parity=int(parity), ec_backend=str(backend), persist_every=int(every),
+                       keep=int(keep), ckpt_dir=doc["ckpt_dir"], spare=name)
+        self.events.emit("start", f"job {self.job_id}: standby {name} joins run {run} as a hot spare "
+                         f"({doc['nnodes']} node(s) x {cfg.nproc_per_node} trainer(s)), control store "
+                         f"{self.address.endpoint if self.address else ''}", job_id=self.job_id, spare=name)
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
+        try:
+            proc = self.procs[-1] = self._spawn(spec)
+            while proc.poll() is None:
+                time.sleep(_POLL_INTERVAL)
+            code = proc.returncode
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            kill_descendants()
+        if code == EXIT_DONE:
+            return 0
+        if code in (EXIT_STOPPED, EXIT_STOPPED_UNSAVED) or self.signalled is not None:
+            return EXIT_UNSAVED if code == EXIT_STOPPED_UNSAVED else 128 + (self.signalled or signal.SIGTERM)
+        return EXIT_FAILED if code == EXIT_JOB_FAILED else 1
 
     def _agree_slurm_rank(self, store: SignedStore) -> None:
         """Under srun: take the node rank whose snapshots this node holds from an earlier step, or a free one."""
@@ -298,17 +400,34 @@ class Launcher:
                          f"(newest {steps[-1]}) to {aside}", steps=steps, path=aside)
 
     def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:
-        """Wait for the supervisors; replace lost ones in local mode. Returns the job's exit code."""
+        """Wait for the supervisors; in local mode a lost node's rank goes to a hot spare, or (none left) to a
+        replacement supervisor. Returns the job's exit code."""
         results: dict[int, int] = {}
+        vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
         while len(results) < len(self.procs):
+            for node, code in list(vacant.items()):
+                if self._hand_over(coord, node):
+                    del vacant[node]
+                elif self.signalled is not None or self.pool is None or not self.pool.alive():
+                    del vacant[node]  # no spare can take it (any more): as without spares
+                    if self.signalled is not None:
+                        results[node] = code
+                    else:
+                        self._replace(node, store_host, store_port, code)
             for node, proc in self.procs.items():
-                if node in results or proc.poll() is None:
+                if node in results or node in vacant or proc.poll() is None:
                     continue
                 code = proc.returncode
-                lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED)
+                if code == EXIT_REPLACED and self.cfg.local_mode:
+                    vacant[node] = code  # seen as lost while alive: a spare took its rank
+                    continue
+                lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED)
                 if lost and self.cfg.local_mode and self.signalled is None:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
-                    raw, won = coord.bump(coord.current_raw(), Failure("node-lost", reason, node, None, "launcher"))
+                    held = owner(coord, node)[1]
+                    raw, won = coord.bump(coord.current_raw(), Failure(
+                        "node-lost", reason, node, None, "launcher",
+                        incarnation=held.incarnation if held is not None else None))
                     gen = Generation.decode(raw).gen
                     if won:
                         self.events.emit("failure", f"failure: {reason} (seen by launcher)", node=node,
@@ -316,11 +435,14 @@ class Launcher:
                     if gen > self.cfg.max_restarts:  # no replacement: the other nodes stop at the limit too
                         results[node] = code
                         continue
-                    self.events.emit("node_lost", f"starting a replacement for node {node}", node=node,
-                                     exit_code=code)
-                    self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
+                    if self.pool is not None and self.pool.alive():
+                        vacant[node] = code
+                    else:
+                        self._replace(node, store_host, store_port, code)
                     break
                 results[node] = code
+            if self.pool is not None and self.signalled is None:
+                self.pool.fill()
             if self.view is not None:
                 self._refresh(coord)
             time.sleep(_POLL_INTERVAL)
@@ -333,6 +455,21 @@ class Launcher:
         if all(code == EXIT_DONE for code in results.values()):
             return 0
         return EXIT_FAILED if EXIT_JOB_FAILED in results.values() else 1
+
+    def _replace(self, node: int, store_host: str, store_port: int, code: int) -> None:
+        self.events.emit("node_lost", f"starting a replacement for node {node}", node=node, exit_code=code)
+        self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
+
+    def _hand_over(self, coord: Coordinator, node: int) -> bool:
+        """If one of this launcher's spares took ``node``'s rank, wait for it as that node's supervisor."""
+        held = owner(coord, node)[1]
+        proc = self.pool.adopt(held.spare) if self.pool is not None and held is not None and held.spare else None
+        if proc is None:
+            return False
+        self.procs[node] = proc
+        self.events.emit("spare_took", f"spare {held.spare} took node rank {node}; starting another spare",
+                         node=node, spare=held.spare, incarnation=held.incarnation)
+        return True
 
     def _refresh(self, coord: Coordinator) -> None:
         """Redraw the --tui view every :data:`PUBLISH_INTERVAL`."""

@@ -35,22 +35,27 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from torch.distributed import DistError, TCPStore
 
 from ftrun.events import EventLog
+from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
+from ftrun.control.ownership import Owner, owner, take
 from ftrun.launch.env import ENV_JOB_ID, TrainerPlace, trainer_env
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.launch.heartbeat import Beat, HangDetector, HangSuspect, HeartbeatTable, culprit, process_state
 from ftrun.launch.processes import (become_subreaper, describe_exit, die_with_parent, kill_descendants, reap,
                                     signal_group)
-from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, NodeSpec,
-                               STOP_KIND, safe_job_id, shm_path)
-from ftrun.control.store import connect_store, host_store
+from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
+                                EXIT_STOPPED_UNSAVED, NodeSpec, STOP_KIND, safe_job_id, shm_path)
+from ftrun.control.store import host_store
+from ftrun.launch.peers import PeerWatch
+from ftrun.launch.spare import Spare
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
 from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD,
                                   STOP_SIGNAL as KEEPER_STOP_SIGNAL, unlink_segments)
@@ -74,6 +79,10 @@ class JobFailed(Exception):
     """The job cannot go on (restart limit, a node that never joined, the control store gone)."""
 
 
+class Replaced(Exception):
+    """This node was seen as lost and another supervisor (a spare) owns its node rank now."""
+
+
 @dataclass
 class Trainer:
     local_rank: int
@@ -85,9 +94,9 @@ class Trainer:
 class _Beater(threading.Thread):
     """Adds to this node's beat counter every :data:`BEAT_INTERVAL` on its own store connection."""
 
-    def __init__(self, spec: NodeSpec) -> None:
+    def __init__(self, spec: NodeSpec, report: OutageReport) -> None:
         super().__init__(name="ftrun-beat", daemon=True)
-        store = connect_store(spec.store_host, spec.store_port, spec.rdzv_timeout)
+        store = open_store(spec_address(spec), spec.rdzv_timeout, report)
         self._coord = Coordinator(store, spec.job_id, spec.node_rank, spec.nnodes)
         self._stop_event = threading.Event()
 
@@ -117,15 +126,22 @@ def _within_grace(check: Callable[[], T | None]) -> T | None:
 
 
 class Supervisor:
-    def __init__(self, spec: NodeSpec) -> None:
+    """Runs node ``spec.node_rank``; ``me`` names this process in the rank's owner key. A spare that claimed the
+    rank passes its ``incarnation`` and warm ``zygote``; otherwise the supervisor takes the rank at start."""
+
+    def __init__(self, spec: NodeSpec, me: str, incarnation: int | None = None,
+                 zygote: ZygoteClient | None = None, events: EventLog | None = None) -> None:
         self.spec = spec
         self.node = spec.node_rank
-        self.events = EventLog(f"node {self.node}", spec.log_dir)
+        self.me = me
+        self.incarnation = incarnation
+        self.events = events or EventLog(f"node {self.node}", spec.log_dir)
+        self.report = OutageReport(lambda message: self.events.emit("store_outage", message, node=self.node))
         self.faults = parse_faults(spec.faults)
         self.trainers: dict[int, Trainer] = {}
         self.detectors = [HangDetector(spec.hang_timeout_initial, spec.hang_timeout, spec.hang_step_factor)
                           for _ in range(spec.nproc_per_node)]
-        self.zygote: ZygoteClient | None = None
+        self.zygote = zygote
         self.trainer_store: TCPStore | None = None
         self.heartbeats: HeartbeatTable | None = None
         self.keeper: subprocess.Popen[bytes] | None = None
@@ -151,17 +167,19 @@ class Supervisor:
             if not self.secret:
                 raise JobFailed("no job secret in the environment; start supervisors with the ftrun launcher")
             use_job(self.spec.job_id, self.secret, self._store_warning, run=self.spec.run)
-            store = connect_store(self.spec.store_host, self.spec.store_port, self.spec.rdzv_timeout)
+            store = open_store(spec_address(self.spec), self.spec.rdzv_timeout, self.report)
             self.coord = Coordinator(store, self.spec.job_id, self.node, self.spec.nnodes)
-            self.incarnation = self.coord.register()
+            if self.incarnation is None:
+                self.incarnation = take(self.coord, self.node, self.me, socket.gethostname())
             self.coord.touch_beats()
-            beater = _Beater(self.spec)
+            beater = _Beater(self.spec, self.report)
             beater.start()
             self.heartbeats = HeartbeatTable(shm_path(self.spec.job_id, self.node, "heartbeat"),
                                              self.spec.nproc_per_node)
             self._start_keeper()
             self._start_zygote()
-            what = "replacement supervisor" if self.incarnation > 1 else "supervisor"
+            what = (f"spare {self.spec.spare}, now the supervisor of node {self.node}," if self.spec.spare
+                    else "replacement supervisor" if self.incarnation > 1 else "supervisor")
             self.events.emit("node_start", f"{what} up (pid {os.getpid()}, zygote "
                              f"{'pid ' + str(self.zygote.pid) if self.zygote else 'off'})",
                              node=self.node, incarnation=self.incarnation, pid=os.getpid())
@@ -169,6 +187,9 @@ class Supervisor:
         except JobFailed as err:
             self.events.emit("failed", f"job failed: {err}", node=self.node)
             return EXIT_JOB_FAILED
+        except Replaced as err:
+            self.events.emit("replaced", f"leaving the job: {err}", node=self.node)
+            return EXIT_REPLACED
         except DistError as err:
             self.events.emit("failed", f"control store lost: {str(err).splitlines()[0]}", node=self.node)
             return EXIT_JOB_FAILED
@@ -234,7 +255,7 @@ class Supervisor:
                          node=self.node, pid=proc.pid, seconds=took, incarnation=self.keeper_starts,
                          peer_address=address)
         if self.link is None:
-            self.link = KeeperLink(self.spec, safe_job_id(self.spec.job_id), self.events, address)
+            self.link = KeeperLink(self.spec, safe_job_id(self.spec.job_id), self.events, address, self.report)
             self.link.start()
 
     def _keeper_exited(self, code: int) -> None:
@@ -260,7 +281,7 @@ class Supervisor:
         unlink_segments(self.spec.job_id, self.node)
 
     def _start_zygote(self) -> None:
-        if not self.spec.zygote or self.spec.no_python:
+        if self.zygote is not None or not self.spec.zygote or self.spec.no_python:
             return
         try:
             self.zygote = ZygoteClient()
@@ -328,6 +349,8 @@ class Supervisor:
             self.coord.publish_master(gen, self.spec.master_addr, self.trainer_store.port)
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
+        peers = self._peer_watch()
+        next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
         while not self._stopping:
             self._publish_status("starting" if gen == 0 else "restarting", gen)
             ready = self.coord.marks(gen, "ready")
@@ -336,11 +359,16 @@ class Supervisor:
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw
+            if time.monotonic() >= next_peer_check:
+                next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
+                lost = self._check_peers(peers, seen)
+                if lost is not None:
+                    return lost
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.spec.nnodes)) - set(ready))
                 raise JobFailed(f"node(s) {missing} did not join generation {gen} within "
                                 f"{self.spec.rdzv_timeout:g}s")
-            time.sleep(POLL_INTERVAL)
+            time.sleep(max(POLL_INTERVAL, self.coord.store.poll_interval))
         return None
 
     def _start_trainers(self, gen: int) -> None:
@@ -397,9 +425,8 @@ class Supervisor:
         assert self.heartbeats is not None
         g = gen.gen
         node_faults = [f for f in self.faults if f.kind == "node-loss" and f.where == self.node and f.gen == g]
-        beats = self.coord.beats()
-        last_change = [time.monotonic()] * self.spec.nnodes
-        next_peer_check = 0.0
+        peers = self._peer_watch()
+        next_peer_check = next_gen_check = 0.0
         up = done = False
         leader = _LeaderLog(self.coord, self.events, gen) if self.node == 0 else None
         while True:
@@ -442,20 +469,17 @@ class Supervisor:
                 self.coord.mark(g, "up", time.time())
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
-            now_raw = self.coord.current_raw()
-            if now_raw != seen:
-                return now_raw
+            if now >= next_gen_check:  # failures seen elsewhere
+                next_gen_check = now + self.coord.store.poll_interval
+                now_raw = self.coord.current_raw()
+                if now_raw != seen:
+                    return now_raw
             self._publish_status("done" if done else "running", g)
             if now >= next_peer_check:
                 next_peer_check = now + PEER_CHECK_INTERVAL
-                current = self.coord.beats()
-                for peer in range(self.spec.nnodes):
-                    if current[peer] != beats[peer] or peer == self.node:
-                        beats[peer], last_change[peer] = current[peer], now
-                    elif now - last_change[peer] > self.spec.node_timeout:
-                        return self._fail(seen, Failure(
-                            "node-lost", f"node {peer} lost: no supervisor beat for {now - last_change[peer]:.1f}s",
-                            peer, None, f"node {self.node} (supervisor beats)"))
+                lost = self._check_peers(peers, seen)
+                if lost is not None:
+                    return lost
                 if self._suspects_sent != g and self.coord.get("gen", g, "hang") is not None:
                     self._send_suspects(g, table)  # a peer attributes a hang: report this node's silent trainers
                 if done and len(self.coord.marks(g, "done")) == self.spec.nnodes:
@@ -465,6 +489,28 @@ class Supervisor:
                 if leader is not None:
                     leader.poll()
             time.sleep(POLL_INTERVAL)
+
+    def _peer_watch(self) -> PeerWatch:
+        assert self.incarnation is not None
+        return PeerWatch(self.coord, self.node, self.spec.nnodes, self.spec.node_timeout,
+                         Owner(self.incarnation, self.me))
+
+    def _check_peers(self, peers: PeerWatch, seen: bytes) -> bytes | None:
+        """One look at the watched peers' beats: the raw generation a lost peer started, or None. Raises
+        :class:`Replaced` when a spare owns this node's rank now."""
+        lost = peers.check()
+        if peers.replaced_by is not None:
+            taker = peers.replaced_by
+            raise Replaced(f"node rank {self.node} was taken by {f'spare {taker.spare}' if taker.spare else 'another supervisor'}"
+                           f"{' on ' + taker.host if taker.host else ''} (incarnation {taker.incarnation}) after "
+                           "this node was seen as lost")
+        if lost is None:
+            return None
+        peer, silent = lost
+        held = owner(self.coord, peer)[1]
+        return self._fail(seen, Failure("node-lost", f"node {peer} lost: no supervisor beat for {silent:.1f}s",
+                                        peer, None, f"node {self.node} (supervisor beats)",
+                                        incarnation=held.incarnation if held else None))
 
     def _send_suspects(self, gen: int, table: list[Beat]) -> list[HangSuspect]:
         """Report this node's silent trainers (silent for half their timeout or more) as hang suspects."""
@@ -678,6 +724,34 @@ def _reaped(pid: int) -> bool:
         return True
 
 
+def _run_spare(spec: NodeSpec, me: str) -> int:
+    """A hot spare: wait with a warm zygote for a lost node, then supervise the node rank it claimed."""
+    events = EventLog(f"spare {spec.spare}", spec.log_dir)
+    secret = os.environ.pop(ENV_JOB_SECRET, "")  # never in the zygote's environment (its trainers')
+    zygote = None
+    if spec.zygote and not spec.no_python:
+        try:
+            zygote = ZygoteClient()
+        except (OSError, RuntimeError, ValueError) as err:
+            events.emit("zygote", f"zygote unavailable ({err}); trainers will start as new processes")
+    try:
+        use_job(spec.job_id, secret, lambda message: events.emit("store_rejected", message), run=spec.run)
+        report = OutageReport(lambda message: events.emit("store_outage", message))
+        coord = Coordinator(open_store(spec_address(spec), spec.rdzv_timeout, report), spec.job_id, -1, spec.nnodes)
+        claimed = Spare(spec, coord, events, me).wait(zygote)
+    except DistError as err:
+        events.emit("failed", f"control store lost: {str(err).splitlines()[0]}")
+        claimed = None
+    if claimed is None:
+        if zygote is not None:
+            zygote.close()
+        return EXIT_DONE
+    os.environ[ENV_JOB_SECRET] = secret  # for the supervisor, which takes it out again
+    node_spec = replace(spec, node_rank=claimed.node)
+    events = EventLog(f"node {claimed.node}", spec.log_dir)
+    return Supervisor(node_spec, me, claimed.incarnation, zygote, events).run()
+
+
 def main() -> None:
     spec = NodeSpec.from_env()
     # The spec (the control store's address, ...) is for this process and its keeper only, which gets it
@@ -685,7 +759,9 @@ def main() -> None:
     # `ftrun clean` can tell this job's processes.
     del os.environ[ENV_NODE_SPEC]
     os.environ[ENV_JOB_ID] = spec.job_id
-    code = Supervisor(spec).run()  # it has stopped and reaped everything it started
+    me = uuid.uuid4().hex[:12]
+    # each has stopped and reaped everything it started
+    code = _run_spare(spec, me) if spec.spare else Supervisor(spec, me).run()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skips tearing down torch at interpreter exit (about 0.5 s, with nothing left to do)

@@ -490,6 +490,7 @@ class Keeper:
             with self.cond:
                 if self.ranks[local].steps[index] == step and slot.header() == header and header.state == COMMITTED:
                     slot.seal(crc)
+                    self.cond.notify_all()  # the encoder waits for the committed step to be sealed
 
     # -- background parity ----------------------------------------------------------------------------------
     def encode_forever(self) -> None:
@@ -519,7 +520,18 @@ class Keeper:
     def _encode_due(self) -> bool:
         assert self.redundancy is not None
         return (self.committed > 0 and self.committed not in self.redundancy.steps
-                and len(self.redundancy.peers) >= self.spec.ec_group)
+                and len(self.redundancy.peers) >= self.spec.ec_group and not self._sealing(self.committed))
+
+    def _sealing(self, step: int) -> bool:
+        """Whether a local rank's committed slot of ``step`` still waits for its checksum (called under cond)."""
+        for rank in self.ranks:
+            for index, held in enumerate(rank.steps):
+                file = rank.files[index]
+                if held == step and file is not None:
+                    header = file.header()
+                    if header.state == COMMITTED and header.step == step and not header.sealed:
+                        return True
+        return False
 
     def _fire_parity_fault(self, step: int) -> None:
         for fault in self.parity_faults:

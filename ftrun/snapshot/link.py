@@ -37,7 +37,7 @@ from torch.distributed import DistError
 from ftrun.events import EventLog
 from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
-from ftrun.control.store import connect_store
+from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.snapshot.durability import Durability
 from ftrun.snapshot.protocol import KeeperClient, KeeperError, KeeperUnavailable, socket_name
 
@@ -125,9 +125,10 @@ def plan_restore(held: dict[int, Holdings], group: int, parity: int, bad: frozen
 class KeeperLink(threading.Thread):
     """Agrees the restore step of each generation and relays what every node holds; see the module doc."""
 
-    def __init__(self, spec: NodeSpec, job: str, events: EventLog, address: str) -> None:
+    def __init__(self, spec: NodeSpec, job: str, events: EventLog, address: str,
+                 report: OutageReport | None = None) -> None:
         super().__init__(name="ftrun-keeper-link", daemon=True)
-        store = connect_store(spec.store_host, spec.store_port, spec.rdzv_timeout)
+        store = open_store(spec_address(spec), spec.rdzv_timeout, report)
         self.coord = Coordinator(store, spec.job_id, spec.node_rank, spec.nnodes)
         self.node = spec.node_rank
         self.nnodes = spec.nnodes
@@ -154,6 +155,7 @@ class KeeperLink(threading.Thread):
         self._asked_final = self._marked_stopped = False
         self._finished = threading.Event()
         self._halt = threading.Event()
+        self._interval = max(LINK_INTERVAL, self.coord.store.poll_interval)
 
     def begin(self, generation: int) -> None:
         """A new generation starts: agree its restore step before anything else."""
@@ -189,7 +191,7 @@ class KeeperLink(threading.Thread):
                 pass  # the keeper is restarting; the supervisor sees its exit
             except DistError:
                 return  # the control store is gone; the supervisor sees that too
-            self._halt.wait(LINK_INTERVAL)
+            self._halt.wait(self._interval)
 
     def _agree(self, gen: int) -> None:
         reply = self.keeper.request("held", generation=gen)
@@ -202,7 +204,7 @@ class KeeperLink(threading.Thread):
                 return
             held = {node: Holdings.decode(raw) for node, raw in self.coord.marks(gen, "held").items()}
             if len(held) < self.nnodes:
-                time.sleep(LINK_INTERVAL)
+                time.sleep(self._interval)
         if self.parity:
             self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
         plan = self._plan(gen, held)
@@ -238,7 +240,7 @@ class KeeperLink(threading.Thread):
             while not workers <= set(outcomes):
                 if self._halt.is_set() or self._generation != gen:
                     return None
-                time.sleep(LINK_INTERVAL)
+                time.sleep(self._interval)
                 outcomes = self.coord.marks(gen, what)
             problems = {node: o for node, o in outcomes.items() if o != "ok" and node in workers}
             if not problems:

@@ -26,7 +26,8 @@ from ftrun.errors import UsageError
 from ftrun.control.coordination import Coordinator, incarnation_key, use_job
 from ftrun.control.secret import read_secret_file, shared_secret
 from ftrun.control.spec import shm_dir
-from ftrun.control.store import connect_store
+from ftrun.control.backend import StoreAddress, open_store
+from ftrun.control.store import C10dStore
 from ftrun.ui.status import PUBLISH_INTERVAL, JobStatus, gather
 from ftrun.ui.view import ENDED, render
 
@@ -45,6 +46,7 @@ class Announced:
     endpoint: str
     nnodes: int
     pid: int
+    backend: str = "c10d"
 
 
 class View(Protocol):
@@ -139,7 +141,8 @@ def announced_jobs() -> list[Announced]:
         try:
             with open(path) as f:
                 doc = json.load(f)
-            job = Announced(str(doc["job"]), str(doc["endpoint"]), int(doc["nnodes"]), int(doc["pid"]))
+            job = Announced(str(doc["job"]), str(doc["endpoint"]), int(doc["nnodes"]), int(doc["pid"]),
+                            str(doc.get("backend", "c10d")))
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if _alive(job.pid):
@@ -166,21 +169,23 @@ def find_job(job: str | None) -> Announced:
 
 
 def attach(endpoint: str | None, job: str | None, timeout: float = CONNECT_TIMEOUT,
-           secret_file: str | None = None) -> Coordinator:
+           secret_file: str | None = None, backend: str = "c10d") -> Coordinator:
     """A read-only coordinator of the job, found as the module docstring says; every failure is a UsageError."""
     if endpoint is None:
         found = find_job(job)
-        endpoint, job, nnodes = found.endpoint, found.job, found.nnodes
+        endpoint, job, nnodes, backend = found.endpoint, found.job, found.nnodes, found.backend
     elif job is None:
         raise UsageError("--job is needed with --endpoint")
     else:
         nnodes = None
-    try:
-        host, port = split_endpoint(endpoint)
-    except UsageError:
-        raise UsageError(f"--endpoint must be HOST:PORT, got {endpoint!r}") from None
-    store = connect_store(host, port, timeout)
-    store.set_timeout(STORE_TIMEOUT)
+    for member in endpoint.split(","):
+        try:
+            split_endpoint(member)
+        except UsageError:
+            raise UsageError(f"--endpoint must be HOST:PORT[,HOST:PORT...], got {endpoint!r}") from None
+    store = open_store(StoreAddress(backend, endpoint), timeout)
+    if isinstance(store, C10dStore):
+        store.tcp.set_timeout(STORE_TIMEOUT)
     if not store.check([incarnation_key(job)]):
         raise UsageError(f"no job {job!r} at the control store {endpoint}")
     secret = read_secret_file(job) or shared_secret(job, secret_file, create=False)
@@ -191,12 +196,13 @@ def attach(endpoint: str | None, job: str | None, timeout: float = CONNECT_TIMEO
     return Coordinator(store, job, 0, nnodes or int(doc["nnodes"]))
 
 
-def attach_waiting(endpoint: str | None, job: str | None, secret_file: str | None = None) -> Coordinator:
+def attach_waiting(endpoint: str | None, job: str | None, secret_file: str | None = None,
+                   backend: str = "c10d") -> Coordinator:
     """:func:`attach`, retried every :data:`POLL_INTERVAL` until the job appears (a message says so once)."""
     waiting = False
     while True:
         try:
-            return attach(endpoint, job, timeout=POLL_INTERVAL, secret_file=secret_file)
+            return attach(endpoint, job, timeout=POLL_INTERVAL, secret_file=secret_file, backend=backend)
         except AmbiguousJob:
             raise
         except UsageError:
@@ -230,10 +236,10 @@ def _follow(coord: Coordinator, view: View) -> str:
 
 
 def status_command(endpoint: str | None, job: str | None, as_json: bool, once: bool, wait: bool,
-                   secret_file: str | None = None) -> int:
+                   secret_file: str | None = None, backend: str = "c10d") -> int:
     """``ftrun status``: the job's status once (a table, or JSON) or live until it ends; returns the exit code."""
-    coord = (attach_waiting(endpoint, job, secret_file) if wait
-             else attach(endpoint, job, secret_file=secret_file))
+    coord = (attach_waiting(endpoint, job, secret_file, backend) if wait
+             else attach(endpoint, job, secret_file=secret_file, backend=backend))
     console = Console() if sys.stdout.isatty() else Console(force_terminal=False, no_color=True)
     if once:
         try:

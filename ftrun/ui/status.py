@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ftrun.control.coordination import Coordinator
+from ftrun.control.ownership import SpareDoc, spares
 from ftrun.ui.durable import disk_state
 from ftrun.ui.summary import Recovery, recoveries, restart_count
 
@@ -90,6 +91,7 @@ class JobStatus:
     protected: dict[int, int]  # EC group -> protected step
     tiers: list[Tier]
     events: list[Recovery]  # every failure and its recovery, oldest first
+    spares: list[SpareDoc] = field(default_factory=list)  # hot spares: waiting, or the node rank each took
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,7 +131,8 @@ def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
     return JobStatus(
         job=coord.job_id, nnodes=coord.nnodes, nproc_per_node=int(job.get("nproc_per_node", 0)), state=state,
         generation=current.gen, uptime=now - started, restarts=restart_count(events, job.get("max_restarts")), goodput=_goodput(events, nodes, now - started),
-        nodes=nodes, lost=lost, protected=protected, tiers=_tiers(coord, nodes, protected, now), events=events)
+        nodes=nodes, lost=lost, protected=protected, tiers=_tiers(coord, nodes, protected, now), events=events,
+        spares=spares(coord))
 
 
 def _tiers(coord: Coordinator, nodes: dict[int, NodeStatus], protected: dict[int, int], now: float) -> list[Tier]:

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ftrun.control.coordination import Coordinator, Generation
+from ftrun.control.ownership import SpareDoc, spares
 from ftrun.control.spec import STOP_KIND
 from ftrun.ui.durable import disk_state, newest_committed
 
@@ -61,6 +62,8 @@ def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
     disk = disk_state(coord, newest_committed(coord))
     if disk is not None:
         console.print(f"ftrun: durability {disk.describe()}")
+    for line in spare_lines(spares(coord)):
+        console.print(f"ftrun: {line}", soft_wrap=True)
     if not rows:
         return
     table = Table(title="failures and recoveries", title_justify="left")
@@ -75,3 +78,14 @@ def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
         restored = f"step {row.restored[0]} ({row.restored[1]})" if row.restored and row.restored[0] else "-"
         table.add_row(str(row.gen), row.kind, row.reason, row.detected_by, restored, took)
     console.print(table)
+
+
+def spare_lines(docs: list[SpareDoc]) -> list[str]:
+    """One line per spare that took a node rank, one for those ready, one for those that left unused."""
+    lines = [f"spare {d.name} ({d.host}) took node rank {d.node} in generation {d.generation}"
+             for d in docs if d.state == "took"]
+    for state, words in (("waiting", "hot spare(s) ready"), ("gone", "spare(s) not needed")):
+        names = [d.name for d in docs if d.state == state]
+        if names:
+            lines.append(f"{len(names)} {words}: {', '.join(names)}")
+    return lines

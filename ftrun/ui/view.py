@@ -13,7 +13,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ftrun.ui.summary import Recovery
+from ftrun.ui.summary import Recovery, spare_lines
 from ftrun.ui.status import JobStatus, NodeStatus, RankStatus, Tier
 
 ENDED = ("done", "failed", "stopped")  # job states
@@ -36,7 +36,8 @@ def render(status: JobStatus, width: int | None = None) -> RenderableType:
         middle: list[RenderableType] = [grid]
     else:
         middle = [nodes, tiers]
-    return Group(header(status), *alerts(status.tiers), *middle, events_table(status), ranks_table(status))
+    spares = [Text(line, no_wrap=True, overflow="ellipsis") for line in spare_lines(status.spares)]
+    return Group(header(status), *alerts(status.tiers), *middle, *spares, events_table(status), ranks_table(status))
 
 
 def header(status: JobStatus) -> Text:

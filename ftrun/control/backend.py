@@ -1,0 +1,74 @@
+"""Opening a job's control store from its settings: the c10d ``TCPStore`` at ``host:port`` (the default), or an
+etcd v3 cluster (``--rdzv-backend etcd --rdzv-endpoint h1:2379,h2:2379,h3:2379``: no single point of failure).
+
+Both give a :class:`~ftrun.control.store.Store`; everything above this module is the same for both. An etcd
+store that loses its quorum pauses its caller instead of failing; :class:`OutageReport` turns the pauses of the
+several connections of one process (supervisor, beat thread, keeper link) into one line when the control store
+goes away and one when it is back.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ftrun.control.spec import NodeSpec
+from ftrun.control.store import C10dStore, Store, connect_store
+
+# torchrun's names: "static" (a store at a fixed endpoint) is what "c10d" is here; "etcd-v2" is etcd's v2 API.
+RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
+
+
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where a job's control store is: ``backend`` "c10d" (``endpoint`` host:port) or "etcd" (``endpoint`` a
+    comma-separated list of members' host:port; ``conf``: TLS and authentication settings of ``--rdzv-conf``)."""
+
+    backend: str
+    endpoint: str
+    conf: dict[str, str] = field(default_factory=dict)
+
+
+class OutageReport:
+    """One line when the first of this process's store connections stalls, one when the last recovers."""
+
+    def __init__(self, say: Callable[[str], None]) -> None:
+        self._say = say
+        self._lock = threading.Lock()
+        self._stalled = 0
+        self._since = 0.0
+
+    def outage(self, message: str) -> None:
+        with self._lock:
+            self._stalled += 1
+            if self._stalled == 1:
+                self._since = time.monotonic()
+                self._say(f"control store unavailable, pausing: {message}")
+
+    def recovered(self, seconds: float) -> None:
+        with self._lock:
+            self._stalled = max(0, self._stalled - 1)
+            if self._stalled == 0:
+                self._say(f"control store back after {time.monotonic() - self._since:.1f}s; going on")
+
+
+def open_store(address: StoreAddress, timeout: float, report: OutageReport | None = None) -> Store:
+    """A client of the control store at ``address``, waiting up to ``timeout`` seconds for it to answer (a
+    :class:`~ftrun.errors.UsageError` names the endpoint otherwise)."""
+    if address.backend == "etcd":
+        from ftrun.control.etcd import connect_etcd  # only etcd users import its HTTP client
+
+        return connect_etcd(address.endpoint, timeout, address.conf,
+                            on_outage=report.outage if report else None,
+                            on_recovered=report.recovered if report else None)
+    host, _, port = address.endpoint.rpartition(":")
+    return C10dStore(connect_store(host.strip("[]"), int(port), timeout))
+
+
+def spec_address(spec: NodeSpec) -> StoreAddress:
+    """Where the control store of the job ``spec`` belongs to is."""
+    if spec.rdzv_backend == "etcd":
+        return StoreAddress("etcd", spec.rdzv_endpoint, dict(spec.rdzv_conf))
+    return StoreAddress("c10d", f"{spec.store_host}:{spec.store_port}")

@@ -1,0 +1,130 @@
+"""Who runs each node rank, and the hot spares waiting to take one (keys under the run's prefix).
+
+- ``node/<r>/owner``: JSON :class:`Owner`, the supervisor that runs node rank r and the count of supervisors
+  that ever ran it (its *incarnation*). A supervisor started for rank r (by a local launcher, or ``--node-rank
+  r``) *takes* it whatever is there. A spare only *claims* it from the owner a node-lost generation names as
+  lost (its incarnation is in that generation's document): one compare-and-set from exactly those bytes, so of
+  several spares racing for it one wins and the others stay spares, and a rank already taken again (by a
+  replacement, or by another spare) is not claimed.
+- Fencing: an owner that finds another id in its owner key was replaced (it was seen as lost, and a spare took
+  its rank): it stops its trainers and exits instead of training beside its replacement.
+- ``spares/count`` and ``spares/<i>``: JSON :class:`SpareDoc` of spare i (for ``ftrun status`` and the
+  summary); ``spares/<i>/beat``: its beat counter, like a node's.
+
+Cost: taking or claiming a rank is one read and one compare-and-set (a few more under contention), whatever
+the number of nodes; a spare's wait reads two keys per poll.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+
+from torch.distributed import DistError
+
+from ftrun.control.coordination import Coordinator
+
+_CAS_TRIES = 200
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The supervisor that runs a node rank."""
+
+    incarnation: int  # 1 for the first supervisor of the rank, +1 for each that took it over
+    id: str  # unique per supervisor process
+    spare: str | None = None  # the spare's name when a spare claimed the rank
+    host: str = ""
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> Owner:
+        return cls(**json.loads(raw))
+
+
+def owner(coord: Coordinator, node: int) -> tuple[bytes, Owner | None]:
+    """The exact bytes of ``node``'s owner key (b"": not set) and the owner they name (None: none authentic)."""
+    key = coord.key("node", node, "owner")
+    raw = coord.store.get_raw(key) or b""
+    payload = coord.store.open(key, raw) if raw else None
+    return raw, Owner.decode(payload) if payload is not None else None
+
+
+def take(coord: Coordinator, node: int, me: str, host: str) -> int:
+    """Take ``node``'s rank whoever holds it (a supervisor started for that rank); returns this incarnation."""
+    for _ in range(_CAS_TRIES):
+        raw, current = owner(coord, node)
+        incarnation = current.incarnation + 1 if current is not None else 1
+        if coord.store.compare_set(coord.key("node", node, "owner"), raw,
+                                   Owner(incarnation, me, None, host).encode())[0]:
+            return incarnation
+    raise DistError(f"the control store's node/{node}/owner keeps changing; giving up")
+
+
+def claim(coord: Coordinator, node: int, lost: int, me: str, spare: str, host: str) -> int | None:
+    """Claim ``node``'s rank for spare ``spare`` if it is still held by incarnation ``lost`` (the one a node-lost
+    generation named); returns the new incarnation, or None when another spare or a replacement was first."""
+    raw, current = owner(coord, node)
+    if current is None or current.incarnation != lost:
+        return None
+    won, _ = coord.store.compare_set(coord.key("node", node, "owner"), raw,
+                                     Owner(lost + 1, me, spare, host).encode())
+    return lost + 1 if won else None
+
+
+def owned_by(coord: Coordinator, node: int, me: str) -> bool:
+    """Whether this supervisor still owns ``node``'s rank (False: a spare took it over)."""
+    current = owner(coord, node)[1]
+    return current is None or current.id == me
+
+
+@dataclass(frozen=True)
+class SpareDoc:
+    """A spare as ``ftrun status`` and the summary show it."""
+
+    name: str
+    host: str
+    pid: int
+    state: str  # waiting | took | gone
+    node: int | None = None  # the node rank it took
+    generation: int | None = None  # the generation in which it took it
+    time: float = 0.0  # when it started, or took a rank
+
+    def encode(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def decode(cls, raw: bytes | str) -> SpareDoc:
+        return cls(**json.loads(raw))
+
+
+def enlist(coord: Coordinator, doc: SpareDoc) -> int:
+    """Add a spare to the registry; returns its index (its keys are ``spares/<index>``)."""
+    key = coord.key("spares", "count")
+    for _ in range(_CAS_TRIES):
+        raw = coord.store.get_raw(key) or b""
+        payload = coord.store.open(key, raw) if raw else None
+        index = int(payload) if payload is not None else 0
+        if coord.store.compare_set(key, raw, str(index + 1))[0]:
+            coord.store.set(coord.key("spares", index), doc.encode())
+            return index
+    raise DistError("the control store's spares/count keeps changing; giving up")
+
+
+def update_spare(coord: Coordinator, index: int, doc: SpareDoc) -> None:
+    coord.store.set(coord.key("spares", index), doc.encode())
+
+
+def spares(coord: Coordinator) -> list[SpareDoc]:
+    """Every spare that ever enlisted in this run, oldest first."""
+    raw = coord.get("spares", "count")
+    count = int(raw) if raw is not None else 0
+    docs = coord.store.multi_get([coord.key("spares", i) for i in range(count)])
+    return [SpareDoc.decode(doc) for doc in docs if doc is not None]
+
+
+def spare_doc(name: str, host: str, pid: int) -> SpareDoc:
+    return SpareDoc(name, host, pid, "waiting", time=time.time())

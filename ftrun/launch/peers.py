@@ -1,0 +1,58 @@
+"""Lost-node detection: each supervisor watches the beat counters of the few nodes after it on a ring.
+
+Node r watches nodes r+1 .. r+:data:`WATCHED_PEERS` (mod N), so every node is watched by that many others and
+each check reads a constant number of keys whatever the size of the job (one round trip). A watched count that
+does not change for ``node_timeout`` seconds means that node is lost. Time during which this supervisor could
+not look (the control store paused it, the host stalled it) is never counted against a peer: after a check
+that comes later than half the timeout, every peer's clock starts again.
+
+The same round trip reads this node's own owner key (:mod:`ftrun.control.ownership`), so a supervisor learns
+that a spare took its rank over at no extra cost.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ftrun.control.coordination import Coordinator
+from ftrun.control.ownership import Owner
+
+WATCHED_PEERS = 3  # nodes each node watches; a loss goes unseen only if all of its watchers are lost too
+
+
+def watched(node: int, nnodes: int) -> list[int]:
+    """The nodes ``node`` watches."""
+    return [(node + i) % nnodes for i in range(1, min(WATCHED_PEERS, nnodes - 1) + 1)]
+
+
+class PeerWatch:
+    """The beats of this node's watched peers, and its own ownership; :meth:`check` every few hundred ms."""
+
+    def __init__(self, coord: Coordinator, node: int, nnodes: int, timeout: float, me: Owner) -> None:
+        self.coord = coord
+        self.peers = watched(node, nnodes)
+        self.timeout = timeout
+        self.me = me
+        self._keys = [coord.key("node", n, "beat") for n in self.peers] + [coord.key("node", node, "owner")]
+        self._counts: dict[int, int | None] = {n: None for n in self.peers}
+        self._changed = dict.fromkeys(self.peers, time.monotonic())
+        self._last_check = time.monotonic()
+        self.replaced_by: Owner | None = None  # set once another supervisor owns this node rank
+
+    def check(self) -> tuple[int, float] | None:
+        """(a lost peer, seconds its count has not changed), or None; sets :attr:`replaced_by` when fenced."""
+        values = self.coord.store.multi_get(self._keys)
+        now = time.monotonic()
+        if now - self._last_check > self.timeout / 2:  # this process could not look: nobody is to blame
+            self._changed = dict.fromkeys(self.peers, now)
+        self._last_check = now
+        mine = values[-1]  # a newer owner took the rank (an older one is a replay: ignored)
+        if mine is not None and (current := Owner.decode(mine)).incarnation > self.me.incarnation:
+            self.replaced_by = current
+        for node, value in zip(self.peers, values):
+            count = int(value) if value is not None else None
+            if count != self._counts[node]:
+                self._counts[node], self._changed[node] = count, now
+            elif count and now - self._changed[node] > self.timeout:  # 0/None: not started yet, not lost
+                return node, now - self._changed[node]
+        return None

@@ -1,0 +1,53 @@
+"""Hot spares: a lost node's rank goes to a warm spare (one claim wins), and the job ends bit-for-bit as without
+the loss; node-rank ownership and claims on a real store."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from conftest import assert_job_left_nothing, primary_failures, run_bitwise
+from ftrun.control.coordination import Coordinator, use_job
+from ftrun.control.ownership import claim, owned_by, owner, take
+from ftrun.control.store import C10dStore, host_store
+
+
+def test_two_spares_racing_for_a_lost_rank_one_claims_it():
+    use_job("spares", "a secret long enough for the test")
+    server = host_store(0)
+    coord = Coordinator(C10dStore(server), "spares", 0, 2, run=1)
+    assert take(coord, 1, "first", "h") == 1
+    wins: list[int | None] = []
+
+    def race(name: str) -> None:
+        wins.append(claim(Coordinator(C10dStore(server), "spares", -1, 2, run=1), 1, 1, name, name, "h"))
+
+    threads = [threading.Thread(target=race, args=(f"spare-{i}",)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(wins, key=str) == [2] + [None] * 7
+    winner = owner(coord, 1)[1]
+    assert winner is not None and winner.incarnation == 2 and winner.spare is not None
+    assert not owned_by(coord, 1, "first")  # the lost owner is fenced out
+    assert claim(coord, 1, 1, "late", "late", "h") is None  # the lost incarnation was replaced already
+    assert take(coord, 1, "by-hand", "h") == 3  # a supervisor started for the rank takes it whatever is there
+
+
+@pytest.mark.timeout(240)
+def test_a_spare_takes_lost_node_0_and_the_job_ends_bitwise_equal(start_job, tmp_path, gpt_baselines):
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(2, 2), "spare", "--spares", "2",
+                      "--inject", "node-loss@node=0,step=25")
+    [failure] = primary_failures(job)
+    assert failure["kind"] == "node-lost" and failure["node"] == 0
+    events = job.events()
+    claims = [e for e in events if e["event"] == "spare_claimed"]
+    assert len(claims) == 1 and claims[0]["node"] == 0, claims  # two spares raced; one claimed
+    assert not [e for e in events if e["event"] == "node_lost"]  # no cold replacement was started
+    assert [e["spare"] for e in events if e["event"] == "spare_took"] == [claims[0]["spare"]]
+    assert f"spare {claims[0]['spare']} (" in job.output and "took node rank 0 in generation 1" in job.output
+    [restore] = [e for e in events if e["event"] == "restore" and e["generation"] == 1][:1]
+    assert "parity" in restore["message"], restore
+    assert_job_left_nothing(job)
