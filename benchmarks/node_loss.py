@@ -196,6 +196,7 @@ class CountingStore:
 
     def __init__(self, inner: Store, tally: Tally) -> None:
         self.inner, self.tally = inner, tally
+        self.poll_interval = inner.poll_interval
 
     def _count(self, keys: int) -> Store:
         self.tally.calls, self.tally.keys = self.tally.calls + 1, self.tally.keys + keys
