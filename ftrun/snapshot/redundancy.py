@@ -34,16 +34,36 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ftrun.events import EventLog
 from ftrun.snapshot.erasure import HEADER_BYTES, Buffer, Codec, StripeLayout, encode_stripe, rebuild_chunk
 from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, Header, SlotFile, checksum
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
 
-if TYPE_CHECKING:
-    from ftrun.snapshot.keeper import Keeper
+
+class HeldSlots(Protocol):
+    """One local rank's slots as the keeper holds them: the files and the committed step in each."""
+
+    files: list[SlotFile | None]
+    steps: list[int | None]
+
+
+class SlotHolder(Protocol):
+    """What redundancy needs of the keeper (:class:`ftrun.snapshot.keeper.Keeper`), so that neither module
+    imports the other: where the segments are, its lock and events, its ranks' slots, and a way to pin a slot
+    it rebuilt."""
+
+    dir: str
+    job: str
+    cond: threading.Condition
+    events: EventLog
+    ranks: Sequence[HeldSlots]
+
+    def hold_restored(self, local: int, index: int, step: int) -> None: ...
+
 PARITY_FILES = 2
 META_ROOM = 64 << 10
 
@@ -83,7 +103,7 @@ class GroupPlace:
 class Redundancy:
     """Parity encoding, peer serving and rebuilds of one keeper; see the module doc."""
 
-    def __init__(self, keeper: Keeper, place: GroupPlace, secret: bytes, listener: socket.socket) -> None:
+    def __init__(self, keeper: SlotHolder, place: GroupPlace, secret: bytes, listener: socket.socket) -> None:
         self.keeper = keeper
         self.place = place
         self.layout = StripeLayout(place.group, place.parity)
@@ -365,7 +385,7 @@ class Redundancy:
 class _BlobWriter:
     """Writes a rebuilt blob into one slot per local rank (the one not holding the newest step), then verifies."""
 
-    def __init__(self, keeper: Keeper, step: int, images: list[int]) -> None:
+    def __init__(self, keeper: SlotHolder, step: int, images: list[int]) -> None:
         self.keeper = keeper
         self.step = step
         self.targets: list[tuple[int, int, SlotFile, int, int]] = []  # (local, index, file, blob start, length)
