@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from torch.distributed import DistError
@@ -53,15 +54,25 @@ def owner(coord: Coordinator, node: int) -> tuple[bytes, Owner | None]:
     return raw, Owner.decode(payload) if payload is not None else None
 
 
+def _advance(coord: Coordinator, key: str, after: Callable[[bytes | None], str]) -> str:
+    """Replace ``key``'s value by ``after(its authentic payload, None when absent)`` by compare-and-set, again
+    while others change it meanwhile; returns the value stored."""
+    for _ in range(_CAS_TRIES):
+        raw = coord.store.get_raw(key) or b""
+        value = after(coord.store.open(key, raw) if raw else None)
+        if coord.store.compare_set(key, raw, value)[0]:
+            return value
+    raise DistError(f"the control store's {key} keeps changing; giving up")
+
+
 def take(coord: Coordinator, node: int, me: str, host: str) -> int:
     """Take ``node``'s rank whoever holds it (a supervisor started for that rank); returns this incarnation."""
-    for _ in range(_CAS_TRIES):
-        raw, current = owner(coord, node)
-        incarnation = current.incarnation + 1 if current is not None else 1
-        if coord.store.compare_set(coord.key("node", node, "owner"), raw,
-                                   Owner(incarnation, me, None, host).encode())[0]:
-            return incarnation
-    raise DistError(f"the control store's node/{node}/owner keeps changing; giving up")
+
+    def after(payload: bytes | None) -> str:
+        incarnation = Owner.decode(payload).incarnation + 1 if payload is not None else 1
+        return Owner(incarnation, me, None, host).encode()
+
+    return Owner.decode(_advance(coord, coord.key("node", node, "owner"), after)).incarnation
 
 
 def claim(coord: Coordinator, node: int, lost: int, me: str, spare: str, host: str) -> int | None:
@@ -73,12 +84,6 @@ def claim(coord: Coordinator, node: int, lost: int, me: str, spare: str, host: s
     won, _ = coord.store.compare_set(coord.key("node", node, "owner"), raw,
                                      Owner(lost + 1, me, spare, host).encode())
     return lost + 1 if won else None
-
-
-def owned_by(coord: Coordinator, node: int, me: str) -> bool:
-    """Whether this supervisor still owns ``node``'s rank (False: a spare took it over)."""
-    current = owner(coord, node)[1]
-    return current is None or current.id == me
 
 
 @dataclass(frozen=True)
@@ -103,15 +108,10 @@ class SpareDoc:
 
 def enlist(coord: Coordinator, doc: SpareDoc) -> int:
     """Add a spare to the registry; returns its index (its keys are ``spares/<index>``)."""
-    key = coord.key("spares", "count")
-    for _ in range(_CAS_TRIES):
-        raw = coord.store.get_raw(key) or b""
-        payload = coord.store.open(key, raw) if raw else None
-        index = int(payload) if payload is not None else 0
-        if coord.store.compare_set(key, raw, str(index + 1))[0]:
-            coord.store.set(coord.key("spares", index), doc.encode())
-            return index
-    raise DistError("the control store's spares/count keeps changing; giving up")
+    count = int(_advance(coord, coord.key("spares", "count"),
+                         lambda payload: str(int(payload) + 1 if payload is not None else 1)))
+    coord.store.set(coord.key("spares", count - 1), doc.encode())
+    return count - 1
 
 
 def update_spare(coord: Coordinator, index: int, doc: SpareDoc) -> None:

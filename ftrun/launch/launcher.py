@@ -330,6 +330,7 @@ class Launcher:
         """``--standby``: join the job's current (or next) run as a hot spare; the exit code of the node rank it
         takes, or 0 when the run ends without needing it."""
         cfg = self.cfg
+        assert self.address is not None
         deadline = time.monotonic() + cfg.rdzv_timeout
         while True:
             run = current_run(store, self.job_id)
@@ -337,7 +338,7 @@ class Launcher:
             if doc is not None and store.get(f"ftrun/{self.job_id}/{run}/state") is None:
                 break
             if time.monotonic() > deadline:
-                raise UsageError(f"--standby: no running job {self.job_id} at {self.address.endpoint if self.address else ''} "
+                raise UsageError(f"--standby: no running job {self.job_id} at {self.address.endpoint} "
                                  f"within {cfg.rdzv_timeout:g}s")
             time.sleep(0.1)
         assert run is not None
@@ -357,7 +358,7 @@ class Launcher:
                        keep=int(keep), ckpt_dir=doc["ckpt_dir"], spare=name)
         self.events.emit("start", f"job {self.job_id}: standby {name} joins run {run} as a hot spare "
                          f"({doc['nnodes']} node(s) x {cfg.nproc_per_node} trainer(s)), control store "
-                         f"{self.address.endpoint if self.address else ''}", job_id=self.job_id, spare=name)
+                         f"{self.address.endpoint}", job_id=self.job_id, spare=name)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         try:

@@ -76,7 +76,7 @@ class Spare:
                     update_spare(self.coord, self.index, replace(doc, state="took", node=node,
                                                                  generation=current.gen, time=time.time()))
                     return took
-                if owner(self.coord, node)[1] is None or not self._vacant(node, lost, current):
+                if not self._vacant(node, lost, current):
                     del pending[node]
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + SPARE_BEAT
