@@ -29,11 +29,12 @@ def test_etcd_leader_then_node_0_lost_job_ends_bitwise_equal(start_job, tmp_path
     node1 = start_job("--nnodes", "2", "--node-rank", "1", *common, *args, job_id="etcdjob",
                       log_dir=node0.log_dir)
     standby = start_job("--standby", *common, *args, job_id="etcdjob", log_dir=node0.log_dir)
+    # spares that do not fit the job (a --rdzv-id given later wins: the job's, with an output file of their own)
+    refused = [(start_job("--standby", *common[:4], "--rdzv-id", "etcdjob", *wrong, job_id=f"etcdjob-refused{i}"),
+                why) for i, (wrong, why) in enumerate((
+                    (("--nproc-per-node", "1", *args[:1]), "--nproc-per-node 1; not joining"),
+                    (("--nproc-per-node", "2", str(SCRIPTS / "sleeper.py")), "is not the job's script")))]
     standby.wait_for_event(lambda e: e["event"] == "spare_up", timeout=120)
-    for wrong, why in ((("--nproc-per-node", "1", *args[:1]), "--nproc-per-node 1; not joining"),
-                       (("--nproc-per-node", "2", str(SCRIPTS / "sleeper.py")), "is not the job's script")):
-        refused = start_job("--standby", *common[:4], *wrong, job_id="etcdjob")
-        assert refused.wait(60) == 2 and why in refused.output, refused.output
     wait_for_output(node0, "step 15 loss")
     leader = etcd.leader()
     assert leader is not None
@@ -53,6 +54,8 @@ def test_etcd_leader_then_node_0_lost_job_ends_bitwise_equal(start_job, tmp_path
     claimed = [e for e in standby.events() if e["event"] == "spare_claimed"]
     assert [e["node"] for e in claimed] == [0]
     assert "took node rank 0" in node1.output
+    for job, why in refused:  # refused, and the job went on unaffected
+        assert job.wait(60) == 2 and why in job.output, job.output
     assert_job_left_nothing(node1)
 
 
