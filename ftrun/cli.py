@@ -18,7 +18,8 @@ from typer.exceptions import TyperException
 from ftrun.errors import USAGE_EXIT_CODE, UsageError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
-                  rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).")
+                  rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).",
+                  context_settings={"help_option_names": ["-h", "--help"]})  # -h as torchrun's
 
 SUBCOMMANDS = ("run", "store", "inspect", "export", "status", "sbatch-template", "clean")
 
@@ -28,11 +29,27 @@ def run(
     script: str = typer.Argument(..., help="Training script (or module with -m, or executable with --no-python)."),
     script_args: Optional[list[str]] = typer.Argument(None, help="Arguments of the script."),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with settings; flags override it."),
-    nnodes: Optional[int] = typer.Option(None, "--nnodes", help="Number of nodes."),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", "--nproc_per_node",
-                                                 help="Trainers per node."),
+    nnodes: Optional[str] = typer.Option(None, "--nnodes",
+                                         help="Number of nodes, or torchrun's MIN:MAX: the job runs MAX nodes (ftrun "
+                                              "replaces a lost node, it never runs with fewer), MIN is checked and "
+                                              "kept."),
+    nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", "--nproc_per_node",
+                                                 help="Trainers per node: a number, or auto, cpu, gpu, xpu (the "
+                                                      "devices of this host, as torchrun counts them)."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", "--node_rank",
-                                            help="This node's rank (multi-node mode)."),
+                                            help="This node's rank (multi-node mode; without it, --rdzv-endpoint "
+                                                 "and --nnodes > 1 agree it through the control store)."),
+    master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr",
+                                              help="With --node-rank and no --rdzv-endpoint: host of node 0, which "
+                                                   "hosts the control store (torchrun's static rendezvous; "
+                                                   "127.0.0.1)."),
+    master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port",
+                                              help="With --node-rank: port of the control store on --master-addr "
+                                                   "(29500); local mode: port of the local control store."),
+    local_addr: Optional[str] = typer.Option(None, "--local-addr", "--local_addr",
+                                             help="Multi-node: this node's address as the other nodes reach it (its "
+                                                  "trainer store and keeper); also where they listen, unless "
+                                                  "--rdzv-bind says."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", "--rdzv_endpoint",
                                                 help="HOST:PORT of the control store."),
     rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", help="Job id (names store keys, files)."),
@@ -45,8 +62,13 @@ def run(
                                                help="Control store: c10d (a TCPStore; default) or etcd (a cluster "
                                                     "with no single point of failure: --rdzv-endpoint h1:2379,...)."),
     rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf", "--rdzv_conf",
-                                            help="etcd: KEY=VALUE,... with protocol=https, cacert, cert, key, "
-                                                 "user, password."),
+                                            help="KEY=VALUE,... etcd: protocol=https, cacert, cert, key, user, "
+                                                 "password. c10d/static (torchrun's keys): join_timeout (or "
+                                                 "timeout) sets --rdzv-timeout; keep_alive_interval x "
+                                                 "keep_alive_max_attempt sets --node-timeout; store_type=tcp; "
+                                                 "is_host (node 0 hosts); read_timeout, last_call_timeout, "
+                                                 "close_timeout, heartbeat_timeout, use_libuv: accepted, no effect "
+                                                 "(ftrun runs no torchelastic rendezvous)."),
     spares: Optional[int] = typer.Option(None, "--spares",
                                          help="Local mode: hot spare nodes kept ready to take a lost node's rank."),
     standby: Optional[bool] = typer.Option(None, "--standby",
@@ -57,8 +79,57 @@ def run(
     module: Optional[bool] = typer.Option(None, "-m", "--module", help="Run the script as a Python module."),
     no_python: Optional[bool] = typer.Option(None, "--no-python", "--no_python",
                                              help="Run the script as an executable, not with Python."),
+    run_path: Optional[bool] = typer.Option(None, "--run-path", "--run_path",
+                                            help="As torchrun: run the script with runpy.run_path in a Python "
+                                                 "interpreter (what the zygote does anyway); over -m/--no-python."),
+    role: Optional[str] = typer.Option(None, "--role", help="The trainers' ROLE_NAME (default)."),
     log_dir: Optional[str] = typer.Option(None, "--log-dir", "--log_dir",
-                                          help="Directory for events.jsonl and trainer error files."),
+                                          help="Directory for events.jsonl and, per generation and rank, "
+                                               "gen<G>/rank<R>/: error.json, and stdout.log/stderr.log with "
+                                               "--redirects/--tee."),
+    redirects: Optional[str] = typer.Option(None, "-r", "--redirects",
+                                            help="Trainer output to gen<G>/rank<R>/stdout.log, stderr.log under "
+                                                 "--log-dir (a temporary one without it) instead of the console: "
+                                                 "1 stdout, 2 stderr, 3 both, or per local rank 0:3,1:2."),
+    tee: Optional[str] = typer.Option(None, "-t", "--tee",
+                                      help="As --redirects, and to the console too, lines prefixed "
+                                           "[<role><local rank>]:."),
+    local_ranks_filter: Optional[str] = typer.Option(None, "--local-ranks-filter", "--local_ranks_filter",
+                                                     help="Console shows only these local ranks' output (e.g. "
+                                                          "0,1); files keep everything."),
+    duplicate_stdout_filters: Optional[str] = typer.Option(
+        None, "--duplicate-stdout-filters", "--duplicate_stdout_filters",
+        help="Teed stdout lines containing any of these (comma-separated; ,, is a comma) also go to "
+             "gen<G>/node<N>/filtered_stdout.log."),
+    duplicate_stderr_filters: Optional[str] = typer.Option(
+        None, "--duplicate-stderr-filters", "--duplicate_stderr_filters",
+        help="As --duplicate-stdout-filters, for stderr (filtered_stderr.log)."),
+    label_output: Optional[bool] = typer.Option(None, "--label-output",
+                                                help="Prefix every console line of a trainer with [rank N] (its "
+                                                     "global rank)."),
+    monitor_interval: Optional[float] = typer.Option(None, "--monitor-interval", "--monitor_interval",
+                                                     help="Seconds between two looks of a supervisor at its "
+                                                          "trainers (0.02)."),
+    start_method: Optional[str] = typer.Option(None, "--start-method", "--start_method",
+                                               help="spawn: trainers start as new processes (--no-zygote); fork, "
+                                                    "forkserver: forked by the zygote (the default)."),
+    event_log_handler: Optional[str] = typer.Option(None, "--event-log-handler", "--event_log_handler",
+                                                    help="null, console or dynamic_rendezvous: accepted; ftrun "
+                                                         "reports its events on the console and in "
+                                                         "--log-dir/events.jsonl whichever is given."),
+    signals_to_handle: Optional[str] = typer.Option(None, "--signals-to-handle", "--signals_to_handle",
+                                                    help="Signals that stop the job gracefully as SIGTERM does "
+                                                         "(SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGUSR1 and SIGUSR2 "
+                                                         "listed here are passed on to every trainer instead."),
+    virtual_local_rank: Optional[bool] = typer.Option(None, "--virtual-local-rank", "--virtual_local_rank",
+                                                      help="Every trainer gets LOCAL_RANK 0 and "
+                                                           "CUDA_VISIBLE_DEVICES of its own device."),
+    logs_specs: Optional[str] = typer.Option(None, "--logs-specs", "--logs_specs",
+                                             help="Not supported (torchrun's LogsSpecs plugins): ftrun writes its "
+                                                  "own per-rank files; use --log-dir with --redirects/--tee."),
+    numa_binding: Optional[str] = typer.Option(None, "--numa-binding", "--numa_binding",
+                                               help="Not supported: bind in the script (os.sched_setaffinity), or "
+                                                    "wrap it with numactl and --no-python."),
     hang_timeout: Optional[float] = typer.Option(None, "--hang-timeout",
                                                  help="Seconds without a heartbeat before a trainer is hung "
                                                       "(floor of the adaptive step timeout)."),
@@ -66,8 +137,9 @@ def run(
                                                          help="Seconds allowed until a trainer's first heartbeat."),
     node_timeout: Optional[float] = typer.Option(None, "--node-timeout",
                                                  help="Seconds without supervisor beats before a node is lost."),
-    stop_grace: Optional[float] = typer.Option(None, "--stop-grace",
-                                               help="Seconds between SIGTERM and SIGKILL when stopping trainers."),
+    stop_grace: Optional[float] = typer.Option(None, "--stop-grace", "--shutdown-timeout", "--shutdown_timeout",
+                                               help="Seconds between SIGTERM and SIGKILL when stopping trainers "
+                                                    "(3; torchrun's --shutdown-timeout)."),
     zygote: Optional[bool] = typer.Option(None, "--zygote/--no-zygote",
                                           help="Fork trainers from a process that imported torch."),
     tui: Optional[bool] = typer.Option(None, "--tui", help="Show the live status view instead of event lines."),
@@ -94,9 +166,26 @@ def run(
 ) -> None:
     """Run SCRIPT on every trainer of the job, restarting all of them in place when anything fails."""
     from ftrun.config import build_config
-    from ftrun.launch.launcher import Launcher
+    from ftrun.launch.output import split_filters
 
+    if logs_specs is not None:
+        raise UsageError(f"--logs-specs {logs_specs}: torchrun's LogsSpecs plugins do not apply, ftrun writes its "
+                         "own per-rank files: use --log-dir with --redirects/--tee (and --local-ranks-filter)")
+    if numa_binding is not None:
+        raise UsageError(f"--numa-binding {numa_binding}: ftrun does not bind trainers to CPUs; bind in the script "
+                         "(os.sched_setaffinity for LOCAL_RANK's device) or wrap it: --no-python numactl ... python "
+                         "script.py")
     cfg = build_config(config, {
+        "master_addr": master_addr, "master_port": master_port, "local_addr": local_addr, "run_path": run_path,
+        "role": role, "redirects": redirects, "tee": tee, "local_ranks_filter": local_ranks_filter,
+        "duplicate_stdout_filters": None if duplicate_stdout_filters is None else split_filters(
+            duplicate_stdout_filters),
+        "duplicate_stderr_filters": None if duplicate_stderr_filters is None else split_filters(
+            duplicate_stderr_filters),
+        "label_output": label_output, "monitor_interval": monitor_interval, "start_method": start_method,
+        "event_log_handler": event_log_handler, "signals_to_handle": signals_to_handle,
+        "virtual_local_rank": virtual_local_rank,
+    } | {
         "nnodes": nnodes, "nproc_per_node": nproc_per_node, "node_rank": node_rank,
         "rdzv_endpoint": rdzv_endpoint, "rdzv_id": rdzv_id, "rdzv_timeout": rdzv_timeout, "rdzv_bind": rdzv_bind,
         "rdzv_backend": rdzv_backend, "rdzv_conf": rdzv_conf, "spares": spares, "standby": standby,
@@ -107,7 +196,12 @@ def run(
         "secret_file": secret_file, "ckpt_dir": ckpt_dir, "persist_every": persist_every, "keep": keep,
         "resume": resume, "persist_grace": persist_grace, "inject": inject or None,
     })
-    code = Launcher(cfg, script, list(script_args or [])).run()  # it has cleaned up after the whole job
+    from ftrun.launch.handoff import begin
+
+    begun = begin(cfg, script)  # checks what needs no torch, and starts the supervisors: they import it meanwhile
+    from ftrun.launch.launcher import Launcher
+
+    code = Launcher(cfg, begun, list(script_args or [])).run()  # it has cleaned up after the whole job
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skips tearing down torch at interpreter exit (about 0.5 s, with nothing left to do)

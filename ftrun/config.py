@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import signal
 import types
 import typing
 from dataclasses import dataclass, field
@@ -19,17 +21,37 @@ import yaml
 
 from ftrun.errors import UsageError
 from ftrun.control.faults import Fault, parse_faults
+from ftrun.control.spec import DEFAULT_SIGNALS
+from ftrun.launch.output import OutputSettings
 from ftrun.launch.slurm import slurm_step
 from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
+
+# torchrun's static rendezvous: where the store is when only --node-rank (and --master-*) is given
+DEFAULT_MASTER_ADDR = "127.0.0.1"
+DEFAULT_MASTER_PORT = 29500
+LOCAL_STORE_HOST = "127.0.0.1"
+START_METHODS = ("spawn", "fork", "forkserver")
+EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")  # torchelastic's registered handlers
+# torchrun's --rdzv-conf keys for c10d and static. join_timeout (timeout: static's) sets --rdzv-timeout;
+# keep_alive_interval x keep_alive_max_attempt sets --node-timeout; store_type must be tcp; is_host must not name
+# a node other than 0. The others tune torchelastic's rendezvous protocol, which ftrun replaces: accepted, no-ops.
+C10D_NUMBER_KEYS = ("join_timeout", "timeout", "keep_alive_interval", "keep_alive_max_attempt", "read_timeout",
+                    "last_call_timeout", "close_timeout", "heartbeat_timeout")
+C10D_CONF_KEYS = (*C10D_NUMBER_KEYS, "is_host", "use_libuv", "store_type")
+ETCD_ONLY_KEYS = ("protocol", "cacert", "cert", "key", "user", "password")  # ftrun.control.etcd.CONF_KEYS
 
 
 @dataclass
 class JobConfig:
     """Everything a job needs besides the script and its arguments."""
 
-    nnodes: int = 1
-    nproc_per_node: int = 1
+    nnodes: int | str = 1  # N or torchrun's "MIN:MAX"; validate() makes it MAX (an int) and min_nnodes MIN
+    min_nnodes: int | None = None
+    nproc_per_node: int | str = 1  # N, or auto, cpu, gpu, xpu (resolved to a number by validate())
     node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    local_addr: str | None = None
     rdzv_endpoint: str | None = None
     rdzv_id: str | None = None
     rdzv_timeout: float = 600.0
@@ -42,7 +64,20 @@ class JobConfig:
     standalone: bool = False
     module: bool = False
     no_python: bool = False
+    run_path: bool = False
+    role: str = "default"
     log_dir: str | None = None
+    redirects: int | str = "0"  # torchrun's stream values: 0-3, or "LOCAL_RANK:VALUE,..."
+    tee: int | str = "0"
+    local_ranks_filter: int | str | None = None  # "0,1" (an int in YAML: one rank)
+    duplicate_stdout_filters: list[str] = field(default_factory=list)
+    duplicate_stderr_filters: list[str] = field(default_factory=list)
+    label_output: bool = False
+    monitor_interval: float = 0.02
+    start_method: str | None = None
+    event_log_handler: str = "null"
+    signals_to_handle: str = DEFAULT_SIGNALS
+    virtual_local_rank: bool = False
     hang_timeout: float = 30.0
     hang_timeout_initial: float = 300.0
     hang_step_factor: float = 5.0
@@ -78,10 +113,21 @@ class JobConfig:
             parity = default_parity if self.ec_group is None else min(1, max(group - 1, 0))
         return (1, 0) if parity == 0 and group >= 1 else (group, parity)
 
+    _rank_by_store = False  # not a setting: validate() sets it (see rank_by_store)
+
+    @property
+    def rank_by_store(self) -> bool:
+        """torchrun's multi-node form without ``--node-rank``: ``--rdzv-endpoint`` given (not derived from
+        ``--master-port``), ``--nnodes`` above 1, not ``--standalone`` or ``--standby``, no rank from a SLURM step.
+        One node of a multi-node job whose rank the launchers agree over the control store, first come, first
+        served (a launcher finding every rank taken joins as a hot spare, as ``--standby``)."""
+        return self._rank_by_store
+
     @property
     def local_mode(self) -> bool:
-        """All nodes simulated on this host: no node rank given (under SLURM, the step gives one), not a standby."""
-        return self.node_rank is None and not self.standby
+        """All nodes simulated on this host: no node rank given (under SLURM, the step gives one), not a standby,
+        and not a node whose rank the control store gives (:attr:`rank_by_store`)."""
+        return self.node_rank is None and not self.standby and not self.rank_by_store
 
     @property
     def store_conf(self) -> dict[str, str]:
@@ -89,16 +135,20 @@ class JobConfig:
         return parse_rdzv_conf(self.rdzv_conf)
 
     def validate(self) -> None:
-        """Raise :class:`UsageError` for the first inconsistent setting."""
-        if self.nnodes < 1:
-            raise UsageError(f"--nnodes must be at least 1, got {self.nnodes}")
+        """Raise :class:`UsageError` for the first inconsistent setting. torchrun's spellings become ftrun's
+        settings first (``--nnodes MIN:MAX``, ``--nproc-per-node gpu``, ``--master-addr``/``--master-port``,
+        ``--start-method``, ``--run-path``, c10d's ``--rdzv-conf`` keys)."""
+        self.min_nnodes, self.nnodes = parse_nnodes(self.nnodes, self.min_nnodes)
+        self.nproc_per_node = resolve_nproc(self.nproc_per_node)
         if self.nproc_per_node < 1:
             raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise UsageError(f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}")
         self._validate_backend()
-        if self.node_rank is not None and self.rdzv_endpoint is None and self.nnodes > 1:
-            raise UsageError("--node-rank needs --rdzv-endpoint HOST:PORT (the control store of the job)")
+        self._rank_by_store = (self.rdzv_endpoint is not None and self.nnodes > 1 and self.node_rank is None
+                               and not self.standby and not self.standalone)
+        self._static_endpoint()
+        self._validate_torchrun()
         if self.spares < 0:
             raise UsageError(f"--spares must be 0 or more, got {self.spares}")
         if self.spares and not self.local_mode:
@@ -144,8 +194,170 @@ class JobConfig:
                 raise UsageError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] (etcd members)")
             for member in self.rdzv_endpoint.split(","):  # the keys of --rdzv-conf are checked on connecting
                 split_endpoint(member.strip())
-        elif conf:
-            raise UsageError(f"--rdzv-conf {next(iter(conf))}=...: settings are for --rdzv-backend etcd")
+        else:
+            self._apply_c10d_conf(conf)
+
+    def _apply_c10d_conf(self, conf: dict[str, str]) -> None:
+        """torchrun's c10d (and static) rendezvous keys: those with an ftrun meaning set it; the others are about
+        torchelastic's own rendezvous protocol, which ftrun does not run, and are accepted as no-ops."""
+        for key in conf:
+            if key in ETCD_ONLY_KEYS:
+                raise UsageError(f"--rdzv-conf {key}=...: settings are for --rdzv-backend etcd")
+            if key not in C10D_CONF_KEYS:
+                raise UsageError(f"unknown --rdzv-conf key {key!r} for --rdzv-backend c10d/static (known: "
+                                 f"{', '.join(C10D_CONF_KEYS)})")
+        seconds = {key: _conf_number(key, conf[key]) for key in C10D_NUMBER_KEYS if key in conf}
+        flags = {key: _conf_bool(key, conf[key]) for key in ("is_host", "use_libuv") if key in conf}
+        if "join_timeout" in seconds or "timeout" in seconds:  # join_timeout wins: it is the rendezvous's own
+            self.rdzv_timeout = seconds.get("join_timeout", seconds.get("timeout", self.rdzv_timeout))
+        if "keep_alive_interval" in seconds or "keep_alive_max_attempt" in seconds:  # torchrun's defaults: 5 s, 3
+            self.node_timeout = seconds.get("keep_alive_interval", 5.0) * seconds.get("keep_alive_max_attempt", 3.0)
+        if conf.get("store_type", "tcp").strip().lower() != "tcp":
+            raise UsageError(f"--rdzv-conf store_type={conf['store_type']}: ftrun's control store is a TCP store "
+                             "(or etcd: --rdzv-backend etcd); drop the key")
+        if flags.get("is_host") and self.node_rank not in (None, 0):
+            raise UsageError(f"--rdzv-conf is_host=true on node rank {self.node_rank}: node 0 hosts the control "
+                             "store (or an `ftrun store` at --rdzv-endpoint); drop the key")
+
+    def _static_endpoint(self) -> None:
+        """torchrun's static rendezvous: with --node-rank and no --rdzv-endpoint the control store is at
+        --master-addr:--master-port (127.0.0.1:29500), hosted by node 0; a single node without --master-port runs
+        as --standalone does. In local mode --master-port is the port of the local control store."""
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise UsageError(f"--master-port must be a port (1 to 65535), got {self.master_port}")
+        if self.rdzv_endpoint is not None or self.rdzv_backend != "c10d" or self.standalone:
+            return
+        static = f"{self.master_addr or DEFAULT_MASTER_ADDR}:{self.master_port or DEFAULT_MASTER_PORT}"
+        if self.node_rank is not None:
+            if self.master_port is None and self.nnodes == 1:
+                self.node_rank = None  # as torchrun: a local store on a free port
+            else:
+                self.rdzv_endpoint = static
+        elif self.standby:
+            if self.master_addr is not None or self.master_port is not None:
+                self.rdzv_endpoint = static
+        elif self.master_port is not None:
+            self.rdzv_endpoint = f"{LOCAL_STORE_HOST}:{self.master_port}"
+
+    def _validate_torchrun(self) -> None:
+        """The rest of torchrun's flags."""
+        if self.start_method is not None:
+            if self.start_method not in START_METHODS:
+                raise UsageError(f"--start-method must be one of {', '.join(START_METHODS)}, got "
+                                 f"{self.start_method!r}")
+            self.zygote = self.start_method != "spawn"  # spawn: new processes; fork, forkserver: the zygote
+        if self.run_path:  # as torchrun: runpy.run_path in a Python interpreter, over -m and --no-python
+            self.module = self.no_python = False
+        if self.event_log_handler not in EVENT_LOG_HANDLERS:
+            raise UsageError(f"--event-log-handler {self.event_log_handler!r}: torchelastic's handlers are "
+                             f"{', '.join(EVENT_LOG_HANDLERS)}; ftrun reports its own events on the console and "
+                             "in --log-dir/events.jsonl whichever is given")
+        if not self.role.strip():
+            raise UsageError("--role must not be empty")
+        if self.monitor_interval <= 0:
+            raise UsageError(f"--monitor-interval must be positive, got {self.monitor_interval}")
+        parse_signals(self.signals_to_handle)
+        if self.local_addr is not None and self.local_mode:
+            raise UsageError("--local-addr is for multi-node jobs (--node-rank): local jobs use 127.0.0.1 only")
+        self.redirects, self.tee = str(self.redirects), str(self.tee)
+        if self.local_ranks_filter is not None:
+            self.local_ranks_filter = str(self.local_ranks_filter)
+        self.output.validate()
+
+    @property
+    def output(self) -> OutputSettings:
+        """The settings of the trainers' stdout/stderr (:mod:`ftrun.launch.output`)."""
+        return OutputSettings(self.redirects, self.tee, self.local_ranks_filter,
+                              tuple(self.duplicate_stdout_filters), tuple(self.duplicate_stderr_filters),
+                              self.label_output)
+
+    @property
+    def signals(self) -> list[signal.Signals]:
+        """--signals-to-handle as signals."""
+        return parse_signals(self.signals_to_handle)
+
+
+def parse_nnodes(value: int | str, min_nnodes: int | None = None) -> tuple[int, int]:
+    """``--nnodes N`` or ``MIN:MAX`` -> (MIN, MAX); ``min_nnodes`` is MIN when only N is given (N otherwise)."""
+    text = str(value).strip()
+    parts = text.split(":")
+    try:
+        if len(parts) == 1:
+            high = int(parts[0])
+            low = high if min_nnodes is None else min_nnodes
+        elif len(parts) == 2:
+            low, high = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError(text)
+    except ValueError:
+        raise UsageError(f"Invalid value for '--nnodes': {text!r} is not N or MIN:MAX") from None
+    if high < 1:
+        raise UsageError(f"--nnodes must be at least 1, got {high}")
+    if not 1 <= low <= high:
+        raise UsageError(f"--nnodes {low}:{high}: MIN must be at least 1 and at most MAX")
+    return low, high
+
+
+def resolve_nproc(value: int | str) -> int:
+    """``--nproc-per-node``: a number, or as torchrun: cpu (the cores), gpu (CUDA devices), xpu, auto (the
+    accelerators, else the cores). Only the words import torch."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    if text not in ("auto", "cpu", "gpu", "xpu"):
+        raise UsageError(f"--nproc-per-node must be a number or auto, cpu, gpu, xpu; got {text!r}")
+    import torch
+
+    if text == "gpu":
+        if not torch.cuda.is_available():
+            raise UsageError("--nproc-per-node gpu: CUDA is not available on this host")
+        return torch.cuda.device_count()
+    if text == "xpu":
+        if not torch.xpu.is_available():
+            raise UsageError("--nproc-per-node xpu: XPU is not available on this host")
+        return torch.xpu.device_count()
+    if text == "auto" and torch.accelerator.is_available():
+        return torch.accelerator.device_count()
+    return torch._utils.cpu_count()  # type: ignore[attr-defined]  # torchrun's count (the usable cores)
+
+
+def parse_signals(text: str) -> list[signal.Signals]:
+    """``--signals-to-handle SIGTERM,SIGUSR1`` -> signals; unknown or uncatchable names are a UsageError."""
+    found = []
+    for name in (item.strip() for item in text.split(",")):
+        if not name:
+            continue
+        try:
+            sig = signal.Signals[name]
+        except KeyError:
+            raise UsageError(f"--signals-to-handle: unknown signal {name!r} (e.g. SIGTERM,SIGINT,SIGHUP,SIGQUIT,"
+                             "SIGUSR1,SIGUSR2)") from None
+        if sig in (signal.SIGKILL, signal.SIGSTOP, signal.SIGCHLD):
+            raise UsageError(f"--signals-to-handle: {name} cannot stop a job (it cannot be caught, or is how "
+                             "processes report their exit)")
+        found.append(sig)
+    return found
+
+
+def _conf_number(key: str, value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        number = -1.0
+    if number <= 0:
+        raise UsageError(f"--rdzv-conf {key} must be a positive number, got {value!r}")
+    return number
+
+
+def _conf_bool(key: str, value: str) -> bool:
+    text = value.strip().lower()
+    if text in ("1", "true", "t", "yes", "y"):
+        return True
+    if text in ("0", "false", "f", "no", "n"):
+        return False
+    raise UsageError(f"--rdzv-conf {key} must be true or false, got {value!r}")
 
 
 def parse_rdzv_conf(text: str | None) -> dict[str, str]:
@@ -217,6 +429,9 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         if name not in hints:
             raise UsageError(f"{source}: unknown key '{key}'")
         checked[name] = _check_value(str(key), value, hints[name], source)
+        words = {"nnodes": ('"MIN:MAX"', r"\d+(:\d+)?"), "nproc_per_node": ("auto, cpu, gpu, xpu", r"auto|cpu|gpu|xpu")}
+        if name in words and isinstance(value, str) and not re.fullmatch(words[name][1], value.strip()):
+            raise UsageError(f"{source}: key '{key}' must be int or {words[name][0]}, got {value!r}")
     return checked
 
 
@@ -234,6 +449,10 @@ def build_config(yaml_path: str | None, overrides: dict[str, Any],
     values.update({k: v for k, v in overrides.items() if v is not None})
     cfg = JobConfig(**values)
     cfg.validate()
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if cfg.virtual_local_rank and visible is not None and cfg.nproc_per_node > len(visible.split(",")):
+        raise UsageError(f"--virtual-local-rank: {cfg.nproc_per_node} trainers per node, but CUDA_VISIBLE_DEVICES="
+                         f"{visible} names {len(visible.split(','))} device(s)")
     return cfg
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import signal
 import subprocess
@@ -189,14 +188,9 @@ def test_kill_9_of_ftrun_leaves_files_that_ftrun_clean_removes_but_never_a_live_
 
 
 def supervisor_of(job, node: int) -> psutil.Process:
-    for proc in job_processes(job.job_id):
-        try:
-            if "ftrun.launch.supervisor" in proc.cmdline() and \
-                    json.loads(proc.environ()["FTRUN_NODE_SPEC"])["node_rank"] == node:
-                return proc
-        except (psutil.Error, KeyError):
-            continue
-    pytest.fail(f"no supervisor of node {node} in job {job.job_id}")
+    """The supervisor of ``node``, from its node_start event (a supervisor's environment does not name its node:
+    it gets its spec from the launcher on a pipe)."""
+    return psutil.Process(job.wait_for_event(lambda e: e["event"] == "node_start" and e.get("node") == node)["pid"])
 
 
 @pytest.mark.timeout(180)

@@ -33,7 +33,9 @@ def test_flags_override_yaml_which_overrides_defaults(tmp_path):
 
 def test_config_consistency_checks():
     with pytest.raises(UsageError, match="needs --rdzv-endpoint"):
-        build_config(None, {"nnodes": 2, "node_rank": 1})
+        build_config(None, {"standby": True})
+    # as torchrun's static rendezvous: --node-rank alone means the store at --master-addr:--master-port
+    assert build_config(None, {"nnodes": 2, "node_rank": 1}).rdzv_endpoint == "127.0.0.1:29500"
     with pytest.raises(UsageError, match="-m and --no-python"):
         build_config(None, {"module": True, "no_python": True})
 

@@ -51,7 +51,7 @@ import json
 import random
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from torch.distributed import DistError
 
@@ -76,13 +76,27 @@ class Generation:
     time: float = 0.0
     step: int | None = None  # the failed rank's last reported step
     incarnation: int | None = None  # node-lost: the lost owner's incarnation (:mod:`ftrun.control.ownership`)
+    # crash: what failed ("Type: message" of the trainer's error file, "killed by SIGSEGV", "exited with code 2")
+    # and whether before any trainer of the generation had sent its first heartbeat (crash loops)
+    signature: str = ""
+    early: bool = False
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
 
     @classmethod
     def decode(cls, raw: bytes | str) -> Generation:
-        return cls(**json.loads(raw))
+        doc = json.loads(raw)
+        if not isinstance(doc, dict):
+            raise TypeError("a generation document is a JSON object")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in doc.items() if k in known})  # a newer ftrun's fields are ignored
+
+    def repeated_by(self, failure: Failure) -> bool:
+        """Whether ``failure``, seen in this generation, is a crash loop: it and the crash that started this
+        generation both happened before the first heartbeat, the same way (same signature)."""
+        return (self.kind == failure.kind == "crash" and self.early and failure.early
+                and bool(failure.signature) and failure.signature == self.signature)
 
 
 GENESIS = Generation(0, "start", "job started")  # generation 0 as read when the store holds no authentic one
@@ -99,6 +113,8 @@ class Failure:
     detected_by: str = ""
     step: int | None = None
     incarnation: int | None = None  # node-lost: the lost owner's incarnation
+    signature: str = ""  # crash: what failed (see :class:`Generation`)
+    early: bool = False  # crash: before any trainer of the generation had sent its first heartbeat
 
 
 @dataclass
@@ -294,7 +310,8 @@ class Coordinator:
                 self._newest = found
                 return found[1], False
             new = Generation(old.gen + 1, failure.kind, failure.reason, failure.node, failure.rank,
-                             failure.detected_by, time.time(), failure.step, failure.incarnation)
+                             failure.detected_by, time.time(), failure.step, failure.incarnation,
+                             failure.signature, failure.early)
             encoded = new.encode()
             if self.store.compare_set(key, stored, encoded)[0]:
                 self.store.set(self.key("history", new.gen), encoded)

@@ -8,6 +8,9 @@
   replacement, or by another spare) is not claimed.
 - Fencing: an owner that finds another id in its owner key was replaced (it was seen as lost, and a spare took
   its rank): it stops its trainers and exits instead of training beside its replacement.
+- ``node/<r>/claim``: JSON ``{"id", "host"}`` of the launcher that got node rank r in torchrun's multi-node form
+  without ``--node-rank`` (:func:`claim_free_rank`): created once by compare-and-set from absent, never replaced,
+  so each rank of a run goes to exactly one launcher, first come, first served.
 - ``spares/count`` and ``spares/<i>``: JSON :class:`SpareDoc` of spare i (for ``ftrun status`` and the
   summary); ``spares/<i>/beat``: its beat counter, like a node's.
 
@@ -84,6 +87,19 @@ def claim(coord: Coordinator, node: int, lost: int, me: str, spare: str, host: s
     won, _ = coord.store.compare_set(coord.key("node", node, "owner"), raw,
                                      Owner(lost + 1, me, spare, host).encode())
     return lost + 1 if won else None
+
+
+def claim_free_rank(coord: Coordinator, me: str, host: str) -> int | None:
+    """The lowest node rank of the run that no launcher claimed yet, claimed for ``me`` (on ``host``); None when
+    every rank is taken. One read of all claim keys, then a compare-and-set from absent on each rank seen free,
+    in order, until one wins: of launchers racing for a rank exactly one gets it, the others try the next."""
+    keys = [coord.key("node", node, "claim") for node in range(coord.nnodes)]
+    seen = coord.store.raw.get_many(keys)  # raw: a claim that is not authentic still holds its rank
+    doc = json.dumps({"id": me, "host": host})
+    for node, (key, value) in enumerate(zip(keys, seen)):
+        if value is None and coord.store.compare_set(key, b"", doc)[0]:
+            return node
+    return None
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ import glob
 import json
 import os
 import re
+import signal
 from dataclasses import asdict, dataclass, field
 
 ENV_NODE_SPEC = "FTRUN_NODE_SPEC"
@@ -21,6 +22,11 @@ EXIT_REPLACED = 6  # this node was seen as lost and a spare took its node rank: 
 # The kind of a generation that stops the whole job: a supervisor was told to stop (SIGTERM, SIGINT), and every
 # node follows. Its ``detected_by`` is the signal's name (SIGTERM: the job exits 143 like a signalled launcher).
 STOP_KIND = "stop"
+# torchrun's --signals-to-handle default: each stops the job gracefully, as SIGTERM does
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+# --signals-to-handle SIGUSR1/SIGUSR2 (SLURM's pre-emption warnings) reach every trainer: the launcher passes them
+# to the supervisors as these (a supervisor's own SIGUSR1/2 may come from SLURM too), the supervisors to the trainers
+FORWARDED_SIGNALS = {signal.SIGUSR1: signal.SIGRTMIN + 1, signal.SIGUSR2: signal.SIGRTMIN + 2}
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,17 @@ class NodeSpec:
     rdzv_endpoint: str = ""  # etcd: the members' host:port, comma-separated
     rdzv_conf: dict[str, str] = field(default_factory=dict)  # etcd: TLS and authentication settings
     spare: str = ""  # a hot spare's name: no node rank yet (node_rank -1) until it claims a lost one
+    monitor_interval: float = 0.02  # seconds between two looks at the trainers (--monitor-interval)
+    role: str = "default"  # the trainers' ROLE_NAME (--role)
+    signals_to_handle: str = DEFAULT_SIGNALS  # the trainers' TORCHELASTIC_SIGNALS_TO_HANDLE
+    virtual_local_rank: bool = False  # LOCAL_RANK 0 and CUDA_VISIBLE_DEVICES of its own device per trainer
+    # where the trainers' stdout/stderr go (ftrun.launch.output): torchrun's stream values and filters
+    redirects: str = "0"
+    tee: str = "0"
+    local_ranks_filter: str | None = None
+    duplicate_stdout_filters: list[str] = field(default_factory=list)
+    duplicate_stderr_filters: list[str] = field(default_factory=list)
+    label_output: bool = False
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

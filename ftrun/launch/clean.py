@@ -23,6 +23,8 @@ import psutil
 
 from ftrun.control.spec import ENV_NODE_SPEC, safe_job_id, shm_dir
 from ftrun.launch.env import ENV_JOB_ID
+from ftrun.launch.handoff import SUPERVISOR_MODULE
+from ftrun.launch.zygote import ZYGOTE_NAME
 
 _NAMES = [re.compile(pattern) for pattern in (
     r"ftrun-(?P<job>.+)-launcher",
@@ -129,7 +131,14 @@ def _job_processes(jobs: set[str]) -> dict[str, list[str]]:
 
 
 def _label(proc: psutil.Process) -> str:
-    """``supervisor``, ``keeper``, ``zygote`` (a trainer forked by a zygote shows as one), or the process name."""
+    """``supervisor``, ``keeper``, ``zygote``, ``trainer``, or the process name. The zygote and the trainers it
+    forks are forks of their supervisor, with its argv: the zygote has its own name, a trainer's parent is the
+    supervisor."""
+    if proc.name() == ZYGOTE_NAME:
+        return "zygote"
     argv = proc.cmdline()
     module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
-    return module.rpartition(".")[2] if module.startswith("ftrun.") else proc.name()
+    name = module.rpartition(".")[2]
+    if name == "supervisor" and (parent := proc.parent()) is not None and SUPERVISOR_MODULE in parent.cmdline():
+        return "trainer"
+    return ("trainer" if name == "bootstrap" else name) if module.startswith("ftrun.") else proc.name()

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import psutil
 
 from ftrun.control.faults import ENV_TRAINER_FAULTS
-from ftrun.control.spec import ENV_SHM_DIR
+from ftrun.control.spec import DEFAULT_SIGNALS, ENV_SHM_DIR
 from ftrun.launch.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
@@ -69,14 +69,18 @@ def default_omp_threads(trainers_on_host: int) -> int:
 
 
 def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, heartbeat_file: str,
-                keeper_socket: str, error_file: str, faults: str) -> dict[str, str]:
+                keeper_socket: str, error_file: str, faults: str, role: str = "default",
+                signals_to_handle: str = DEFAULT_SIGNALS, virtual_local_rank: bool = False) -> dict[str, str]:
+    """The environment of the trainer at ``place``. ``role`` is torchrun's --role, ``signals_to_handle`` its
+    --signals-to-handle (set, as torchrun sets it); ``virtual_local_rank``: LOCAL_RANK 0 and CUDA_VISIBLE_DEVICES
+    of the trainer's own device (picked from the inherited CUDA_VISIBLE_DEVICES, as torchrun does)."""
     env = {k: v for k, v in base.items() if not k.startswith("FTRUN_") or k in USER_FTRUN_VARIABLES}
     env.update({
         "RANK": str(place.rank),
         "LOCAL_RANK": str(place.local_rank),
         "GROUP_RANK": str(place.node_rank),
         "ROLE_RANK": str(place.rank),
-        "ROLE_NAME": "default",
+        "ROLE_NAME": role,
         "LOCAL_WORLD_SIZE": str(place.nproc_per_node),
         "WORLD_SIZE": str(place.world_size),
         "GROUP_WORLD_SIZE": str(place.nnodes),
@@ -96,7 +100,13 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
         ENV_TRAINER_FAULTS: faults,
     })
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    env.setdefault("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_to_handle
+    if virtual_local_rank:
+        visible = base.get("CUDA_VISIBLE_DEVICES")
+        devices = visible.split(",") if visible is not None else None
+        env["LOCAL_RANK"] = "0"
+        env["CUDA_VISIBLE_DEVICES"] = (devices[place.local_rank].strip() if devices is not None
+                                       and place.local_rank < len(devices) else str(place.local_rank))
     env.setdefault("OMP_NUM_THREADS", str(omp_threads))
     loopback = loopback_interface() if _is_loopback(place.master_addr) else None
     if loopback is not None:

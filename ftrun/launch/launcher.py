@@ -6,6 +6,11 @@
   control store unless one already runs at the endpoint (``ftrun store``). Under ``srun`` the first node of the
   step hosts it, and the nodes agree their node ranks first (:func:`ftrun.launch.slurm.agree_node_rank`), so a
   node keeps the rank whose snapshots it holds from an earlier step of the job.
+- torchrun's multi-node form, ``--rdzv-endpoint`` and ``--nnodes`` > 1 without ``--node-rank`` (:attr:`JobConfig.
+  rank_by_store`): every launcher on the endpoint's host tries to host the store (the first to bind the port
+  does, the others join), then each takes the lowest free node rank of the run by compare-and-set
+  (:func:`ftrun.control.ownership.claim_free_rank`) before its supervisor gets its spec; one that finds every
+  rank taken joins as a hot spare, as ``--standby`` does.
 
 It forwards SIGINT/SIGTERM to the supervisors as a graceful stop, prints the job summary, and, as a child
 subreaper, kills whatever descendant is left before it exits.
@@ -18,14 +23,12 @@ import hashlib
 import ipaddress
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from dataclasses import replace
 
 import psutil
@@ -37,20 +40,19 @@ from ftrun.errors import UsageError
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
-from ftrun.control.ownership import owner
+from ftrun.control.ownership import claim_free_rank, owner, spares
 from ftrun.control.signed import SignedStore
-from ftrun.launch.capacity import local_fit_problem, this_host
+from ftrun.launch.handoff import Begun, start
 from ftrun.launch.env import default_omp_threads
-from ftrun.launch.processes import become_subreaper, describe_exit, die_with_parent, kill_descendants
+from ftrun.launch.processes import become_subreaper, describe_exit, kill_descendants
 from ftrun.control.secret import local_secret, shared_secret, write_secret_file
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
-from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
-                                EXIT_STOPPED_UNSAVED, NodeSpec, STOP_KIND, safe_job_id, shm_dir, unlink_node_files)
+from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED,
+                                FORWARDED_SIGNALS, NodeSpec, STOP_KIND, shm_dir, unlink_node_files)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import print_summary
-from ftrun.snapshot.keeper import ENV_JOB_SECRET
 from ftrun.snapshot.persist import complete_steps, job_dir, step_name
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
@@ -61,28 +63,6 @@ EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
 # Any other non-zero exit (a lost node, the launcher killed): running it again resumes from RAM, parity or disk.
 _ACK_TIMEOUT = 10.0
 _POLL_INTERVAL = 0.02
-
-
-def resolve_target(cfg: JobConfig, target: str) -> str:
-    """Check that the script (or executable) exists before anything starts."""
-    if cfg.module:
-        return target
-    if cfg.no_python:
-        found = shutil.which(target)
-        if found is None:
-            raise UsageError(f"executable not found: {target}")
-        return found
-    if not os.path.isfile(target):
-        raise UsageError(f"script not found: {target}")
-    return os.path.abspath(target)
-
-
-def job_id_for(cfg: JobConfig) -> str:
-    if cfg.rdzv_id:
-        return safe_job_id(cfg.rdzv_id)
-    if cfg.local_mode:
-        return "job-" + uuid.uuid4().hex[:8]
-    return "job-" + hashlib.sha1(str(cfg.rdzv_endpoint).encode()).hexdigest()[:8]
 
 
 def is_local_host(host: str) -> bool:
@@ -122,20 +102,25 @@ def _stop_signal(coord: Coordinator) -> int:
 
 
 class Launcher:
-    def __init__(self, cfg: JobConfig, target: str, args: list[str]) -> None:
+    def __init__(self, cfg: JobConfig, begun: Begun, args: list[str]) -> None:
         self.cfg = cfg
-        self.target = resolve_target(cfg, target)
-        if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host())):
-            raise UsageError(problem)
+        self.target = begun.target
         self.args = args
-        self.job_id = job_id_for(cfg)
+        self.job_id = begun.job_id
+        self.pending = begun.pending  # supervisors started by ftrun.launch.handoff.begin, waiting for a spec
         self.node_rank = cfg.node_rank or 0  # under srun: agreed with the other nodes once the store is up
         step = slurm_step(os.environ)
         self.slurm: SlurmStep | None = (step if step is not None and not cfg.local_mode and cfg.nnodes == step.nnodes
                                         and cfg.node_rank == step.node_id else None)
+        made_log_dir = cfg.log_dir is None and cfg.output.writes_files
+        if made_log_dir:  # --redirects/--tee without --log-dir: a kept temporary directory, as torchrun
+            cfg.log_dir = tempfile.mkdtemp(prefix="ftrun-logs-")
         # --tui: the live view replaces the event lines; every node's output goes to a file instead
         self.output_dir = (cfg.log_dir or tempfile.mkdtemp(prefix="ftrun-output-")) if cfg.tui else None
         self.events = EventLog("launcher", cfg.log_dir, stream=None if cfg.tui else sys.stderr)
+        if made_log_dir:
+            self.events.emit("log_dir", f"trainer output files (--redirects/--tee) in {cfg.log_dir}: no --log-dir "
+                             "given", path=cfg.log_dir)
         self.view: LiveView | None = None
         self._next_view = 0.0
         self.store_server: TCPStore | None = None
@@ -149,13 +134,16 @@ class Launcher:
         self.job_run = 0  # the job's run in the control store (taken or joined in run())
 
     def _bind_address(self) -> str:
-        """The address this node's listening sockets bind: loopback in local mode, else ``--rdzv-bind`` (checked)
-        or the address of the interface that reaches the control store's host."""
+        """The address this node's listening sockets bind: loopback in local mode, else ``--rdzv-bind`` (checked),
+        ``--local-addr`` (an address of this host), or the address of the interface that reaches the control
+        store's host."""
         cfg = self.cfg
         if cfg.local_mode:
             return LOOPBACK
         if cfg.rdzv_bind is not None:
             return check_bind_address(cfg.rdzv_bind)
+        if cfg.local_addr is not None:
+            return check_bind_address(cfg.local_addr, "--local-addr")
         assert cfg.rdzv_endpoint is not None
         return route_address(*split_endpoint(cfg.rdzv_endpoint.split(",")[0]))
 
@@ -177,7 +165,9 @@ class Launcher:
         assert cfg.rdzv_endpoint is not None
         host, port = split_endpoint(cfg.rdzv_endpoint)
         self.address = StoreAddress("c10d", cfg.rdzv_endpoint)
-        if cfg.node_rank == 0 and is_local_host(host):
+        # node 0 hosts it; without node ranks yet (rank_by_store) every launcher on the endpoint's host tries to,
+        # as torchrun's is_host: the first binds the port, the others (and all when an `ftrun store` serves it) join
+        if (cfg.node_rank == 0 or cfg.rank_by_store) and is_local_host(host):
             try:
                 self.store_server = host_store(port, bind=self.bind)
                 return host, port, C10dStore(self.store_server)
@@ -186,7 +176,10 @@ class Launcher:
         return host, port, open_store(self.address, cfg.rdzv_timeout, report)
 
     def _master_addr(self, store_host: str) -> str:
-        """This node's address as peers reach it: the bound address, else (bound to every interface) the host."""
+        """This node's address as peers reach it: ``--local-addr``, else the bound address, else (bound to every
+        interface) the host."""
+        if self.cfg.local_addr is not None:
+            return self.cfg.local_addr
         if self.bind not in WILDCARDS:
             return self.bind
         if ipaddress.ip_address(socket.gethostbyname(store_host)).is_loopback:
@@ -208,21 +201,22 @@ class Launcher:
             ckpt_dir=job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None, persist_every=cfg.persist_every,
             keep=cfg.keep, persist_grace=cfg.persist_grace, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject,
             bind_addr=self.bind, run=self.job_run, rdzv_backend=cfg.rdzv_backend,
-            rdzv_endpoint=cfg.rdzv_endpoint or "" if cfg.rdzv_backend == "etcd" else "", rdzv_conf=cfg.store_conf)
+            rdzv_endpoint=cfg.rdzv_endpoint or "" if cfg.rdzv_backend == "etcd" else "", rdzv_conf=cfg.store_conf,
+            monitor_interval=cfg.monitor_interval, role=cfg.role, signals_to_handle=cfg.signals_to_handle,
+            virtual_local_rank=cfg.virtual_local_rank, redirects=cfg.redirects, tee=cfg.tee,
+            local_ranks_filter=cfg.local_ranks_filter, duplicate_stdout_filters=cfg.duplicate_stdout_filters,
+            duplicate_stderr_filters=cfg.duplicate_stderr_filters, label_output=cfg.label_output)
 
     def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes]:
-        env = dict(os.environ)
-        env[ENV_NODE_SPEC] = spec.encode()
-        env[ENV_JOB_SECRET] = self.secret
-        launcher = os.getpid()
+        """A supervisor for ``spec``: one started by :func:`~ftrun.launch.handoff.begin`, else a new one."""
+        if self.pending:
+            return self.pending.pop(0).hand(spec, self.secret)
         output = None
         if self.output_dir is not None:
             os.makedirs(self.output_dir, mode=0o700, exist_ok=True)
             output = open(os.path.join(self.output_dir, f"node{spec.node_rank}.log"), "ab")
         with output or contextlib.nullcontext():
-            return subprocess.Popen([sys.executable, "-P", "-m", "ftrun.launch.supervisor"], env=env,
-                                    stdout=output, stderr=output, start_new_session=True,
-                                    preexec_fn=lambda: die_with_parent(launcher))
+            return start(self.job_id, output).hand(spec, self.secret)
 
     def _store_warning(self, message: str) -> None:
         self.events.emit("store_rejected", message)
@@ -239,6 +233,18 @@ class Launcher:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
 
+    def _handle_signals(self) -> None:
+        """--signals-to-handle: each listed signal stops the job as SIGTERM does (SIGINT and SIGTERM always do),
+        except SIGUSR1 and SIGUSR2, which go on to every trainer (through the supervisors)."""
+        for sig in self.cfg.signals:
+            signal.signal(sig, self._forward_signal if sig in FORWARDED_SIGNALS else self._on_signal)
+
+    def _forward_signal(self, signum: int, frame: object) -> None:
+        forwarded = FORWARDED_SIGNALS[signal.Signals(signum)]
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(forwarded)
+
     def run(self) -> int:
         become_subreaper()
         store_host, store_port, raw_store = self._open_store()
@@ -251,6 +257,9 @@ class Launcher:
             self._agree_slurm_rank(store)
         token = f"slurm-{self.slurm.job_id}.{self.slurm.step_id}" if self.slurm is not None else None
         self.job_run = open_run(store, self.job_id, token)
+        if cfg.rank_by_store and not self._agree_rank(store):
+            return self._run_standby(store, store_host, store_port, f"all {cfg.nnodes} node ranks of run "
+                                     f"{self.job_run} are taken: ")
         coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes, run=self.job_run)
         coord.init_job(self._job_doc())
         secret_file = write_secret_file(self.job_id, self.secret)  # for `ftrun status` on this host
@@ -269,6 +278,7 @@ class Launcher:
             self._move_aside(job_dir(cfg.ckpt_dir, self.job_id))
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        self._handle_signals()
         try:
             for node in nodes:
                 self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
@@ -289,6 +299,8 @@ class Launcher:
                                  f"{str(err).splitlines()[0]}")
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
+            for pending in self.pending:  # not needed after all
+                pending.cancel()
             if self.pool is not None:
                 self.pool.stop(cfg.stop_grace)
             for path in (announce, secret_file):
@@ -326,11 +338,13 @@ class Launcher:
                 "ec": [*cfg.erasure, cfg.ec_backend], "persist": [cfg.persist_every, cfg.keep],
                 "ckpt_dir": job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None}
 
-    def _run_standby(self, store: SignedStore, store_host: str, store_port: int) -> int:
-        """``--standby``: join the job's current (or next) run as a hot spare; the exit code of the node rank it
-        takes, or 0 when the run ends without needing it."""
+    def _run_standby(self, store: SignedStore, store_host: str, store_port: int, why: str = "") -> int:
+        """``--standby``, or a launcher that found every node rank taken (``why`` says so): join the job's current
+        (or next) run as a hot spare; the exit code of the node rank it takes, or 0 when the run ends without
+        needing it."""
         cfg = self.cfg
         assert self.address is not None
+        flag = "--standby" if cfg.standby else "spare"
         deadline = time.monotonic() + cfg.rdzv_timeout
         while True:
             run = current_run(store, self.job_id)
@@ -338,15 +352,15 @@ class Launcher:
             if doc is not None and store.get(f"ftrun/{self.job_id}/{run}/state") is None:
                 break
             if time.monotonic() > deadline:
-                raise UsageError(f"--standby: no running job {self.job_id} at {self.address.endpoint} "
+                raise UsageError(f"{flag}: no running job {self.job_id} at {self.address.endpoint} "
                                  f"within {cfg.rdzv_timeout:g}s")
             time.sleep(0.1)
         assert run is not None
         if int(doc["nproc_per_node"]) != cfg.nproc_per_node:
-            raise UsageError(f"--standby: the job runs {doc['nproc_per_node']} trainer(s) per node, this spare "
+            raise UsageError(f"{flag}: the job runs {doc['nproc_per_node']} trainer(s) per node, this spare "
                              f"--nproc-per-node {cfg.nproc_per_node}; not joining")
         if doc.get("script") != script_digest(cfg, self.target):
-            raise UsageError(f"--standby: {self.target} is not the job's script ({doc.get('target')}: contents "
+            raise UsageError(f"{flag}: {self.target} is not the job's script ({doc.get('target')}: contents "
                              "differ); not joining")
         self.job_run = run
         group, parity, backend = doc["ec"]
@@ -356,11 +370,13 @@ class Launcher:
         spec = replace(base, nnodes=int(doc["nnodes"]), args=list(doc["args"]), max_restarts=int(doc["max_restarts"]),
                        ec_group=int(group), ec_parity=int(parity), ec_backend=str(backend), persist_every=int(every),
                        keep=int(keep), ckpt_dir=doc["ckpt_dir"], spare=name)
-        self.events.emit("start", f"job {self.job_id}: standby {name} joins run {run} as a hot spare "
+        self.events.emit("start", f"job {self.job_id}: {why}standby {name} joins run {run} as a hot spare "
                          f"({doc['nnodes']} node(s) x {cfg.nproc_per_node} trainer(s)), control store "
-                         f"{self.address.endpoint}", job_id=self.job_id, spare=name)
+                         f"{self.address.endpoint}", job_id=self.job_id, spare=name, run=run,
+                         all_ranks_taken=bool(why))
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        self._handle_signals()
         try:
             proc = self.procs[-1] = self._spawn(spec)
             while proc.poll() is None:
@@ -369,11 +385,26 @@ class Launcher:
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             kill_descendants()
+        if self.store_server is not None:  # this spare hosts the store (rank_by_store): the nodes still need it
+            self._leave_as_spare(store, name, int(doc["nnodes"]))
         if code == EXIT_DONE:
             return 0
         if code in (EXIT_STOPPED, EXIT_STOPPED_UNSAVED) or self.signalled is not None:
             return EXIT_UNSAVED if code == EXIT_STOPPED_UNSAVED else 128 + (self.signalled or signal.SIGTERM)
         return EXIT_FAILED if code == EXIT_JOB_FAILED else 1
+
+    def _agree_rank(self, store: SignedStore) -> bool:
+        """torchrun's multi-node form without --node-rank (:attr:`JobConfig.rank_by_store`): take the lowest node
+        rank of the run no launcher took yet; False when every rank is taken (this launcher is then a spare)."""
+        me = f"{socket.gethostname()}-{os.getpid()}"
+        taken = claim_free_rank(Coordinator(store, self.job_id, -1, self.cfg.nnodes, run=self.job_run), me,
+                                socket.gethostname())
+        if taken is None:
+            return False
+        self.node_rank = taken
+        self.events.emit("node_rank", f"node rank {taken} agreed through the control store (run {self.job_run}: "
+                         "first come, first served; no --node-rank given)", node_rank=taken, run=self.job_run)
+        return True
 
     def _agree_slurm_rank(self, store: SignedStore) -> None:
         """Under srun: take the node rank whose snapshots this node holds from an earlier step, or a free one."""
@@ -480,12 +511,25 @@ class Launcher:
             assert self.view is not None
             self.view.update(gather(coord))
 
+    def _leave_as_spare(self, store: SignedStore, name: str, nnodes: int) -> None:
+        """:meth:`_leave` of a spare that hosts the store: as the node whose rank it took, if it took one."""
+        coord = Coordinator(store, self.job_id, -1, nnodes, run=self.job_run)
+        for node in range(nnodes):
+            held = owner(coord, node)[1]
+            if held is not None and held.spare == name:
+                coord.node_rank = node
+        self._leave(coord)
+
     def _leave(self, coord: Coordinator) -> None:
-        """Multi-node: say this node is gone; node 0 keeps its store up until the others have left too."""
+        """Multi-node: say this node is gone; the launcher hosting the control store (node 0's, or the one that
+        bound the port first without --node-rank, even as a spare) keeps it up until the other nodes have left
+        and no spare is still waiting (it notices the end and says so in the store), for at most a few seconds."""
         if self.cfg.local_mode:
             return
-        coord.mark(0, "left")
+        if coord.node_rank >= 0:
+            coord.mark(0, "left")
         if self.store_server is not None:
             deadline = time.monotonic() + _ACK_TIMEOUT
-            while len(coord.marks(0, "left")) < self.cfg.nnodes and time.monotonic() < deadline:
+            while (len(coord.marks(0, "left")) < coord.nnodes or any(doc.state == "waiting" for doc in spares(coord))
+                   ) and time.monotonic() < deadline:
                 time.sleep(0.05)

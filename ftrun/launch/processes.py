@@ -15,6 +15,7 @@ import time
 import psutil
 
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -23,6 +24,11 @@ def become_subreaper() -> None:
     """Orphaned descendants of this process are re-parented to it instead of to init."""
     if _libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
+def set_process_name(name: str) -> None:
+    """The name ``top``, ``ps -o comm`` and ``psutil.Process.name`` show (15 bytes at most); argv stays."""
+    _libc.prctl(_PR_SET_NAME, ctypes.c_char_p(name.encode()[:15]), 0, 0, 0)
 
 
 def die_with_parent(parent_pid: int) -> None:

@@ -46,19 +46,23 @@ from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, owner, take
-from ftrun.launch.env import ENV_JOB_ID, TrainerPlace, trainer_env
+from ftrun.launch.env import TrainerPlace, trainer_env
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.launch.heartbeat import Beat, HangDetector, HangSuspect, HeartbeatTable, culprit, process_state
 from ftrun.launch.processes import (become_subreaper, describe_exit, die_with_parent, kill_descendants, reap,
                                     signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
-                                EXIT_STOPPED_UNSAVED, NodeSpec, STOP_KIND, safe_job_id, shm_path)
+                                EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, safe_job_id, shm_path)
 from ftrun.control.store import host_store
+from ftrun.launch.output import Output, OutputSettings
 from ftrun.launch.peers import PeerWatch
 from ftrun.launch.spare import Spare
+from ftrun.launch.bootstrap import ENV_EARLY_FAILURE
+from ftrun.launch.handoff import receive
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
 from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD,
-                                  STOP_SIGNAL as KEEPER_STOP_SIGNAL, unlink_segments)
+                                  NODE_LOST_SIGNAL as KEEPER_NODE_LOST, STOP_SIGNAL as KEEPER_STOP_SIGNAL,
+                                  unlink_segments)
 from ftrun.snapshot.link import KeeperLink
 from ftrun.snapshot.protocol import socket_name
 from ftrun.ui.status import PUBLISH_INTERVAL, NodeStatus, RankStatus, publish
@@ -73,6 +77,13 @@ KEEPER_START_TIMEOUT = 30.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (gen/<g>/hang); the asker waits this long for all of them.
 HANG_VOTE_WAIT = 1.0
+# The zygote imports what training scripts import next (ZygoteClient.preload) once every trainer of the node has
+# beaten, or after this many seconds of a generation (a script that never calls ftrun's API never beats).
+PRELOAD_AFTER = 10.0
+# A crash before the first heartbeat that repeats the one that started the generation (same signature: the
+# trainer's "Type: message", or its exit signal or code) ends the job instead of restarting it again.
+CRASH_LOOP = "failed the same way twice before its first step; not restarting"
+MAX_SIGNATURE = 2000  # characters of an error file's message kept as a failure's signature
 
 
 class JobFailed(Exception):
@@ -129,7 +140,7 @@ class Supervisor:
     """Runs node ``spec.node_rank``; ``me`` names this process in the rank's owner key. A spare that claimed the
     rank passes its ``incarnation`` and warm ``zygote``; otherwise the supervisor takes the rank at start."""
 
-    def __init__(self, spec: NodeSpec, me: str, incarnation: int | None = None,
+    def __init__(self, spec: NodeSpec, me: str, secret: str, incarnation: int | None = None,
                  zygote: ZygoteClient | None = None, events: EventLog | None = None) -> None:
         self.spec = spec
         self.node = spec.node_rank
@@ -148,20 +159,27 @@ class Supervisor:
         self.keeper_starts = 0
         self.link: KeeperLink | None = None
         # the keeper's peer socket (erasure coding): opened once, so a restarted keeper keeps its address
-        self.secret = os.environ.pop(ENV_JOB_SECRET, "")  # for the keeper only, never for trainers
+        self.secret = secret  # for the keeper only, never for trainers
         self.peer_socket: socket.socket | None = None
         self._next_status = 0.0
         self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=f"ftrun-{spec.job_id}-node{self.node}-")
         self._stopping = False
         self._stop_signal = signal.SIGTERM
         self._suspects_sent = -1  # the generation whose silent trainers this node reported
+        self.output = Output(OutputSettings(  # where the trainers' stdout/stderr go
+            spec.redirects, spec.tee, spec.local_ranks_filter, tuple(spec.duplicate_stdout_filters),
+            tuple(spec.duplicate_stderr_filters), spec.label_output), self.run_dir, self.node, spec.role)
+        for forwarded in FORWARDED_SIGNALS.values():  # the launcher passes on SIGUSR1/SIGUSR2 (--signals-to-handle)
+            signal.signal(forwarded, self._forward_signal)
 
     # -- life cycle -------------------------------------------------------------------------------------------
     def run(self) -> int:
         become_subreaper()
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGUSR1, lambda *_: self._lose_node("parity-loss (from the keeper)"))
+        signal.signal(KEEPER_NODE_LOST, lambda *_: self._lose_node("parity-loss (from the keeper)"))
+        for slurm_warning in (signal.SIGUSR1, signal.SIGUSR2):  # SLURM may send them to every process of a step: the
+            signal.signal(slurm_warning, lambda *_: None)  # launcher forwards them (--signals-to-handle); not fatal here
         beater: _Beater | None = None
         try:
             if not self.secret:
@@ -177,7 +195,6 @@ class Supervisor:
             self.heartbeats = HeartbeatTable(shm_path(self.spec.job_id, self.node, "heartbeat"),
                                              self.spec.nproc_per_node)
             self._start_keeper()
-            self._start_zygote()
             what = (f"spare {self.spec.spare}, now the supervisor of node {self.node}," if self.spec.spare
                     else "replacement supervisor" if self.incarnation > 1 else "supervisor")
             self.events.emit("node_start", f"{what} up (pid {os.getpid()}, zygote "
@@ -209,6 +226,16 @@ class Supervisor:
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping = True
         self._stop_signal = signal.Signals(signum)
+
+    def _forward_signal(self, signum: int, frame: object) -> None:
+        """SIGUSR1/SIGUSR2 the launcher got (as :data:`FORWARDED_SIGNALS`): to every running trainer."""
+        original = next(sig for sig, forwarded in FORWARDED_SIGNALS.items() if forwarded == signum)
+        for trainer in list(self.trainers.values()):
+            if trainer.exit_code is None:
+                try:
+                    os.kill(trainer.pid, original)
+                except ProcessLookupError:
+                    pass
 
     def _store_warning(self, message: str) -> None:
         """A control-store value was ignored (not authentic): one line per key, never a failure."""
@@ -280,16 +307,6 @@ class Supervisor:
             self.keeper = None
         unlink_segments(self.spec.job_id, self.node)
 
-    def _start_zygote(self) -> None:
-        if self.zygote is not None or not self.spec.zygote or self.spec.no_python:
-            return
-        try:
-            self.zygote = ZygoteClient()
-        except (OSError, RuntimeError, ValueError) as err:
-            self.events.emit("zygote", f"zygote unavailable ({err}); trainers start as new processes",
-                             node=self.node)
-            self.zygote = None
-
     # -- generations ------------------------------------------------------------------------------------------
     def _generations(self) -> int:
         seen = self.coord.current_raw()
@@ -316,6 +333,7 @@ class Supervisor:
                 return self._stopped()
             assert self.link is not None
             self.link.begin(gen.gen)
+            self._started_by = gen
             self._start_trainers(gen.gen)
             outcome = self._watch(gen, seen)
             self._stop_trainers()
@@ -387,9 +405,16 @@ class Supervisor:
                               heartbeat_file=self.heartbeats.path,
                               keeper_socket=socket_name(safe_job_id(self.spec.job_id), self.node),
                               error_file=os.path.join(error_dir, "error.json"),
-                              faults=trainer_faults_env(self.faults, place.rank, gen))
+                              faults=trainer_faults_env(self.faults, place.rank, gen), role=self.spec.role,
+                              signals_to_handle=self.spec.signals_to_handle,
+                              virtual_local_rank=self.spec.virtual_local_rank)
+            env.update(_early_failure_env(self._started_by))
             self.heartbeats.reset(local)
-            pid = self._spawn(env)
+            stdio = self.output.open(gen, place.rank, local)  # {} unless --redirects, --tee, ... ask
+            try:
+                pid = self._spawn(env, stdio)
+            finally:
+                self.output.spawned(stdio)
             self.trainers[pid] = Trainer(local, place.rank, pid)
             self.detectors[local].trainer_started(time.monotonic())
         took = time.monotonic() - t0
@@ -399,11 +424,14 @@ class Supervisor:
                          f"in {took * 1000:.0f} ms", node=self.node, generation=gen,
                          pids={t.rank: t.pid for t in self.trainers.values()}, seconds=took)
 
-    def _spawn(self, env: dict[str, str]) -> int:
+    def _spawn(self, env: dict[str, str], stdio: dict[int, int]) -> int:
+        """Start a trainer; ``stdio`` maps 1 (stdout) and 2 (stderr) to the descriptors it gets instead of this
+        process's."""
         spec = self.spec
         if self.zygote is not None:
             try:
-                return self.zygote.spawn(SpawnRequest(spec.target, spec.args, spec.module, env, spec.cwd))
+                return self.zygote.spawn(SpawnRequest(spec.target, spec.args, spec.module, env, spec.cwd,
+                                                      stdio=list(stdio)), fds=list(stdio.values()))
             except (OSError, RuntimeError, ValueError) as err:
                 self.events.emit("zygote", f"zygote failed ({err}); starting trainers as new processes",
                                  node=self.node)
@@ -412,10 +440,13 @@ class Supervisor:
         if spec.no_python:
             argv = [spec.target, *spec.args]
         else:
-            argv = [sys.executable, "-u", *(["-m"] if spec.module else []), spec.target, *spec.args]
+            # `python -u script.py` (or `-m module`), through ftrun's bootstrap: the traceback and error file of a
+            # failure are those of a zygote-forked trainer (-P: the user's cwd never shadows ftrun)
+            argv = [sys.executable, "-u", "-P", "-m", "ftrun.launch.bootstrap", *(["-m"] if spec.module else []),
+                    spec.target, *spec.args]
         supervisor = os.getpid()
-        proc = subprocess.Popen(argv, env=env, cwd=spec.cwd, start_new_session=True,
-                                preexec_fn=lambda: die_with_parent(supervisor))
+        proc = subprocess.Popen(argv, env=env, cwd=spec.cwd, start_new_session=True, stdout=stdio.get(1),
+                                stderr=stdio.get(2), preexec_fn=lambda: die_with_parent(supervisor))
         proc.returncode = 0  # reaped by this supervisor's reap(), never by Popen
         return proc.pid
 
@@ -428,6 +459,7 @@ class Supervisor:
         peers = self._peer_watch()
         next_peer_check = next_gen_check = 0.0
         up = done = False
+        preload_at = time.monotonic() + PRELOAD_AFTER
         leader = _LeaderLog(self.coord, self.events, gen) if self.node == 0 else None
         while True:
             if self._stopping:
@@ -439,6 +471,7 @@ class Supervisor:
                 if trainer is None:
                     continue
                 trainer.exit_code = code
+                self.output.drain(trainer.rank)  # its last lines before what its exit is reported as
                 # SLURM signals every process of a step at once: the trainer heard it first
                 if code == -signal.SIGTERM and self._stop_signal_follows():
                     return self._ask_stop(seen)
@@ -447,9 +480,11 @@ class Supervisor:
                         moved = self._wait_for_other_failure(seen)
                         if moved is not None:
                             return moved
+                    message = self._error_message(g, trainer)
                     return self._fail(seen, Failure(
-                        "crash", f"rank {trainer.rank} {describe_exit(code)}{self._error_detail(g, trainer)}",
-                        self.node, trainer.rank, "waitpid", self._step_of(trainer)))
+                        "crash", f"rank {trainer.rank} {describe_exit(code)}{_detail(message)}",
+                        self.node, trainer.rank, "waitpid", self._step_of(trainer),
+                        signature=message or describe_exit(code), early=self._before_first_beat(g)))
             if not done and all(t.exit_code == 0 for t in self.trainers.values()):
                 done = True
                 self.coord.mark(g, "done")
@@ -467,6 +502,8 @@ class Supervisor:
             if not up and all(beat.beats > 0 for beat in table):
                 up = True
                 self.coord.mark(g, "up", time.time())
+            if self.zygote is not None and (up or now > preload_at):
+                self.zygote.preload()  # off the way to this generation's first step, ready for the next one
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
             if now >= next_gen_check:  # failures seen elsewhere
@@ -475,6 +512,10 @@ class Supervisor:
                 if now_raw != seen:
                     return now_raw
             self._publish_status("done" if done else "running", g)
+            if done and len(self.coord.marks(g, "done")) == self.spec.nnodes:  # the job is done: leave at once
+                if leader is not None:
+                    leader.finish()
+                return "done"
             if now >= next_peer_check:
                 next_peer_check = now + PEER_CHECK_INTERVAL
                 lost = self._check_peers(peers, seen)
@@ -482,13 +523,9 @@ class Supervisor:
                     return lost
                 if self._suspects_sent != g and self.coord.get("gen", g, "hang") is not None:
                     self._send_suspects(g, table)  # a peer attributes a hang: report this node's silent trainers
-                if done and len(self.coord.marks(g, "done")) == self.spec.nnodes:
-                    if leader is not None:
-                        leader.finish()
-                    return "done"
                 if leader is not None:
                     leader.poll()
-            time.sleep(POLL_INTERVAL)
+            time.sleep(self.spec.monitor_interval)
 
     def _peer_watch(self) -> PeerWatch:
         assert self.incarnation is not None
@@ -591,23 +628,43 @@ class Supervisor:
         """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""
         return _within_grace(lambda: raw if (raw := self.coord.current_raw()) != seen else None)
 
-    def _error_detail(self, gen: int, trainer: Trainer) -> str:
-        """The first line of the trainer's torchelastic error file, when it wrote one."""
+    def _error_message(self, gen: int, trainer: Trainer) -> str:
+        """The message of the trainer's torchelastic error file ("Type: message", written by ftrun's bootstrap or
+        the script's ``@record``); "" when it wrote none."""
         path = os.path.join(self.run_dir, f"gen{gen}", f"rank{trainer.rank}", "error.json")
         try:
             with open(path) as f:
                 message = json.load(f)["message"]
-            text = message["message"] if isinstance(message, dict) else str(message)
-            return f" ({text.strip().splitlines()[-1][:200]})"
-        except (OSError, ValueError, KeyError, TypeError, IndexError):
+            text = message["message"] if isinstance(message, dict) else message
+            return str(text).strip()[:MAX_SIGNATURE]
+        except (OSError, ValueError, KeyError, TypeError):
             return ""
+
+    def _before_first_beat(self, gen: int) -> bool:
+        """Whether no trainer of generation ``gen`` has sent its first heartbeat: none of this node's (its
+        heartbeat table), and no other node has all of its trainers beating (their ``up`` marks)."""
+        assert self.heartbeats is not None
+        if any(self.heartbeats.read(local).beats > 0 for local in range(self.spec.nproc_per_node)):
+            return False
+        return not self.coord.marks(gen, "up")
+
+    def _crash_loop(self, seen: bytes, failure: Failure) -> Failure:
+        """``failure`` as it is reported: a crash that repeats, before the first heartbeat, the one that started
+        this generation (:meth:`Generation.repeated_by`) ends the job, with one clear reason, instead of
+        restarting; when the restart limit ends it anyway, it is reported as usual."""
+        cause = Generation.decode(seen)
+        if not cause.repeated_by(failure) or cause.gen + 1 > self.spec.max_restarts:
+            return failure
+        return replace(failure, kind="fatal", reason=f"{CRASH_LOOP}: {_first_line(failure.signature)}")
 
     def _fail(self, seen: bytes, failure: Failure) -> bytes:
         """Report a failure: try to start the next generation with it; returns the raw generation now current."""
+        failure = self._crash_loop(seen, failure)
         raw, won = self.coord.bump(seen, failure)
         new = Generation.decode(raw)
         fields = {"node": failure.node, "rank": failure.rank, "kind": failure.kind,
-                  "detected_by": failure.detected_by, "generation": new.gen, "step": failure.step}
+                  "detected_by": failure.detected_by, "generation": new.gen, "step": failure.step,
+                  "signature": failure.signature, "early": failure.early}
         if won:
             at = f" at step {failure.step}" if failure.step is not None else ""
             self.events.emit("failure", f"failure: {failure.reason}{at} (seen by {failure.detected_by})", **fields)
@@ -676,6 +733,7 @@ class Supervisor:
             time.sleep(0.005)
         for trainer in self.trainers.values():
             signal_group(trainer.pid, signal.SIGKILL)  # anything the trainers left behind in their groups
+        self.output.finish()  # their last output written out, this generation's files closed
         took = time.monotonic() - t0
         self.events.emit("stopped", f"stopped {len(running)} trainers in {took * 1000:.0f} ms"
                          f"{' (SIGKILL after grace)' if killed else ''}", console=False, node=self.node,
@@ -716,6 +774,24 @@ class _LeaderLog:
         self.poll()
 
 
+def _early_failure_env(started_by: Generation) -> dict[str, str]:
+    """For the trainers of a generation started by a crash before the first heartbeat: that crash, so that a
+    trainer failing the same way prints one line instead of the same traceback again (see
+    :mod:`ftrun.launch.bootstrap`)."""
+    if started_by.kind != "crash" or not started_by.early:
+        return {}
+    return {ENV_EARLY_FAILURE: json.dumps({"generation": started_by.gen - 1, "signature": started_by.signature})}
+
+
+def _first_line(text: str) -> str:
+    return (text.strip().splitlines() or [""])[0][:200]
+
+
+def _detail(message: str) -> str:
+    """`` (Type: message)`` of a trainer's error file for a failure's reason ("" without one)."""
+    return f" ({_first_line(message)})" if message else ""
+
+
 def _reaped(pid: int) -> bool:
     """Reap ``pid`` if it has exited; True when it is gone."""
     try:
@@ -724,16 +800,9 @@ def _reaped(pid: int) -> bool:
         return True
 
 
-def _run_spare(spec: NodeSpec, me: str) -> int:
+def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None) -> int:
     """A hot spare: wait with a warm zygote for a lost node, then supervise the node rank it claimed."""
     events = EventLog(f"spare {spec.spare}", spec.log_dir)
-    secret = os.environ.pop(ENV_JOB_SECRET, "")  # never in the zygote's environment (its trainers')
-    zygote = None
-    if spec.zygote and not spec.no_python:
-        try:
-            zygote = ZygoteClient()
-        except (OSError, RuntimeError, ValueError) as err:
-            events.emit("zygote", f"zygote unavailable ({err}); trainers will start as new processes")
     try:
         use_job(spec.job_id, secret, lambda message: events.emit("store_rejected", message), run=spec.run)
         report = OutageReport(lambda message: events.emit("store_outage", message))
@@ -746,22 +815,21 @@ def _run_spare(spec: NodeSpec, me: str) -> int:
         if zygote is not None:
             zygote.close()
         return EXIT_DONE
-    os.environ[ENV_JOB_SECRET] = secret  # for the supervisor, which takes it out again
     node_spec = replace(spec, node_rank=claimed.node)
     events = EventLog(f"node {claimed.node}", spec.log_dir)
-    return Supervisor(node_spec, me, claimed.incarnation, zygote, events).run()
+    return Supervisor(node_spec, me, secret, claimed.incarnation, zygote, events).run()
 
 
 def main() -> None:
-    spec = NodeSpec.from_env()
-    # The spec (the control store's address, ...) is for this process and its keeper only, which gets it
-    # explicitly; the zygote and the trainers inherit this environment. The job id stays visible, so that
-    # `ftrun clean` can tell this job's processes.
-    del os.environ[ENV_NODE_SPEC]
-    os.environ[ENV_JOB_ID] = spec.job_id
+    handed = receive()  # waits for the launcher, which imported torch meanwhile, as this process did
+    if handed is None:  # the launcher stopped before it needed this node
+        os._exit(0)
+    spec, secret = handed
+    # the zygote first, before any thread or connection of this process: the trainers are forks of it
+    zygote = ZygoteClient() if spec.zygote and not spec.no_python else None
     me = uuid.uuid4().hex[:12]
     # each has stopped and reaped everything it started
-    code = _run_spare(spec, me) if spec.spare else Supervisor(spec, me).run()
+    code = _run_spare(spec, me, secret, zygote) if spec.spare else Supervisor(spec, me, secret, zygote=zygote).run()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skips tearing down torch at interpreter exit (about 0.5 s, with nothing left to do)

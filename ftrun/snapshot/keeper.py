@@ -63,8 +63,11 @@ ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
 ENV_JOB_SECRET = "FTRUN_JOB_SECRET"  # hex; keepers authenticate each other with it (never given to trainers)
 ENV_PEER_FD = "FTRUN_KEEPER_PEER_FD"  # the listening TCP socket for peers, inherited from the supervisor
 ENV_EARLIER_RUN = "FTRUN_KEEPER_EARLIER_RUN"  # "1": segments found at start are from an earlier run (SLURM step)
-STOP_SIGNAL = signal.SIGUSR2  # how the supervisor stops its keeper; SIGTERM and SIGINT are ignored, because SLURM
-# sends SIGTERM to every process of a step at once and the keeper must outlive it to persist the final step
+# How the supervisor stops its keeper. SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 are ignored: SLURM sends SIGTERM (and, with
+# --signal, SIGUSR1/2 as a pre-emption warning) to every process of a step at once, and the keeper must outlive it
+# to persist the final step.
+STOP_SIGNAL = signal.SIGRTMIN + 3
+NODE_LOST_SIGNAL = signal.SIGRTMIN + 4  # keeper -> supervisor: kill every process of the node (an injected fault)
 ENCODE_RETRY = 0.2
 # Advice printed with the /dev/shm capacity error.
 SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
@@ -538,7 +541,7 @@ class Keeper:
             if step >= fault.step and self.generation == fault.gen:
                 self.events.emit("inject", f"injected {fault.spec}: node {self.node} lost while it computes "
                                  f"parity of step {step}", node=self.node)
-                os.kill(os.getppid(), signal.SIGUSR1)  # the supervisor kills every process of the node
+                os.kill(os.getppid(), NODE_LOST_SIGNAL)  # the supervisor kills every process of the node
                 threading.Event().wait()
 
     # -- background persistence -----------------------------------------------------------------------------
@@ -672,8 +675,8 @@ def main() -> None:
         server.shutdown(socket.SHUT_RDWR)
 
     signal.signal(STOP_SIGNAL, on_signal)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for ignored in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(ignored, signal.SIG_IGN)
     keeper.adopt(os.environ.get(ENV_EARLIER_RUN) == "1")
     sys.stdout.write("ready\n")
     sys.stdout.flush()

@@ -6,9 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from rich.console import Console
-from rich.table import Table
-
 from ftrun.control.coordination import Coordinator, Generation
 from ftrun.control.ownership import SpareDoc, spares
 from ftrun.control.spec import STOP_KIND
@@ -49,6 +46,10 @@ def restart_count(rows: list[Recovery], max_restarts: object) -> int:
 
 
 def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
+    # rich here, not at the top: the supervisors import this module (through ftrun.ui.status) and never print
+    from rich.console import Console
+    from rich.table import Table
+
     rows = recoveries(coord)
     console = Console(stderr=True, highlight=False)
     verdict = ("succeeded" if exit_code == 0 else f"stopped by a signal (exit code {exit_code})" if exit_code > 128

@@ -1,0 +1,184 @@
+"""What ftrun costs when nothing fails: ftrun against torchrun on the same script, runs alternating.
+
+Cases (:mod:`overhead_worker`, gloo on 127.0.0.1, CPU):
+
+- ``trivial 1x2`` / ``trivial 2x1``: init_process_group, one all_reduce, destroy; 1 node x 2 trainers, and 2
+  nodes x 1 trainer (two launchers on this host, node 0 hosting the store: torchrun's static rendezvous with
+  --master-addr/--master-port, ftrun's --rdzv-endpoint). Wall time from starting the launcher(s) until the
+  last one exited.
+- ``train 1x2`` / ``train 1x4``: a small DDP MLP with AdamW; time from start to every rank's first optimizer
+  step, and steady-state steps per second (after a warm-up).
+- ``snapshot 1x2``: the same training under ftrun with a Snapshotter saving every 10 steps, against torchrun
+  running it without snapshots (steady throughput ratio).
+- ``ckpt 1x2``: the snapshot case with ``--ckpt-dir``: the exit then includes the final persist.
+
+For each run: wall, first step (slowest rank), exit (launcher exit minus the last trainer's end), steady
+steps/s (mean over ranks). The table gives medians and ftrun / torchrun ratios with the issue's targets.
+
+    .venv/bin/python benchmarks/overhead.py --pairs 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+WORKER = Path(__file__).resolve().parent / "overhead_worker.py"
+BIN_DIR = Path(sys.executable).parent
+TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    nnodes: int
+    nproc: int
+    mode: str  # worker mode: trivial | train
+    worker_args: tuple[str, ...] = ()
+    ftrun_worker_args: tuple[str, ...] = ()  # added for ftrun only (the Snapshotter)
+    ftrun_flags: tuple[str, ...] = ()
+    launchers: tuple[str, ...] = ("torchrun", "ftrun")
+
+
+@dataclass
+class Sample:
+    wall: float
+    first_step: float
+    exit: float
+    steady: float | None
+
+
+@dataclass
+class Result:
+    samples: dict[str, list[Sample]] = field(default_factory=lambda: {"torchrun": [], "ftrun": []})
+    failed: dict[str, int] = field(default_factory=lambda: {"torchrun": 0, "ftrun": 0})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def commands(case: Case, launcher: str, out: str, ckpt: str) -> list[list[str]]:
+    worker = [str(WORKER), case.mode, "--out", out, *case.worker_args]
+    port = str(free_port())
+    if launcher == "torchrun":
+        base = [str(BIN_DIR / "torchrun"), "--nproc-per-node", str(case.nproc), "--master-addr", "127.0.0.1",
+                "--master-port", port]
+        if case.nnodes == 1:
+            return [base + worker]
+        return [base + ["--nnodes", str(case.nnodes), "--node-rank", str(n)] + worker for n in range(case.nnodes)]
+    worker += list(case.ftrun_worker_args)
+    flags = [f.replace("{ckpt}", ckpt) for f in case.ftrun_flags]
+    base = [str(BIN_DIR / "ftrun"), "--nproc-per-node", str(case.nproc), *flags]
+    if case.nnodes == 1:
+        return [base + worker]
+    return [base + ["--nnodes", str(case.nnodes), "--node-rank", str(n), "--rdzv-endpoint", f"127.0.0.1:{port}",
+                    "--rdzv-id", f"overhead-{port}"] + worker for n in range(case.nnodes)]
+
+
+def run_once(case: Case, launcher: str) -> Sample | None:
+    out = tempfile.mkdtemp(prefix="ftrun-overhead-")
+    ckpt = os.path.join(out, "ckpt")
+    env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    try:
+        t0 = time.time()
+        procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+                                  start_new_session=True) for cmd in commands(case, launcher, out, ckpt)]
+        ends = []
+        for proc in procs:
+            try:
+                _, err = proc.communicate(timeout=TIMEOUT)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.communicate()
+                print(f"  {launcher}: timed out", file=sys.stderr)
+                return None
+            ends.append(time.time())
+            if proc.returncode != 0:
+                print(f"  {launcher}: exit {proc.returncode}: {err.decode()[-2000:]}", file=sys.stderr)
+                return None
+        ranks = [json.loads(Path(out, name).read_text()) for name in sorted(os.listdir(out))
+                 if name.startswith("rank")]
+        if len(ranks) != case.nnodes * case.nproc:
+            print(f"  {launcher}: {len(ranks)} rank results", file=sys.stderr)
+            return None
+        steady = [r["steady"] for r in ranks if "steady" in r]
+        return Sample(wall=max(ends) - t0, first_step=max(r["first_step"] for r in ranks) - t0,
+                      exit=max(ends) - max(r["end"] for r in ranks),
+                      steady=statistics.mean(steady) if steady else None)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def report(case: Case, result: Result) -> list[str]:
+    rows = []
+    med = {name: {key: median([getattr(s, key) for s in samples if getattr(s, key) is not None])
+                  for key in ("wall", "first_step", "exit", "steady")}
+           for name, samples in result.samples.items()}
+    t, f = med["torchrun"], med["ftrun"]
+    runs = f"{len(result.samples['ftrun'])}/{len(result.samples['torchrun'])}"
+    rows.append(f"| {case.name} | {runs} | {t['wall']:.2f} | {f['wall']:.2f} | {f['wall'] / t['wall']:.2f} | "
+                f"{t['first_step']:.2f} | {f['first_step']:.2f} | {f['first_step'] / t['first_step']:.2f} | "
+                f"{t['exit']:.2f} | {f['exit']:.2f} | "
+                + (f"{t['steady']:.0f} | {f['steady']:.0f} | {f['steady'] / t['steady']:.3f} |"
+                   if case.mode == "train" else "- | - | - |"))
+    return rows
+
+
+CASES = {
+    "trivial-1x2": Case("trivial 1x2", 1, 2, "trivial"),
+    "trivial-2x1": Case("trivial 2x1", 2, 1, "trivial"),
+    "train-1x2": Case("train 1x2", 1, 2, "train", ("--steps", "400")),
+    "train-1x4": Case("train 1x4", 1, 4, "train", ("--steps", "200")),
+    "snapshot-1x2": Case("snapshot/10 1x2", 1, 2, "train", ("--steps", "400"), ("--snapshot-every", "10")),
+    "ckpt-1x2": Case("ckpt 1x2", 1, 2, "train", ("--steps", "400"), ("--snapshot-every", "10"),
+                     ("--ckpt-dir", "{ckpt}", "--persist-every", "5")),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
+    args = parser.parse_args()
+    header = ["| case | runs f/t | wall torchrun | wall ftrun | ratio | 1st step torchrun | 1st step ftrun | ratio | "
+              "exit torchrun | exit ftrun | steps/s torchrun | steps/s ftrun | ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = []
+    for key in args.cases.split(","):
+        case = CASES[key]
+        result = Result()
+        for pair in range(args.pairs):
+            for launcher in (("torchrun", "ftrun") if pair % 2 == 0 else ("ftrun", "torchrun")):
+                sample = run_once(case, launcher)
+                if sample is None:
+                    result.failed[launcher] += 1
+                else:
+                    result.samples[launcher].append(sample)
+                    print(f"{case.name} {launcher}: wall {sample.wall:.2f}s first step {sample.first_step:.2f}s "
+                          f"exit {sample.exit:.2f}s" + (f" steady {sample.steady:.0f}/s" if sample.steady else ""),
+                          flush=True)
+        lines += report(case, result)
+    print("\nmedians (seconds; steps/s); targets: wall and first step ratio <= 1.0, ftrun exit <= 0.3 s without "
+          "--ckpt-dir, steady ratio >= 0.98 (>= 0.97 with snapshots)")
+    print("\n".join(header + lines))
+
+
+if __name__ == "__main__":
+    main()

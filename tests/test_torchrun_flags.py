@@ -1,0 +1,229 @@
+"""torchrun's flags under ftrun: every option ``torchrun --help`` lists (read at test time) parses with ftrun, and
+the few that cannot apply are refused in one line; the ones with a meaning work in real runs."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+import typer
+
+from conftest import SCRIPTS, assert_job_left_nothing, free_port
+from ftrun.cli import app, main
+from ftrun.config import build_config
+from ftrun.errors import UsageError
+from ftrun.launch.env import TrainerPlace, trainer_env
+from ftrun.launch.output import parse_streams, split_filters
+
+HELLO = str(SCRIPTS / "hello.py")
+# torchrun flags that do not apply to ftrun: each exits 2 with one line that says why and what to use instead
+REFUSED = {"--logs-specs": "use --log-dir", "--logs_specs": "use --log-dir",
+           "--numa-binding": "numactl", "--numa_binding": "numactl"}
+
+
+def torchrun_help() -> dict[str, str | None]:
+    """Every option string of `torchrun --help` -> its metavar (None: a flag without a value)."""
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--help"], capture_output=True,
+                            text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+    assert result.returncode == 0, result.stderr
+    options: dict[str, str | None] = {}
+    for line in result.stdout.splitlines():
+        head = re.match(r"^  (-\S.*?)(?:\s{2,}|$)", line)
+        if head is None:
+            continue
+        for item in head.group(1).split(", "):
+            name, _, metavar = item.partition(" ")
+            options[name] = metavar or None
+    return options
+
+
+def run_command():
+    return typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+
+
+def sample_value(metavar: str) -> str:
+    choices = re.match(r"^\{([^}]*)\}$", metavar)
+    return choices.group(1).split(",")[0] if choices else "1"
+
+
+def one_line_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and err[0].startswith("ftrun: error: "), err
+    return err[0]
+
+
+@pytest.mark.timeout(120)
+def test_every_torchrun_flag_is_known_to_ftrun(capsys):
+    options = torchrun_help()
+    assert {"--nnodes", "--master-port", "--master_addr", "-r", "--tee", "--signals-to-handle",
+            "--virtual-local-rank", "--run-path"} <= set(options), options  # the help was read
+    command = run_command()
+    params = {name: param for param in command.params for name in (*param.opts, *param.secondary_opts)}
+    unknown = [name for name in options if name not in params and name not in ("-h", "--help")]
+    assert not unknown, f"torchrun flags ftrun does not know: {unknown}"
+    for name, metavar in options.items():
+        if name in ("-h", "--help"):
+            continue
+        param = params[name]
+        assert param.is_flag == (metavar is None), f"{name}: a flag in one, taking a value in the other"
+        argv = [name] if metavar is None else [name, sample_value(metavar)]
+        ctx = command.make_context("run", [*argv, "script.py", "--script-arg"])  # a flag ftrun lacks raises here
+        assert ctx.params[param.name] is not None, name
+        assert (ctx.params["script"], list(ctx.params["script_args"])) == ("script.py", ["--script-arg"]), name
+        if name in REFUSED:
+            assert REFUSED[name] in one_line_error(capsys, [*argv, HELLO])
+    for flag in ("-h", "--help"):
+        with pytest.raises(SystemExit) as exited:
+            main([flag])
+        assert exited.value.code == 0 and "--master-port" not in capsys.readouterr().err
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("argv, fragment", [
+    (["--redirects", "7"], "--redirects must be 0, 1 (stdout), 2 (stderr) or 3 (both)"),
+    (["-t", "0:4"], "--tee must be"),
+    (["--rdzv-conf", "bogus=1"], "unknown --rdzv-conf key 'bogus' for --rdzv-backend c10d/static (known: "),
+    (["--rdzv-conf", "join_timeout=soon"], "join_timeout must be a positive number"),
+    (["--rdzv-conf", "store_type=file"], "store_type=file"),
+    (["--nnodes", "3:2"], "--nnodes 3:2: MIN must be at least 1 and at most MAX"),
+    (["--nnodes", "1:2:3"], "Invalid value for '--nnodes': '1:2:3' is not N or MIN:MAX"),
+    (["--nproc-per-node", "lots"], "--nproc-per-node must be a number or auto, cpu, gpu, xpu"),
+    (["--local-ranks-filter", "zero"], "--local-ranks-filter must be a comma-separated list"),
+    (["--start-method", "thread"], "--start-method must be one of spawn, fork, forkserver"),
+    (["--signals-to-handle", "SIGTERM,SIGNOPE"], "unknown signal 'SIGNOPE'"),
+    (["--signals-to-handle", "SIGKILL"], "SIGKILL cannot stop a job"),
+    (["--event-log-handler", "kafka"], "--event-log-handler 'kafka'"),
+    (["--master-port", "70000"], "--master-port must be a port"),
+    (["--monitor-interval", "0"], "--monitor-interval must be positive"),
+    (["--local-addr", "127.0.0.1"], "--local-addr is for multi-node jobs"),
+])
+def test_bad_torchrun_values_are_one_line_errors(capsys, argv, fragment):
+    assert fragment in one_line_error(capsys, [*argv, HELLO])
+
+
+def test_torchrun_settings_map_onto_ftrun():
+    cfg = build_config(None, {"nnodes": "1:4", "rdzv_conf": "join_timeout=20,keep_alive_interval=2,read_timeout=9,"
+                              "last_call_timeout=1,close_timeout=1,use_libuv=0,is_host=1,store_type=tcp"})
+    assert (cfg.min_nnodes, cfg.nnodes, cfg.rdzv_timeout, cfg.node_timeout) == (1, 4, 20.0, 6.0)
+    assert build_config(None, {"rdzv_conf": "timeout=30"}).rdzv_timeout == 30.0
+    # static rendezvous: --node-rank alone is node 0 at 127.0.0.1:29500, --master-* say otherwise
+    assert build_config(None, {"nnodes": 2, "node_rank": 1}).rdzv_endpoint == "127.0.0.1:29500"
+    multi = build_config(None, {"nnodes": 2, "node_rank": 0, "master_addr": "h", "master_port": 1234})
+    assert (multi.node_rank, multi.rdzv_endpoint) == (0, "h:1234")
+    single = build_config(None, {"nnodes": 1, "node_rank": 0})  # as torchrun: a local store on a free port
+    assert (single.local_mode, single.rdzv_endpoint) == (True, None)
+    assert build_config(None, {"master_port": 29555}).rdzv_endpoint == "127.0.0.1:29555"  # the local store's
+    assert build_config(None, {"start_method": "spawn"}).zygote is False
+    assert build_config(None, {"start_method": "fork", "zygote": False}).zygote is True
+    run_path = build_config(None, {"run_path": True, "module": True, "no_python": True})
+    assert (run_path.module, run_path.no_python) == (False, False)
+    assert build_config(None, {"nproc_per_node": "cpu"}).nproc_per_node >= 1
+    assert [s.name for s in build_config(None, {"signals_to_handle": "SIGTERM,SIGUSR1"}).signals] == \
+        ["SIGTERM", "SIGUSR1"]
+    with pytest.raises(UsageError, match="CUDA_VISIBLE_DEVICES=3 names 1 device"):
+        build_config(None, {"nproc_per_node": 2, "virtual_local_rank": True}, env={"CUDA_VISIBLE_DEVICES": "3"})
+    ctx = run_command().make_context("run", ["--shutdown-timeout", "7", "script.py"])
+    assert ctx.params["stop_grace"] == 7.0
+
+
+def test_stream_values_and_filters_parse_as_torchrun():
+    assert parse_streams("3", "--tee") == 3
+    assert parse_streams("0:1,1:2,12:3", "--tee") == {0: 1, 1: 2, 12: 3}
+    assert split_filters("apple,orange,,pear") == ["apple", "orange,pear"]
+    assert split_filters("") == []
+
+
+def test_role_signals_and_virtual_local_rank_in_the_trainer_env():
+    place = TrainerPlace("job", 0, 1, 1, 2, 0, 3, "127.0.0.1", 1)
+    common = dict(omp_threads=1, heartbeat_file="hb", keeper_socket="k", error_file="e", faults="")
+    env = trainer_env({"CUDA_VISIBLE_DEVICES": "3,5"}, place, role="trainer", signals_to_handle="SIGTERM,SIGUSR1",
+                      virtual_local_rank=True, **common)
+    assert (env["ROLE_NAME"], env["TORCHELASTIC_SIGNALS_TO_HANDLE"]) == ("trainer", "SIGTERM,SIGUSR1")
+    assert (env["LOCAL_RANK"], env["CUDA_VISIBLE_DEVICES"], env["RANK"]) == ("0", "5", "1")
+    plain = trainer_env({}, place, **common)
+    assert (plain["LOCAL_RANK"], plain["ROLE_NAME"], "CUDA_VISIBLE_DEVICES" in plain) == ("1", "default", False)
+    assert plain["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+# -- real runs ----------------------------------------------------------------------------------------------------
+
+def trainer_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if re.search(r"(hello|err) from rank", line)]
+
+
+@pytest.mark.timeout(120)
+def test_node_rank_0_of_1_runs_without_an_endpoint(start_job):
+    job = start_job("--node-rank", "0", "--nnodes", "1", "--role", "worker", HELLO)
+    assert job.wait(90) == 0, job.output
+    assert "hello from rank 0 role worker" in job.output
+    assert "(local)" in job.output  # as torchrun: a local store on a free port, not 127.0.0.1:29500
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(150)
+def test_master_addr_and_port_join_two_launchers(start_job, tmp_path):
+    port, job_id = free_port(), f"t{uuid.uuid4().hex[:10]}"
+    node0 = start_job("--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                      HELLO, "--allreduce", job_id=job_id, log_dir=tmp_path / "node0")
+    node1 = start_job("--nnodes", "2", "--node_rank", "1", "--master_addr", "127.0.0.1", "--master_port", str(port),
+                      HELLO, "--allreduce", job_id=job_id, log_dir=tmp_path / "node1")
+    for job in (node0, node1):
+        assert job.wait(120) == 0, job.output
+        assert "sum 3 world 2" in job.output and f"control store 127.0.0.1:{port}" in job.output
+    assert_job_left_nothing(node0)
+
+
+@pytest.mark.timeout(120)
+def test_tee_with_filter_and_labels(start_job, tmp_path):
+    log_dir = tmp_path / "logs"
+    job = start_job("--nproc-per-node", "2", "--tee", "3", "--local-ranks-filter", "0", "--label-output",
+                    "--duplicate-stdout-filters", "hello,,x,role", HELLO, log_dir=log_dir)
+    assert job.wait(90) == 0, job.output
+    lines = trainer_lines(job.output)
+    assert sorted(lines) == ["[rank 0] err from rank 0", "[rank 0] hello from rank 0 role default"], job.output
+    for rank in (0, 1):
+        files = log_dir / "gen0" / f"rank{rank}"
+        assert (files / "stdout.log").read_text() == f"hello from rank {rank} role default\n"
+        assert (files / "stderr.log").read_text() == f"err from rank {rank}\n"
+    # lines shown on the console that contain a filter ("hello,x" or "role"), as shown
+    filtered = log_dir / "gen0" / "node0" / "filtered_stdout.log"
+    assert filtered.read_text() == "[rank 0] hello from rank 0 role default\n"
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_redirects_keep_the_console_clean_also_with_spawn(start_job, tmp_path):
+    log_dir = tmp_path / "logs"
+    job = start_job("--nproc-per-node", "2", "-r", "3", "--start-method", "spawn", HELLO, log_dir=log_dir)
+    assert job.wait(90) == 0, job.output
+    assert trainer_lines(job.output) == [], job.output
+    assert "as new processes" in job.output  # --start-method spawn: no zygote
+    for rank in (0, 1):
+        assert (log_dir / "gen0" / f"rank{rank}" / "stdout.log").read_text().startswith(f"hello from rank {rank}")
+        assert (log_dir / "gen0" / f"rank{rank}" / "stderr.log").read_text() == f"err from rank {rank}\n"
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_sigusr1_reaches_every_trainer_and_sighup_stops_the_job(start_job):
+    job = start_job("--nnodes", "2", "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGUSR1", "--label-output",
+                    HELLO, "--wait-usr1")
+    deadline = time.monotonic() + 60
+    while not ("[rank 0] ready 0" in job.output and "[rank 1] ready 1" in job.output):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.05)
+    os.kill(job.proc.pid, signal.SIGUSR1)
+    while not ("got SIGUSR1 in rank 0" in job.output and "got SIGUSR1 in rank 1" in job.output):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.05)
+    os.kill(job.proc.pid, signal.SIGHUP)
+    assert job.wait(60) == 128 + signal.SIGHUP, job.output
+    assert_job_left_nothing(job)
