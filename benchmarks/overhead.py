@@ -12,8 +12,11 @@ Cases (:mod:`overhead_worker`, gloo on 127.0.0.1, CPU):
   running it without snapshots (steady throughput ratio).
 - ``ckpt 1x2``: the snapshot case with ``--ckpt-dir``: the exit then includes the final persist.
 
-For each run: wall, first step (slowest rank), exit (launcher exit minus the last trainer's end), steady
-steps/s (mean over ranks). The table gives medians and ftrun / torchrun ratios with the issue's targets.
+Both launchers get the same command line (``--nproc-per-node``, ``--master-addr``/``--master-port``,
+``--nnodes``/``--node-rank``), ftrun also ``--log-dir`` for its event log. For each run: wall, first step
+(slowest rank), exit (the last launcher's exit minus the end of the last trainer's script: the trainers'
+interpreter teardown, about 0.6 s with torch here, is in it for both), ftrun's own exit (after its supervisors
+reaped the last trainer, from its events), steady steps/s (mean over ranks). The table gives medians and ftrun / torchrun ratios with the issue's targets.
 
     .venv/bin/python benchmarks/overhead.py --pairs 5
 """
@@ -54,8 +57,9 @@ class Case:
 class Sample:
     wall: float
     first_step: float
-    exit: float
+    exit: float  # the last launcher's exit after the last trainer's script returned (its interpreter teardown too)
     steady: float | None
+    own_exit: float | None = None  # ftrun: its exit after its supervisors reaped the last trainer (node_done)
 
 
 @dataclass
@@ -79,13 +83,14 @@ def commands(case: Case, launcher: str, out: str, ckpt: str) -> list[list[str]]:
         if case.nnodes == 1:
             return [base + worker]
         return [base + ["--nnodes", str(case.nnodes), "--node-rank", str(n)] + worker for n in range(case.nnodes)]
+    # the same command line with one word changed (and ftrun's own flags: its event log, the case's)
     worker += list(case.ftrun_worker_args)
     flags = [f.replace("{ckpt}", ckpt) for f in case.ftrun_flags]
-    base = [str(BIN_DIR / "ftrun"), "--nproc-per-node", str(case.nproc), *flags]
+    base = [str(BIN_DIR / "ftrun"), "--nproc-per-node", str(case.nproc), "--master-addr", "127.0.0.1",
+            "--master-port", port, "--log-dir", os.path.join(out, "logs"), *flags]
     if case.nnodes == 1:
         return [base + worker]
-    return [base + ["--nnodes", str(case.nnodes), "--node-rank", str(n), "--rdzv-endpoint", f"127.0.0.1:{port}",
-                    "--rdzv-id", f"overhead-{port}"] + worker for n in range(case.nnodes)]
+    return [base + ["--nnodes", str(case.nnodes), "--node-rank", str(n)] + worker for n in range(case.nnodes)]
 
 
 def run_once(case: Case, launcher: str) -> Sample | None:
@@ -115,9 +120,13 @@ def run_once(case: Case, launcher: str) -> Sample | None:
             print(f"  {launcher}: {len(ranks)} rank results", file=sys.stderr)
             return None
         steady = [r["steady"] for r in ranks if "steady" in r]
+        events = Path(out, "logs", "events.jsonl")
+        done = [json.loads(line)["time"] for line in (events.read_text().splitlines() if events.exists() else [])
+                if '"node_done"' in line]
         return Sample(wall=max(ends) - t0, first_step=max(r["first_step"] for r in ranks) - t0,
                       exit=max(ends) - max(r["end"] for r in ranks),
-                      steady=statistics.mean(steady) if steady else None)
+                      steady=statistics.mean(steady) if steady else None,
+                      own_exit=max(ends) - max(done) if done else None)
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -129,13 +138,13 @@ def median(values: list[float]) -> float:
 def report(case: Case, result: Result) -> list[str]:
     rows = []
     med = {name: {key: median([getattr(s, key) for s in samples if getattr(s, key) is not None])
-                  for key in ("wall", "first_step", "exit", "steady")}
+                  for key in ("wall", "first_step", "exit", "steady", "own_exit")}
            for name, samples in result.samples.items()}
     t, f = med["torchrun"], med["ftrun"]
     runs = f"{len(result.samples['ftrun'])}/{len(result.samples['torchrun'])}"
     rows.append(f"| {case.name} | {runs} | {t['wall']:.2f} | {f['wall']:.2f} | {f['wall'] / t['wall']:.2f} | "
                 f"{t['first_step']:.2f} | {f['first_step']:.2f} | {f['first_step'] / t['first_step']:.2f} | "
-                f"{t['exit']:.2f} | {f['exit']:.2f} | "
+                f"{t['exit']:.2f} | {f['exit']:.2f} | {f['own_exit']:.2f} | "
                 + (f"{t['steady']:.0f} | {f['steady']:.0f} | {f['steady'] / t['steady']:.3f} |"
                    if case.mode == "train" else "- | - | - |"))
     return rows
@@ -144,10 +153,13 @@ def report(case: Case, result: Result) -> list[str]:
 CASES = {
     "trivial-1x2": Case("trivial 1x2", 1, 2, "trivial"),
     "trivial-2x1": Case("trivial 2x1", 2, 1, "trivial"),
-    "train-1x2": Case("train 1x2", 1, 2, "train", ("--steps", "400")),
+    # steady state from step 300 (about 4 s in): after the one-time start costs of both launchers (ftrun's zygote
+    # imports torch._dynamo once the first generation beats, about 2 s of one core)
+    "train-1x2": Case("train 1x2", 1, 2, "train", ("--steps", "1000", "--warmup", "300")),
     "train-1x4": Case("train 1x4", 1, 4, "train", ("--steps", "200")),
-    "snapshot-1x2": Case("snapshot/10 1x2", 1, 2, "train", ("--steps", "400"), ("--snapshot-every", "10")),
-    "ckpt-1x2": Case("ckpt 1x2", 1, 2, "train", ("--steps", "400"), ("--snapshot-every", "10"),
+    "snapshot-1x2": Case("snapshot/10 1x2", 1, 2, "train", ("--steps", "1000", "--warmup", "300"),
+                         ("--snapshot-every", "10")),
+    "ckpt-1x2": Case("ckpt 1x2", 1, 2, "train", ("--steps", "1000", "--warmup", "300"), ("--snapshot-every", "10"),
                      ("--ckpt-dir", "{ckpt}", "--persist-every", "5")),
 }
 
@@ -158,8 +170,8 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
     args = parser.parse_args()
     header = ["| case | runs f/t | wall torchrun | wall ftrun | ratio | 1st step torchrun | 1st step ftrun | ratio | "
-              "exit torchrun | exit ftrun | steps/s torchrun | steps/s ftrun | ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "exit torchrun | exit ftrun | ftrun exit after trainers | steps/s torchrun | steps/s ftrun | ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines = []
     for key in args.cases.split(","):
         case = CASES[key]
@@ -172,7 +184,8 @@ def main() -> None:
                 else:
                     result.samples[launcher].append(sample)
                     print(f"{case.name} {launcher}: wall {sample.wall:.2f}s first step {sample.first_step:.2f}s "
-                          f"exit {sample.exit:.2f}s" + (f" steady {sample.steady:.0f}/s" if sample.steady else ""),
+                          f"exit {sample.exit:.2f}s" + (f" steady {sample.steady:.0f}/s" if sample.steady else "")
+                          + (f" own exit {sample.own_exit:.2f}s" if sample.own_exit is not None else ""),
                           flush=True)
         lines += report(case, result)
     print("\nmedians (seconds; steps/s); targets: wall and first step ratio <= 1.0, ftrun exit <= 0.3 s without "

@@ -196,15 +196,10 @@ def run(
         "secret_file": secret_file, "ckpt_dir": ckpt_dir, "persist_every": persist_every, "keep": keep,
         "resume": resume, "persist_grace": persist_grace, "inject": inject or None,
     })
-    from ftrun.launch.handoff import begin
+    from ftrun.launch.handoff import begin, exec_launcher
 
-    begun = begin(cfg, script)  # checks what needs no torch, and starts the supervisors: they import it meanwhile
-    from ftrun.launch.launcher import Launcher
-
-    code = Launcher(cfg, begun, list(script_args or [])).run()  # it has cleaned up after the whole job
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # skips tearing down torch at interpreter exit (about 0.5 s, with nothing left to do)
+    # checks what needs no torch, then this process becomes the launcher (see ftrun.launch.handoff)
+    exec_launcher(cfg, begin(cfg, script), list(script_args or []))
 
 
 @app.command()
@@ -315,8 +310,6 @@ def status(
                                      help="With --endpoint: c10d, or etcd (--endpoint h1:2379,h2:2379,...)."),
 ) -> None:
     """Show a running job's nodes, ranks, snapshot tiers and failures, refreshed live until it ends."""
-    import os
-
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ warning when the store goes
     from ftrun.ui.live import status_command
 

@@ -25,6 +25,8 @@ import pytest
 from torch.distributed import TCPStore
 
 from conftest import assert_job_left_nothing, gpt_args, primary_failures
+from ftrun.launch.handoff import SUPERVISOR_MODULE
+from ftrun.launch.processes import SUPERVISOR_NAME
 from ftrun.control.coordination import Generation
 from ftrun.control.secret import secret_path
 from ftrun.control.signed import TAG_MARK
@@ -85,13 +87,14 @@ def job_ports(launcher: int) -> dict[int, str]:
     for proc in procs:
         try:
             cmdline = " ".join(proc.cmdline())
+            supervisor = proc.name() == SUPERVISOR_NAME or SUPERVISOR_MODULE in cmdline  # forked, or started
             found = [c.laddr for c in proc.net_connections("inet") if c.status == psutil.CONN_LISTEN]
         except psutil.Error:
             continue
         for address in found:
             assert address.ip == "127.0.0.1", (cmdline, address)
             kind = ("keeper" if "ftrun.snapshot.keeper" in cmdline else
-                    "store" if proc.pid == launcher or "ftrun.launch.supervisor" in cmdline else "raw")
+                    "store" if proc.pid == launcher or supervisor else "raw")
             if ports.get(address.port) != "keeper":  # the supervisor holds its keeper's socket too
                 ports[address.port] = kind
     return ports

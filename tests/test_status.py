@@ -352,3 +352,14 @@ def test_run_tui_shows_the_view_in_the_launchers_terminal_and_leaves_the_summary
             proc.kill()
         for path in job_segments(job_id):
             os.unlink(path)
+
+
+@pytest.mark.timeout(30)
+def test_a_reason_that_looks_like_markup_is_shown_as_written():
+    """Reasons quote trainers' error messages; gloo's start with "[/path/pair.cc:537]", which rich would read as a
+    closing markup tag (and raise)."""
+    reason = "rank 3 exited with code 1 (RuntimeError: [/__w/gloo/pair.cc:537] Read error [bold])"
+    crash = Recovery(1, "crash", reason, "waitpid", 0.4, (20, "RAM"), 23)
+    status = JobStatus("tmarkup001", 2, 2, "running", 1, 60.0, 1, 0.9, {n: node_doc(n, gen=1) for n in range(2)}, [],
+                       {0: 120}, tiers(), [crash])
+    assert "[/__w/gloo/pair.cc:537]" in rendered(status, 200)

@@ -59,6 +59,7 @@ from ftrun.control.signed import SignedStore
 from ftrun.control.store import Store
 
 RUN_STALE_AFTER = 1.5  # seconds without any beat of a run that did not end before a new launcher starts a new run
+_LIVENESS_POLL = 0.05
 _CAS_TRIES = 200  # compare-and-set attempts on a key someone keeps rewriting before giving up (a store under attack)
 _RUN_PROBE = 8  # runs looked ahead for newer ones (a launcher that died before creating its run leaves a gap)
 
@@ -213,8 +214,12 @@ def _joinable(store: SignedStore, job_id: str, doc: tuple[int, str | None], toke
     before = store.multi_get(keys)
     if all(value is None for value in before):
         return True  # no supervisor up yet
-    time.sleep(stale_after)
-    return store.multi_get(keys) != before
+    deadline = time.monotonic() + stale_after
+    while time.monotonic() < deadline:  # a live run beats within a beat interval: join it then, not after stale_after
+        time.sleep(_LIVENESS_POLL)
+        if store.multi_get(keys) != before:
+            return True
+    return False
 
 
 class Coordinator:

@@ -24,7 +24,7 @@ import psutil
 from ftrun.control.spec import ENV_NODE_SPEC, safe_job_id, shm_dir
 from ftrun.launch.env import ENV_JOB_ID
 from ftrun.launch.handoff import SUPERVISOR_MODULE
-from ftrun.launch.zygote import ZYGOTE_NAME
+from ftrun.launch.processes import LAUNCHER_NAME, SUPERVISOR_NAME, ZYGOTE_NAME
 
 _NAMES = [re.compile(pattern) for pattern in (
     r"ftrun-(?P<job>.+)-launcher",
@@ -79,7 +79,8 @@ def job_files(job: str | None = None) -> list[JobFiles]:
     processes = _job_processes(set(jobs))
     for entry in jobs.values():
         launcher = _live_launcher(os.path.join(directory, f"ftrun-{entry.job}-launcher"))
-        entry.live = ([f"launcher pid {launcher}"] if launcher else []) + processes.get(entry.job, [])
+        others = [what for what in processes.get(entry.job, []) if what != f"pid {launcher} (launcher)"]
+        entry.live = ([f"launcher pid {launcher}"] if launcher else []) + others
     return list(jobs.values())
 
 
@@ -131,14 +132,17 @@ def _job_processes(jobs: set[str]) -> dict[str, list[str]]:
 
 
 def _label(proc: psutil.Process) -> str:
-    """``supervisor``, ``keeper``, ``zygote``, ``trainer``, or the process name. The zygote and the trainers it
-    forks are forks of their supervisor, with its argv: the zygote has its own name, a trainer's parent is the
-    supervisor."""
-    if proc.name() == ZYGOTE_NAME:
-        return "zygote"
+    """``launcher``, ``supervisor``, ``keeper``, ``zygote``, ``trainer``, or the process name. Supervisors,
+    zygotes and trainers are forks of the launcher, with its argv: they are told by their process names (a
+    trainer's parent is its supervisor); a supervisor or trainer started as a new interpreter by its module."""
+    names = {LAUNCHER_NAME: "launcher", SUPERVISOR_NAME: "supervisor", ZYGOTE_NAME: "zygote"}
+    if proc.name() in names:
+        return names[proc.name()]
     argv = proc.cmdline()
     module = argv[argv.index("-m") + 1] if "-m" in argv[:-1] else ""
-    name = module.rpartition(".")[2]
-    if name == "supervisor" and (parent := proc.parent()) is not None and SUPERVISOR_MODULE in parent.cmdline():
+    if module in ("ftrun.snapshot.keeper", SUPERVISOR_MODULE):
+        return module.rpartition(".")[2]
+    parent = proc.parent()
+    if module == "ftrun.launch.bootstrap" or (parent is not None and parent.name() == SUPERVISOR_NAME):
         return "trainer"
-    return ("trainer" if name == "bootstrap" else name) if module.startswith("ftrun.") else proc.name()
+    return proc.name()

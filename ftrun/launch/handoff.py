@@ -1,17 +1,21 @@
-"""The launcher's first half, before it imports torch: check the input, name the job, start the supervisors.
+"""How the processes of a job on this host start, with torch imported once per host, not once per process.
 
-:func:`begin` does what needs no torch (the script exists, the job fits this host, the job id) and starts
-the supervisor processes of this host (:func:`start`), so that their ``import torch`` overlaps the launcher's.
-The launcher starts a node's supervisor process (:func:`start`) before it has imported torch itself or opened
-the control store. The supervisor imports its modules (about 1.5 s here) meanwhile, then waits on a pipe that
-only the two share. Once the launcher knows the node's :class:`~ftrun.control.spec.NodeSpec` (the store's
-address, the job's run), it hands it over with the job secret (:meth:`PendingSupervisor.hand`). Neither ever
-appears in a process environment, where ``/proc/PID/environ`` would show them to the trainers forked from the
-supervisor's zygote; the supervisor's environment carries the job id only (``ftrun clean`` finds a job's
-processes by it).
+1. ``ftrun`` (:mod:`ftrun.cli`, no torch) parses the command line, and :func:`begin` checks what needs no
+   torch (the script exists, the simulated nodes fit this host) and names the job.
+2. :func:`exec_launcher` replaces that process (same pid) by ``python -P -m ftrun.launch.launcher`` with the job
+   id in its environment (``FTRUN_JOB_ID``: every process of the job, forks included, shows it in
+   ``/proc/PID/environ``, by which ``ftrun clean`` and the tests tell a job's processes) and the parsed settings
+   in an anonymous memory file. That process imports torch (about 1.5 s here), the only import of it this host
+   makes for the job.
+3. Before it starts any thread or connection, the launcher forks the supervisors of this host (as
+   :class:`PendingSupervisor`; each forks its zygote, which forks the trainers): none imports torch again.
+   A fork waits on a pipe that only it and the launcher share until the launcher, its control store up, hands
+   it its :class:`~ftrun.control.spec.NodeSpec` and the job secret (:meth:`PendingSupervisor.hand`), neither of
+   which ever appears in a process environment. A supervisor needed later (a lost node's replacement, once the
+   launcher runs threads) is a new interpreter instead (:func:`start`), handed its spec the same way.
 
-A launcher that stops before handing over (bad input found later, a signal) closes the pipe: the supervisor
-reads end-of-file and exits 0 having done nothing (:func:`receive` returns None).
+A launcher that stops before handing over closes the pipe: the supervisor reads end-of-file and exits 0
+having done nothing (:func:`receive` returns None).
 """
 
 from __future__ import annotations
@@ -19,35 +23,38 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import signal
 import subprocess
 import sys
 import uuid
 from dataclasses import asdict, dataclass
-from typing import IO, TYPE_CHECKING
+from typing import IO, TYPE_CHECKING, NoReturn
 
 from ftrun.control.spec import FORWARDED_SIGNALS, NodeSpec, safe_job_id
 from ftrun.errors import UsageError
 from ftrun.launch.capacity import local_fit_problem, this_host
 from ftrun.launch.env import ENV_JOB_ID
-from ftrun.launch.processes import die_with_parent
+from ftrun.launch.processes import ForkedChild, die_with_parent
 
 if TYPE_CHECKING:  # the supervisor imports this module for receive(): not the config's (yaml, ...)
     from ftrun.config import JobConfig
 
 ENV_HANDOFF_FD = "FTRUN_HANDOFF_FD"  # the read end of the pipe the spec comes on
+ENV_LAUNCH_FD = "FTRUN_LAUNCH_FD"  # the memory file with the launcher's settings (exec_launcher -> resume)
 SUPERVISOR_MODULE = "ftrun.launch.supervisor"
+LAUNCHER_MODULE = "ftrun.launch.launcher"
 
 
 @dataclass
 class PendingSupervisor:
-    """A supervisor process that imports its modules while it waits for its spec."""
+    """A supervisor process waiting for its spec."""
 
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedChild
     pipe: int | None  # write end; None once handed over or cancelled
 
-    def hand(self, spec: NodeSpec, secret: str) -> subprocess.Popen[bytes]:
+    def hand(self, spec: NodeSpec, secret: str) -> subprocess.Popen[bytes] | ForkedChild:
         """Give the supervisor its spec and the job secret; returns its process."""
         assert self.pipe is not None, "handed over already"
         data = (json.dumps({"spec": asdict(spec), "secret": secret}) + "\n").encode()
@@ -67,8 +74,8 @@ class PendingSupervisor:
 
 
 def start(job_id: str, output: IO[bytes] | None = None) -> PendingSupervisor:
-    """Start a supervisor process of ``job_id`` that waits for its spec (stdout and stderr to ``output``, or
-    inherited); it dies with this process."""
+    """Start a supervisor of ``job_id`` as a new interpreter that waits for its spec (stdout and stderr to
+    ``output``, or inherited); it dies with this process."""
     read, write = os.pipe()
     env = dict(os.environ)
     env[ENV_JOB_ID] = job_id
@@ -91,9 +98,11 @@ def start(job_id: str, output: IO[bytes] | None = None) -> PendingSupervisor:
     return PendingSupervisor(proc, write)
 
 
-def receive() -> tuple[NodeSpec, str] | None:
-    """In the supervisor: its spec and the job secret, once the launcher hands them over (None: it never will)."""
-    fd = int(os.environ.pop(ENV_HANDOFF_FD))
+def receive(fd: int | None = None) -> tuple[NodeSpec, str] | None:
+    """In the supervisor: its spec and the job secret, once the launcher hands them over on ``fd`` (a started
+    one: the descriptor in its environment); None: it never will."""
+    if fd is None:
+        fd = int(os.environ.pop(ENV_HANDOFF_FD))
     with open(fd, "rb") as pipe:
         line = pipe.readline()
     if not line:
@@ -104,23 +113,39 @@ def receive() -> tuple[NodeSpec, str] | None:
 
 @dataclass
 class Begun:
-    """What the launcher's first half found and started."""
+    """What the launcher's first half found."""
 
     target: str  # the script's absolute path, the executable's (--no-python), or the module name (-m)
     job_id: str
-    pending: list[PendingSupervisor]  # blank supervisors, one per node this host runs (none with --tui)
 
 
 def begin(cfg: JobConfig, script: str) -> Begun:
-    """Check the script and this host, name the job, and start its supervisors here; raises
-    :class:`UsageError` (nothing started) on bad input."""
+    """Check the script and this host, and name the job; raises :class:`UsageError` on bad input."""
     target = resolve_target(cfg, script)
     if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host())):
         raise UsageError(problem)
-    job_id = job_id_for(cfg)
-    count = cfg.nnodes + cfg.spares if cfg.local_mode else 1
-    # --tui: each node's output goes to its own file, opened when the node is known
-    return Begun(target, job_id, [] if cfg.tui else [start(job_id) for _ in range(count)])
+    return Begun(target, job_id_for(cfg))
+
+
+def exec_launcher(cfg: JobConfig, begun: Begun, args: list[str]) -> NoReturn:
+    """Become the launcher process (see the module docstring); ``ps`` shows the command line after it."""
+    fd = os.memfd_create("ftrun-launch", 0)
+    os.set_inheritable(fd, True)  # the new program reads it
+    os.write(fd, pickle.dumps((cfg, begun, args)))  # read back by resume() in this same process, after exec
+    os.lseek(fd, 0, os.SEEK_SET)
+    env = dict(os.environ)
+    env[ENV_JOB_ID] = begun.job_id
+    env[ENV_LAUNCH_FD] = str(fd)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, "-P", "-m", LAUNCHER_MODULE, *sys.argv[1:]], env)
+
+
+def resume() -> tuple[JobConfig, Begun, list[str]]:
+    """In the launcher: the settings :func:`exec_launcher` passed on."""
+    with open(int(os.environ.pop(ENV_LAUNCH_FD)), "rb") as f:
+        cfg, begun, args = pickle.load(f)  # written by this same process before its exec: never foreign bytes
+    return cfg, begun, args
 
 
 def resolve_target(cfg: JobConfig, target: str) -> str:

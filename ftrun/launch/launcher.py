@@ -36,15 +36,17 @@ from rich.console import Console
 from torch.distributed import DistError, TCPStore
 
 from ftrun.config import JobConfig, split_endpoint
-from ftrun.errors import UsageError
+from ftrun.errors import USAGE_EXIT_CODE, UsageError
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
 from ftrun.control.ownership import claim_free_rank, owner, spares
 from ftrun.control.signed import SignedStore
-from ftrun.launch.handoff import Begun, start
+from ftrun.launch.handoff import Begun, PendingSupervisor, resume, start
 from ftrun.launch.env import default_omp_threads
-from ftrun.launch.processes import become_subreaper, describe_exit, kill_descendants
+from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, die_with_parent,
+                                    kill_descendants, set_process_name)
+from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.control.secret import local_secret, shared_secret, write_secret_file
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
@@ -102,12 +104,12 @@ def _stop_signal(coord: Coordinator) -> int:
 
 
 class Launcher:
-    def __init__(self, cfg: JobConfig, begun: Begun, args: list[str]) -> None:
+    def __init__(self, cfg: JobConfig, begun: Begun, args: list[str], pending: list[PendingSupervisor]) -> None:
         self.cfg = cfg
         self.target = begun.target
         self.args = args
         self.job_id = begun.job_id
-        self.pending = begun.pending  # supervisors started by ftrun.launch.handoff.begin, waiting for a spec
+        self.pending = pending  # supervisors forked by main(), waiting for a spec
         self.node_rank = cfg.node_rank or 0  # under srun: agreed with the other nodes once the store is up
         step = slurm_step(os.environ)
         self.slurm: SlurmStep | None = (step if step is not None and not cfg.local_mode and cfg.nnodes == step.nnodes
@@ -125,7 +127,7 @@ class Launcher:
         self._next_view = 0.0
         self.store_server: TCPStore | None = None
         self.address: StoreAddress | None = None  # where the control store is (set by _open_store)
-        self.procs: dict[int, subprocess.Popen[bytes]] = {}
+        self.procs: dict[int, subprocess.Popen[bytes] | ForkedChild] = {}
         self.pool: SparePool | None = None  # --spares
         self.signalled: int | None = None
         # signs every control-store value (and authenticates keepers to each other); never given to trainers
@@ -207,8 +209,8 @@ class Launcher:
             local_ranks_filter=cfg.local_ranks_filter, duplicate_stdout_filters=cfg.duplicate_stdout_filters,
             duplicate_stderr_filters=cfg.duplicate_stderr_filters, label_output=cfg.label_output)
 
-    def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes]:
-        """A supervisor for ``spec``: one started by :func:`~ftrun.launch.handoff.begin`, else a new one."""
+    def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes] | ForkedChild:
+        """A supervisor for ``spec``: one forked by :func:`main`, else a new interpreter."""
         if self.pending:
             return self.pending.pop(0).hand(spec, self.secret)
         output = None
@@ -533,3 +535,44 @@ class Launcher:
             while (len(coord.marks(0, "left")) < coord.nnodes or any(doc.state == "waiting" for doc in spares(coord))
                    ) and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+def fork_supervisor() -> PendingSupervisor:
+    """A supervisor forked from this process, waiting for its spec: it shares this process's ``import torch``.
+    Only before this process starts any thread or connection (see :mod:`ftrun.launch.handoff`)."""
+    read, write = os.pipe()
+    launcher = os.getpid()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # the supervisor exits in supervisor_main; only its trainers come back, by SystemExit
+        os.close(write)
+        os.setsid()
+        die_with_parent(launcher)
+        for forwarded in FORWARDED_SIGNALS.values():  # ignored until the supervisor handles them: one that
+            signal.signal(forwarded, signal.SIG_IGN)  # comes before is lost, never fatal (as by default)
+        supervisor_main(read)
+    os.close(read)
+    return PendingSupervisor(ForkedChild(pid), write)
+
+
+def main() -> None:
+    """``python -P -m ftrun.launch.launcher``, as :func:`ftrun.launch.handoff.exec_launcher` runs it."""
+    set_process_name(LAUNCHER_NAME)
+    cfg, begun, args = resume()
+    # before any thread or connection of this process; --tui: each node's output goes to its own file, opened
+    # when the node is known, so its supervisors are new interpreters
+    count = 0 if cfg.tui else cfg.nnodes + cfg.spares if cfg.local_mode else 1
+    pending = [fork_supervisor() for _ in range(count)]
+    try:
+        code = Launcher(cfg, begun, args, pending).run()  # it has cleaned up after the whole job
+    except UsageError as err:
+        print(f"ftrun: error: {err}", file=sys.stderr)
+        code = USAGE_EXIT_CODE
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skips tearing down torch at interpreter exit (about 0.5 s, with nothing left to do)
+
+
+if __name__ == "__main__":
+    main()

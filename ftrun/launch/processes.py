@@ -7,15 +7,22 @@ every trainer leads its own process group, so stopping it reaches whatever it fo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
+import subprocess
 import time
 
 import psutil
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
+# Process names (what top and `ps -o comm` show; ftrun clean tells the processes of a job by them): the launcher
+# forks the supervisors, which fork their zygotes, so all share the launcher's argv.
+LAUNCHER_NAME = "ftrun"
+SUPERVISOR_NAME = "ftrun-node"
+ZYGOTE_NAME = "ftrun-zygote"
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -82,3 +89,39 @@ def kill_descendants(timeout: float = 5.0) -> None:
                 pass
         psutil.wait_procs(children, timeout=0.5)
         reap()
+
+
+class ForkedChild:
+    """A forked child process, with the part of :class:`subprocess.Popen`'s interface the launcher uses."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+            except ChildProcessError:  # reaped elsewhere (kill_descendants): its code is lost
+                self.returncode = -signal.SIGKILL
+                return self.returncode
+            if pid == self.pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(str(self.pid), timeout or 0.0)
+            time.sleep(0.005)
+        assert self.returncode is not None
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)

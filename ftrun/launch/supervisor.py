@@ -38,7 +38,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TypeVar
+from typing import NoReturn, TypeVar
 
 from torch.distributed import DistError, TCPStore
 
@@ -49,8 +49,8 @@ from ftrun.control.ownership import Owner, owner, take
 from ftrun.launch.env import TrainerPlace, trainer_env
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.launch.heartbeat import Beat, HangDetector, HangSuspect, HeartbeatTable, culprit, process_state
-from ftrun.launch.processes import (become_subreaper, describe_exit, die_with_parent, kill_descendants, reap,
-                                    signal_group)
+from ftrun.launch.processes import (SUPERVISOR_NAME, become_subreaper, describe_exit, die_with_parent,
+                                    kill_descendants, reap, set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, safe_job_id, shm_path)
 from ftrun.control.store import host_store
@@ -807,6 +807,8 @@ def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None
         use_job(spec.job_id, secret, lambda message: events.emit("store_rejected", message), run=spec.run)
         report = OutageReport(lambda message: events.emit("store_outage", message))
         coord = Coordinator(open_store(spec_address(spec), spec.rdzv_timeout, report), spec.job_id, -1, spec.nnodes)
+        if zygote is not None:
+            zygote.preload()  # idle until it takes a rank: then its trainers start with everything imported
         claimed = Spare(spec, coord, events, me).wait(zygote)
     except DistError as err:
         events.emit("failed", f"control store lost: {str(err).splitlines()[0]}")
@@ -820,8 +822,11 @@ def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None
     return Supervisor(node_spec, me, secret, claimed.incarnation, zygote, events).run()
 
 
-def main() -> None:
-    handed = receive()  # waits for the launcher, which imported torch meanwhile, as this process did
+def main(handoff: int | None = None) -> NoReturn:
+    """Run a supervisor: a fork of the launcher that reads its spec from ``handoff``, or (None) a new interpreter
+    started by :func:`ftrun.launch.handoff.start`. Exits the process."""
+    set_process_name(SUPERVISOR_NAME)
+    handed = receive(handoff)  # waits for the launcher to have the control store up
     if handed is None:  # the launcher stopped before it needed this node
         os._exit(0)
     spec, secret = handed

@@ -37,12 +37,11 @@ from typing import NoReturn
 
 from ftrun.control.spec import FORWARDED_SIGNALS
 from ftrun.launch.bootstrap import run_main
-from ftrun.launch.processes import die_with_parent, set_process_name
+from ftrun.launch.processes import ZYGOTE_NAME, die_with_parent, set_process_name
 
 # imported by the supervisor before the fork: torch, torch.distributed. Asked for later (see the docstring):
 # torch._dynamo, which DistributedDataParallel and the optimizers' first step import (1-4 s per trainer).
 PRELOAD = ("torch.nn.parallel", "torch._dynamo", "numpy")
-ZYGOTE_NAME = "ftrun-zygote"  # its process name (ftrun clean tells it by this)
 SPAWN_TIMEOUT = 60.0  # seconds for one fork, a preload under way included
 _REPARENT_TIMEOUT = 5.0
 
@@ -222,12 +221,10 @@ def _zygote(sock: socket.socket, supervisor: int) -> NoReturn:
     """The forked child: serve, or, in a trainer forked from here, run the user's code and exit as Python would
     (by SystemExit through the supervisor's own frames, which hold no cleanup that must not run here)."""
     die_with_parent(supervisor)
-    with open("/proc/self/comm") as f:
-        trainer_name = f.read().strip()  # the interpreter's, as a trainer started by torchrun shows
-    set_process_name(ZYGOTE_NAME)  # its argv is the supervisor's (a fork of it)
+    set_process_name(ZYGOTE_NAME)  # its argv is the launcher's (all are forks of it)
     request = _serve(sock, supervisor)
     if request is None:  # the supervisor closed the socket
         os._exit(0)
-    set_process_name(trainer_name)
+    set_process_name(os.path.basename(sys.executable))  # as a trainer started by torchrun shows
     _run(request)
     sys.exit(0)

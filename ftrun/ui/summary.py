@@ -51,7 +51,7 @@ def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
     from rich.table import Table
 
     rows = recoveries(coord)
-    console = Console(stderr=True, highlight=False)
+    console = Console(stderr=True, highlight=False, markup=False)  # reasons quote error messages: "[/path...]"
     verdict = ("succeeded" if exit_code == 0 else f"stopped by a signal (exit code {exit_code})" if exit_code > 128
                else f"failed (exit code {exit_code})")
     limit = (coord.job_doc() or {}).get("max_restarts")

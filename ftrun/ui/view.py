@@ -158,9 +158,10 @@ def events_table(status: JobStatus, limit: int = MAX_EVENTS) -> Table:
     return table
 
 
-def cause(event: Recovery) -> str:
-    """The failure's reason and the step the failed rank had reached."""
-    return event.reason + (f" at step {event.failed_step}" if event.failed_step is not None else "")
+def cause(event: Recovery) -> Text:
+    """The failure's reason and the step the failed rank had reached (as text: reasons quote error messages,
+    which may look like markup: "[/path/pair.cc:537]")."""
+    return Text(event.reason + (f" at step {event.failed_step}" if event.failed_step is not None else ""))
 
 
 def restored(event: Recovery) -> Text:
