@@ -77,9 +77,9 @@ KEEPER_START_TIMEOUT = 30.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (gen/<g>/hang); the asker waits this long for all of them.
 HANG_VOTE_WAIT = 1.0
-# The zygote imports what training scripts import next (ZygoteClient.preload) once every trainer of the node has
-# beaten, or after this many seconds of a generation (a script that never calls ftrun's API never beats).
-PRELOAD_AFTER = 10.0
+# The zygote imports what training scripts import next (ZygoteClient.preload: 1.8 s here, during which it forks
+# nothing) this many seconds into a generation: not on the way to its first step, nor to a restart soon after it.
+PRELOAD_AFTER = 5.0
 # A crash before the first heartbeat that repeats the one that started the generation (same signature: the
 # trainer's "Type: message", or its exit signal or code) ends the job instead of restarting it again.
 CRASH_LOOP = "failed the same way twice before its first step; not restarting"
@@ -502,8 +502,8 @@ class Supervisor:
             if not up and all(beat.beats > 0 for beat in table):
                 up = True
                 self.coord.mark(g, "up", time.time())
-            if self.zygote is not None and (up or now > preload_at):
-                self.zygote.preload()  # off the way to this generation's first step, ready for the next one
+            if self.zygote is not None and now > preload_at:
+                self.zygote.preload()  # for the next generation's trainers
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
             if now >= next_gen_check:  # failures seen elsewhere

@@ -7,8 +7,9 @@ anyway, so the zygote is a plain fork of it, made before the supervisor starts a
 operation (a fork after a multi-threaded torch op hangs the child) and never initialises CUDA.
 
 What training scripts import next (:data:`PRELOAD`: DDP and the optimizers import ``torch._dynamo``, 1.8 s
-here) is not on the way to the first trainers: the supervisor asks for it (:meth:`ZygoteClient.preload`) once
-the first generation runs, so that later generations start with it imported.
+here) is not on the way to the first trainers: the supervisor asks for it (:meth:`ZygoteClient.preload`) a few
+seconds into the first generation (not on the way to a restart soon after the start either: the zygote forks
+nothing while it imports), so that later generations start with it imported; a spare's zygote at once.
 
 Protocol on the socket pair, one JSON document per line:
 
