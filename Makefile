@@ -22,6 +22,7 @@ test: install
 
 bench: install
 	$(BIN)/python benchmarks/restart_latency.py
+	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/snapshot.py
 	$(BIN)/python benchmarks/erasure.py
 	$(BIN)/python benchmarks/persist_rounds.py
