@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PIP := $(BIN)/pip install --quiet --disable-pip-version-check -c constraints.txt
 
-.PHONY: install run test bench etcd clean
+.PHONY: install run test test-extended bench etcd clean
 
 install: $(VENV)/.installed
 
@@ -19,6 +19,9 @@ run: install
 
 test: install
 	$(BIN)/python -m pytest
+
+test-extended: install
+	$(BIN)/python -m pytest -m extended
 
 bench: install
 	$(BIN)/python benchmarks/restart_latency.py

@@ -60,6 +60,7 @@ def test_three_nodes_one_parity_lose_one_bitwise(start_job, tmp_path, gpt_baseli
     assert plan["step"] == 20 and plan["rebuilt"] == {"2": [0, 1]}
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_four_nodes_two_parity_lose_two_at_once_bitwise(start_job, tmp_path, gpt_baselines):
     job = run_bitwise(start_job, tmp_path, gpt_baselines(4, 1), "g4m2", "--ec-group", "4", "--ec-parity", "2",

@@ -464,13 +464,16 @@ class Supervisor:
         while True:
             if self._stopping:
                 return self._ask_stop(seen)
+            exited = []  # every exit of the batch is recorded before one is acted on (a return ends the loop)
             for pid, code in reap().items():
-                trainer = self.trainers.get(pid)
                 if self.keeper is not None and pid == self.keeper.pid:
                     self._keeper_exited(code)
-                if trainer is None:
-                    continue
-                trainer.exit_code = code
+                elif (trainer := self.trainers.get(pid)) is not None:
+                    trainer.exit_code = code
+                    exited.append(trainer)
+            for trainer in exited:
+                code = trainer.exit_code
+                assert code is not None
                 self.output.drain(trainer.rank)  # its last lines before what its exit is reported as
                 # SLURM signals every process of a step at once: the trainer heard it first
                 if code == -signal.SIGTERM and self._stop_signal_follows():
@@ -730,6 +733,10 @@ class Supervisor:
                     self.trainers[pid].exit_code = code
                 elif self.keeper is not None and pid == self.keeper.pid and not self._stopping:
                     self._keeper_exited(code)
+            if killed:  # one already reaped, its code lost, must not hold the stop up forever
+                for trainer in running:
+                    if trainer.exit_code is None and not _exists(trainer.pid):
+                        trainer.exit_code = -signal.SIGKILL
             time.sleep(0.005)
         for trainer in self.trainers.values():
             signal_group(trainer.pid, signal.SIGKILL)  # anything the trainers left behind in their groups
@@ -790,6 +797,15 @@ def _first_line(text: str) -> str:
 def _detail(message: str) -> str:
     """`` (Type: message)`` of a trainer's error file for a failure's reason ("" without one)."""
     return f" ({_first_line(message)})" if message else ""
+
+
+def _exists(pid: int) -> bool:
+    """Whether ``pid`` is a process, a zombie included."""
+    try:
+        os.kill(pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
 
 
 def _reaped(pid: int) -> bool:
