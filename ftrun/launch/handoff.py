@@ -73,23 +73,26 @@ class PendingSupervisor:
             self.pipe = None
 
 
-def start(job_id: str, output: IO[bytes] | None = None) -> PendingSupervisor:
-    """Start a supervisor of ``job_id`` as a new interpreter that waits for its spec (stdout and stderr to
-    ``output``, or inherited); it dies with this process."""
+def prepare_supervisor(launcher: int) -> None:
+    """In a new supervisor process (forked, or before its exec): it dies with ``launcher``, and the signals the
+    launcher forwards are ignored until it handles them (one that comes before is lost, never fatal as it is by
+    default)."""
+    die_with_parent(launcher)
+    for forwarded in FORWARDED_SIGNALS.values():
+        signal.signal(forwarded, signal.SIG_IGN)
+
+
+def start(output: IO[bytes] | None = None) -> PendingSupervisor:
+    """Start a supervisor as a new interpreter that waits for its spec (stdout and stderr to ``output``, or
+    inherited); it dies with this process. The launcher's environment names the job (:func:`exec_launcher`)."""
     read, write = os.pipe()
     env = dict(os.environ)
-    env[ENV_JOB_ID] = job_id
     env[ENV_HANDOFF_FD] = str(read)
     launcher = os.getpid()
-
-    def before_exec() -> None:
-        die_with_parent(launcher)
-        for forwarded in FORWARDED_SIGNALS.values():  # ignored until the supervisor handles them: one that
-            signal.signal(forwarded, signal.SIG_IGN)  # comes before is lost, never fatal (as it is by default)
-
     try:
         proc = subprocess.Popen([sys.executable, "-P", "-m", SUPERVISOR_MODULE], env=env, pass_fds=(read,),
-                                stdout=output, stderr=output, start_new_session=True, preexec_fn=before_exec)
+                                stdout=output, stderr=output, start_new_session=True,
+                                preexec_fn=lambda: prepare_supervisor(launcher))
     except BaseException:
         os.close(write)
         raise
@@ -131,7 +134,8 @@ def exec_launcher(cfg: JobConfig, begun: Begun, args: list[str]) -> NoReturn:
     """Become the launcher process (see the module docstring); ``ps`` shows the command line after it."""
     fd = os.memfd_create("ftrun-launch", 0)
     os.set_inheritable(fd, True)  # the new program reads it
-    os.write(fd, pickle.dumps((cfg, begun, args)))  # read back by resume() in this same process, after exec
+    with open(fd, "wb", closefd=False) as f:  # read back by resume() in this same process, after exec
+        pickle.dump((cfg, begun, args), f)
     os.lseek(fd, 0, os.SEEK_SET)
     env = dict(os.environ)
     env[ENV_JOB_ID] = begun.job_id

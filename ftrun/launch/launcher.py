@@ -42,10 +42,10 @@ from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
 from ftrun.control.ownership import claim_free_rank, owner, spares
 from ftrun.control.signed import SignedStore
-from ftrun.launch.handoff import Begun, PendingSupervisor, resume, start
+from ftrun.launch.handoff import Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads
-from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, die_with_parent,
-                                    kill_descendants, set_process_name)
+from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, kill_descendants,
+                                    set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.control.secret import local_secret, shared_secret, write_secret_file
 from ftrun.launch.spare_pool import SparePool
@@ -218,7 +218,7 @@ class Launcher:
             os.makedirs(self.output_dir, mode=0o700, exist_ok=True)
             output = open(os.path.join(self.output_dir, f"node{spec.node_rank}.log"), "ab")
         with output or contextlib.nullcontext():
-            return start(self.job_id, output).hand(spec, self.secret)
+            return start(output).hand(spec, self.secret)
 
     def _store_warning(self, message: str) -> None:
         self.events.emit("store_rejected", message)
@@ -548,9 +548,7 @@ def fork_supervisor() -> PendingSupervisor:
     if pid == 0:  # the supervisor exits in supervisor_main; only its trainers come back, by SystemExit
         os.close(write)
         os.setsid()
-        die_with_parent(launcher)
-        for forwarded in FORWARDED_SIGNALS.values():  # ignored until the supervisor handles them: one that
-            signal.signal(forwarded, signal.SIG_IGN)  # comes before is lost, never fatal (as by default)
+        prepare_supervisor(launcher)
         supervisor_main(read)
     os.close(read)
     return PendingSupervisor(ForkedChild(pid), write)

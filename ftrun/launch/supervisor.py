@@ -509,16 +509,16 @@ class Supervisor:
                 self.zygote.preload()  # for the next generation's trainers
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
-            if now >= next_gen_check:  # failures seen elsewhere
+            if now >= next_gen_check:  # failures seen elsewhere; once this node is done, whether every node is
                 next_gen_check = now + self.coord.store.poll_interval
                 now_raw = self.coord.current_raw()
                 if now_raw != seen:
                     return now_raw
+                if done and len(self.coord.marks(g, "done")) == self.spec.nnodes:  # the job is done: leave at once
+                    if leader is not None:
+                        leader.finish()
+                    return "done"
             self._publish_status("done" if done else "running", g)
-            if done and len(self.coord.marks(g, "done")) == self.spec.nnodes:  # the job is done: leave at once
-                if leader is not None:
-                    leader.finish()
-                return "done"
             if now >= next_peer_check:
                 next_peer_check = now + PEER_CHECK_INTERVAL
                 lost = self._check_peers(peers, seen)
