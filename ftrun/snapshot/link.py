@@ -41,10 +41,7 @@ from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.snapshot.durability import Durability
 from ftrun.snapshot.protocol import KeeperClient, KeeperError, KeeperUnavailable, socket_name
 
-LINK_INTERVAL = 0.01  # while a generation's restore is agreed (on the way to the trainers' restore)
-# while the trainers run: how often the keeper's commits are relayed (a keeper round trip each, in both processes:
-# at 100 per second they cost more CPU than the rest of the supervisor and keeper together)
-RELAY_INTERVAL = 0.05
+LINK_INTERVAL = 0.01
 
 
 def newest_common(sets: list[set[int]]) -> int:
@@ -158,18 +155,14 @@ class KeeperLink(threading.Thread):
         self._asked_final = self._marked_stopped = False
         self._finished = threading.Event()
         self._halt = threading.Event()
-        self._wake = threading.Event()  # a new generation, or stop: look now
         self._interval = max(LINK_INTERVAL, self.coord.store.poll_interval)
-        self._relay_interval = max(RELAY_INTERVAL, self.coord.store.poll_interval)
 
     def begin(self, generation: int) -> None:
         """A new generation starts: agree its restore step before anything else."""
         self._generation = generation
-        self._wake.set()
 
     def stop(self) -> None:
         self._halt.set()
-        self._wake.set()
 
     def finish(self, grace: float) -> str | None:
         """The trainers have stopped (or ended): persist the newest globally committed step, within ``grace``
@@ -179,7 +172,6 @@ class KeeperLink(threading.Thread):
             return None
         self._final_grace = grace
         self._finish_by = time.monotonic() + grace
-        self._wake.set()
         self._finished.wait(grace + 1)
         return self._final
 
@@ -199,9 +191,7 @@ class KeeperLink(threading.Thread):
                 pass  # the keeper is restarting; the supervisor sees its exit
             except DistError:
                 return  # the control store is gone; the supervisor sees that too
-            relaying = gen in self._plans and self._finish_by is None
-            self._wake.wait(self._relay_interval if relaying else self._interval)
-            self._wake.clear()
+            self._halt.wait(self._interval)
 
     def _agree(self, gen: int) -> None:
         reply = self.keeper.request("held", generation=gen)
