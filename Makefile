@@ -11,7 +11,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) torch==2.13.0
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,data]'
 	touch $@
 
 run: install

@@ -135,14 +135,6 @@ def lr_factor(step: int, steps: int) -> float:
     return min((step + 1) / warmup, 0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def warm_up(ddp: DistributedDataParallel, optimizer: Optimizer, device: torch.device) -> None:
-    # DDP re-buckets gradients after its first backward (in the order they became ready), which changes the
-    # order of the floating-point sums in the all-reduce. One warm-up backward without an optimizer step at
-    # every start makes every real step use the re-built buckets, so a resumed run stays bitwise equal.
-    ddp(torch.zeros(1, BLOCK, dtype=torch.long, device=device)).sum().backward()
-    optimizer.zero_grad(set_to_none=True)
-
-
 def train_step(ddp: DistributedDataParallel, optimizer: Optimizer, scheduler: LRScheduler, loader: CharLoader,
                device: torch.device) -> torch.Tensor:
     inputs, targets = (t.to(device) for t in loader.next_batch())
@@ -197,7 +189,6 @@ def main() -> None:
     random.seed(rank)
     np.random.seed(rank)
     ddp = DistributedDataParallel(model)
-    warm_up(ddp, optimizer, device)  # before restore, so its dropout draws leave the restored RNG alone
 
     snap = ftrun.Snapshotter({"model": model, "optim": optimizer, "sched": scheduler, "data": loader},
                              every=args.snapshot_every)

@@ -4,7 +4,8 @@ It uses no ftrun API except a guarded ``ftrun.heartbeat``, so it shows what ftru
 code changes: crash and hang detection and global in-place restarts. Every ``--ckpt-every`` steps rank 0
 writes model, optimizer and step to ``--ckpt-dir`` (atomically); on start every rank resumes from it. The
 batch of a step is drawn from a generator seeded by (step, rank), so a resumed run is bit-for-bit the run
-that did not fail (see the DDP warm-up below). At the end rank 0 writes the SHA-256 of the final parameters and optimizer state.
+that did not fail (see the DDP warm-up below: a script that keeps its own checkpoints needs it; the Snapshotter
+does it for scripts that use it). At the end rank 0 writes the SHA-256 of the final parameters and optimizer state.
 
     ftrun --nnodes 2 --nproc-per-node 2 examples/train_plain.py --steps 60 --ckpt-dir /tmp/ck --out /tmp/h
 """
@@ -52,7 +53,7 @@ def main() -> None:
 
     use_cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if use_cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)

@@ -13,6 +13,12 @@ objects. The checksum itself was verified by the keeper when the generation star
 agreed (a slot that fails it falls through to an older step without a restart), so restore reads the bytes
 once. A slot that fails the checks is reported to the keeper and never loaded; the trainer exits with an
 error and the next generation agrees on an older step.
+
+The *resume window* runs from a restore of a step > 0 to the first optimizer step (or ``save``) after it. In it,
+the first training forward of each DDP module runs a warm-up that leaves no trace, so the resumed step sums
+gradients in the order the failure-free run did (:mod:`ftrun.snapshot.ddp_buckets`), and the restored data
+loaders draw their resume iterator's seed from a throwaway generator, not from the restored RNG
+(:mod:`ftrun.snapshot.loader_seed`).
 """
 
 from __future__ import annotations
@@ -31,7 +37,9 @@ import torch
 
 from ftrun import heartbeat
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
+from ftrun.snapshot.ddp_buckets import BucketWarmup
 from ftrun.snapshot.layout import Capture, Entry, capture, decode_meta, encode_meta, restore
+from ftrun.snapshot.loader_seed import LoaderSeedGuard
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
 from ftrun.snapshot.slot import HEADER_SIZE, META_HEADROOM, Header, SlotFile
 
@@ -74,9 +82,14 @@ class Snapshotter:
         self._error: BaseException | None = None
         self._disabled = False
         self.last_copy_seconds = 0.0
+        # the resume window (see the module docstring)
+        self._warmup: BucketWarmup | None = None
+        self._loaders: LoaderSeedGuard | None = None
+        self._restored = 0
+        self._told_uncaptured = False
         for value in state.values():
             if isinstance(value, torch.optim.Optimizer):
-                value.register_step_pre_hook(lambda *_: self.wait())
+                value.register_step_pre_hook(lambda *_: self._before_step())
 
     # -- restore --------------------------------------------------------------------------------------------
     def restore(self) -> int:
@@ -105,6 +118,10 @@ class Snapshotter:
         restore(self.state, layout, skeleton, functools.partial(_view, _data(slot, header.data_len)))
         self._keeper.request("restored", rank=self._rank, step=step, nbytes=header.payload_len,
                              seconds=time.perf_counter() - t0)
+        self._restored = step
+        self._warmup = BucketWarmup()
+        self._warmup.arm()
+        self._loaders = LoaderSeedGuard(self.state)
         heartbeat(step)
         return step
 
@@ -112,14 +129,28 @@ class Snapshotter:
     def save(self, step: int) -> None:
         """Beat; every ``every`` steps also snapshot the state at ``step``, copying in the background."""
         heartbeat(step)
-        if not self.active or self._disabled or step % self.every:
+        if not self.active:
+            return
+        if self._warmup is not None and step > self._restored:
+            self._end_resume_window()
+        if self._disabled or step % self.every:
             return
         self.wait()
         taken = capture(self.state, rng=self.rng)
+        if taken.uncaptured and not self._told_uncaptured:
+            self._told_uncaptured = True
+            if os.environ.get("RANK", "0") == "0":
+                print(f"ftrun.Snapshotter: the position of {', '.join(taken.uncaptured)} (a torch DataLoader) is not "
+                      "captured: after a restore its epoch starts over. torchdata's StatefulDataLoader resumes at "
+                      "the same sample (pip install torchdata).", file=sys.stderr, flush=True)
         meta = encode_meta(taken.layout, taken.skeleton)
         ready = _cuda_ready_event(taken)
+        # Not a daemon: the interpreter joins it before it finalizes. A daemon thread still copying when the
+        # script returns is stopped where it stands (pthread_exit at its next GIL take) with the snapshot, the
+        # loader and its workers referenced from its frame; with a StatefulDataLoader's workers that ended
+        # in SIGABRT at exit ("terminate called without an active exception") under ftrun only.
         self._job = threading.Thread(target=self._copy, args=(step, taken, meta, ready),
-                                     name="ftrun-snapshot", daemon=True)
+                                     name="ftrun-snapshot")
         self._job.start()
 
     def wait(self) -> None:
@@ -131,6 +162,18 @@ class Snapshotter:
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"ftrun snapshot failed: {error}") from error
+
+    def _before_step(self) -> None:
+        """Every optimizer step waits for the copy; the first one after a restore ends the resume window."""
+        if self._warmup is not None:
+            self._end_resume_window()
+        self.wait()
+
+    def _end_resume_window(self) -> None:
+        self._warmup.disarm()  # type: ignore[union-attr]
+        self._warmup = None
+        self._loaders.release()  # type: ignore[union-attr]
+        self._loaders = None
 
     def _copy(self, step: int, taken: Capture, meta: bytes, ready: Any) -> None:
         try:

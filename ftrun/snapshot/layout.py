@@ -14,6 +14,8 @@ Skeleton: ``{"format": 1, "state": {key: node, ...}, "rng": node}`` ("rng" only 
           | {"b": "<base64>"} | {"n": ["<f4", "<hex>"]}        bytes | numpy scalar (dtype.str, raw bytes)
           | {"T": i, "g": 1} | {"N": i}                        tensor ("g": requires_grad) | numpy array: entry i
           | {"S": node}                                        stateful object: node is its state_dict()
+          | {"X": "DataLoader"}                                a value whose state is not captured (a plain
+                                                               torch DataLoader: restore leaves it as it is)
     key  := node of a str, int, float, bool, None or bytes
 
 Invariants:
@@ -98,11 +100,13 @@ class Layout:
 
 @dataclass
 class Capture:
-    """What :func:`capture` returns: the layout, one tensor per entry (same order) and the skeleton."""
+    """What :func:`capture` returns: the layout, one tensor per entry (same order), the skeleton, and the paths
+    of values whose state is not captured (plain DataLoaders)."""
 
     layout: Layout
     tensors: list[torch.Tensor]
     skeleton: dict
+    uncaptured: list[str]
 
 
 def _align(n: int) -> int:
@@ -143,10 +147,16 @@ def _live_tensors(obj: Any, path: str) -> _Live:
     return _never
 
 
+def _uncaptured(v: Any) -> bool:
+    """A plain ``torch.utils.data.DataLoader``: iterable, but without a state to capture (its position)."""
+    return isinstance(v, torch.utils.data.DataLoader) and not _is_stateful(v)
+
+
 class _Walker:
     def __init__(self) -> None:
         self.entries: list[Entry] = []
         self.tensors: list[torch.Tensor] = []
+        self.uncaptured: list[str] = []
 
     def add(self, t: torch.Tensor, path: str, live: _Live) -> int:
         kind = "sparse" if t.layout != torch.strided else "quantized" if t.is_quantized else "meta" if t.is_meta else ""
@@ -189,6 +199,9 @@ class _Walker:
             return doc
         if _is_stateful(v):
             return {"S": self.node(v.state_dict(), path, _live_tensors(v, path))}
+        if _uncaptured(v):
+            self.uncaptured.append(path)
+            return {"X": kind.__qualname__}
         raise UnsupportedState(f"cannot snapshot {kind.__qualname__} at {path}: {_HINT}")
 
     def key(self, k: Any, path: str) -> Any:
@@ -211,7 +224,7 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> Capture:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rngs["cuda"] = torch.cuda.get_rng_state_all()
         skeleton["rng"] = walker.node(rngs, RNG_KEY, _never)
-    return Capture(_layout(walker.entries), walker.tensors, skeleton)
+    return Capture(_layout(walker.entries), walker.tensors, skeleton, walker.uncaptured)
 
 
 class _Builder:
@@ -256,6 +269,8 @@ class _Builder:
             return arr.copy()
         if "S" in node:
             return self.value(node["S"], None, path, False) if self.plain else self.load(node["S"], live, path)
+        if "X" in node:
+            return None if self.plain else live
         raise ValueError(f"corrupt snapshot skeleton at {path}")
 
     def items(self, nodes: list, live: Any, path: str, inplace: bool) -> list:

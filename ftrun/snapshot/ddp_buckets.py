@@ -1,0 +1,148 @@
+"""Exact DDP resumption: a resumed generation's first step sums gradients in the failure-free run's order.
+
+Why. ``DistributedDataParallel`` all-reduces gradients in flat buckets and lays them out twice. Its first
+iteration uses an initial layout (with the default ``find_unused_parameters=False``: every parameter in one
+bucket, in reverse registration order). That iteration's backward records the order in which gradients became
+ready, and the next forward re-buckets them in that order (a 1 MiB first bucket, then ``bucket_cap_mb``). Where
+a value sits in a bucket decides where each rank's share enters its sum in a ring all-reduce (gloo, NCCL), and
+a floating-point sum of three or more terms depends on its order. So the first step of a DDP module sums in
+another order than every later one. A failure-free run takes step ``s > 0`` with the rebuilt layout; a resumed
+generation builds a new DDP whose first step, step ``s``, would use the initial layout, and from there the runs
+differ in the last bits.
+
+How. :class:`BucketWarmup`, armed by ``Snapshotter.restore()`` when it loaded a step > 0, makes the resumed
+first step use the rebuilt layout, with public torch API only (no DDP internals, no patching):
+
+* it finds the DDP modules: those alive at restore (``gc``) and those built later (a global module
+  registration hook sees DDP's ``self.module = module``);
+* on each one's first forward with gradients enabled (a forward pre-hook with kwargs) it first runs a warm-up:
+  the same forward on the same inputs, then a backward of zero gradients. That is the iteration DDP re-buckets
+  after, so the real forward re-buckets exactly as the failure-free run did after its step 0: the ready order
+  depends on the graph, not on the values;
+* the warm-up leaves no trace: RNG states (``torch.random.fork_rng``, Python's, numpy's), the module's buffers
+  (BatchNorm statistics) and every parameter's ``.grad`` are put back; no optimizer steps.
+
+Invariants: every rank of a DDP group warms up at the same forward, since all of them restored (restarts are
+global) and run the same script. A module is left alone where the layout cannot matter: a group of two ranks
+(a sum of two terms is the same in either order) and ``find_unused_parameters=True`` without a static graph
+(DDP never re-buckets then). The hooks are gone after the warm-up, or at the first optimizer step.
+
+Cost: one forward and backward per DDP module per restore; nothing in a generation that did not restore.
+Limit: a forward whose outputs hold no tensor that requires grad cannot be warmed up; ftrun warns once then
+(the fix: return the tensors the loss is computed from).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import random
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torch.nn.modules.module import register_module_module_registration_hook
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.hooks import RemovableHandle
+
+
+class BucketWarmup:
+    """Warm-up of every DDP module's first forward after a restore; see the module docstring."""
+
+    def __init__(self) -> None:
+        self._registration: RemovableHandle | None = None
+        self._pending: dict[int, RemovableHandle] = {}  # id(module) -> its forward pre-hook
+        self._warned = False
+
+    def arm(self) -> None:
+        """Hook the DDP modules alive now and any built from now on."""
+        for obj in gc.get_objects():
+            if isinstance(obj, DistributedDataParallel):
+                self._hook(obj)
+        self._registration = register_module_module_registration_hook(self._registered)
+
+    def disarm(self) -> None:
+        """Remove every hook; modules not warmed up by now stay as they are."""
+        if self._registration is not None:
+            self._registration.remove()
+            self._registration = None
+        for handle in self._pending.values():
+            handle.remove()
+        self._pending.clear()
+
+    def _registered(self, owner: torch.nn.Module, name: str, child: torch.nn.Module | None) -> None:
+        if name == "module" and isinstance(owner, DistributedDataParallel):
+            self._hook(owner)
+
+    def _hook(self, module: DistributedDataParallel) -> None:
+        if id(module) not in self._pending:
+            self._pending[id(module)] = module.register_forward_pre_hook(self._first_forward, with_kwargs=True,
+                                                                         prepend=True)
+
+    def _first_forward(self, module: DistributedDataParallel, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return  # an evaluation pass: DDP does not re-bucket in it; wait for a training forward
+        self._pending.pop(id(module)).remove()
+        if not _rebuckets(module):
+            return
+        with _left_as_found(module):
+            outputs = [t for t in _tensors(module(*args, **kwargs)) if t.requires_grad]
+            if not outputs:
+                self._warn("its forward returned no tensor that requires grad; return the tensors the loss is "
+                           "computed from")
+                return
+            torch.autograd.backward(outputs, [torch.zeros_like(t) for t in outputs])
+
+    def _warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            print(f"ftrun: the first step after this restore may differ in the last bits from a run without "
+                  f"failure: DDP's first step sums gradients in another order, and ftrun could not warm it up: "
+                  f"{why}", file=sys.stderr, flush=True)
+
+
+def _rebuckets(module: DistributedDataParallel) -> bool:
+    """Whether DDP re-buckets after its first backward and the layout changes any sum (3+ ranks)."""
+    if module.find_unused_parameters and not module.static_graph:
+        return False
+    group = getattr(module, "process_group", None)
+    return torch.distributed.get_world_size(group) > 2
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in a forward's output: tensors, sequences, mappings (HF ``ModelOutput`` is one)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+@contextlib.contextmanager
+def _left_as_found(module: DistributedDataParallel) -> Iterator[None]:
+    """Run the body with gradient sync on, then put back RNG states, buffers, ``.grad`` and the sync flag."""
+    params = list(module.parameters())
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    buffers = [(b, b.detach().clone()) for b in module.buffers()]
+    python_rng, numpy_rng = random.getstate(), np.random.get_state()
+    sync, module.require_backward_grad_sync = module.require_backward_grad_sync, True
+    devices = sorted({p.device.index or 0 for p in params if p.is_cuda})
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        module.require_backward_grad_sync = sync
+        random.setstate(python_rng)
+        np.random.set_state(numpy_rng)
+        with torch.no_grad():
+            for buffer, saved in buffers:
+                buffer.copy_(saved)
+        for p, grad in zip(params, grads):
+            p.grad = grad

@@ -1,0 +1,81 @@
+"""One rank of the DDP re-bucketing check, without ftrun's launcher: ``rebucket.py RANK WORLD INIT_FILE OUT``.
+
+Three runs of the same 6 steps, each from the same initial state, written to OUT as JSON hashes:
+
+* ``straight``: one DDP module for all 6 steps (a run without failure);
+* ``resumed``: a new DDP module (and RNG states put back as a snapshot would) after step 3, nothing else;
+* ``warmed``: the same, with :class:`ftrun.snapshot.ddp_buckets.BucketWarmup` armed before the new module is
+  built, as ``Snapshotter.restore()`` arms it.
+
+The model has dropout (RNG), BatchNorm (buffers) and a keyword argument in its forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from ftrun.snapshot.ddp_buckets import BucketWarmup
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.norm = torch.nn.Linear(16, 300), torch.nn.BatchNorm1d(300)
+        self.hidden = torch.nn.Sequential(torch.nn.ReLU(), torch.nn.Dropout(0.3), torch.nn.Linear(300, 300),
+                                          torch.nn.Tanh(), torch.nn.Linear(300, 4))
+
+    def forward(self, x: torch.Tensor, *, scale: float = 1.0) -> dict[str, torch.Tensor]:
+        return {"out": self.hidden(self.norm(self.inp(x))) * scale}
+
+
+def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
+    h = hashlib.sha256()
+    for tensor in [*model.state_dict().values(), torch.get_rng_state()]:
+        h.update(tensor.detach().contiguous().numpy().tobytes())
+    for state in optimizer.state_dict()["state"].values():
+        h.update(state["exp_avg"].numpy().tobytes())
+    return h.hexdigest()
+
+
+def train(rank: int, mode: str) -> str:
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(10 + rank)
+    ddp = DistributedDataParallel(model)
+    for step in range(6):
+        if step == 3 and mode != "straight":
+            rng = torch.get_rng_state()
+            del ddp
+            warmup = BucketWarmup()
+            if mode == "warmed":
+                warmup.arm()
+            torch.set_rng_state(rng)
+            ddp = DistributedDataParallel(model)
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
+        loss = ddp(x, scale=0.5)["out"].square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        if step == 3 and mode == "warmed":
+            warmup.disarm()
+    return digest(model, optimizer)
+
+
+def main() -> None:
+    rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    hashes = {mode: train(rank, mode) for mode in ("straight", "resumed", "warmed")}
+    with open(out, "w") as f:
+        json.dump(hashes, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
