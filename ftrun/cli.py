@@ -251,11 +251,13 @@ def inspect(
 def export(
     directory: str = typer.Argument(..., metavar="DIR", help="Checkpoint directory (--ckpt-dir of a job)."),
     out: str = typer.Argument(..., metavar="OUT", help="Directory for the exported files (created 0700)."),
-    fmt: str = typer.Option(..., "--format", help="torch (rank-R.pt) or safetensors (rank-R.safetensors)."),
+    fmt: str = typer.Option(..., "--format", help="torch (rank-R.pt), safetensors (rank-R.safetensors) or dcp "
+                            "(one torch.distributed.checkpoint of the whole job, DTensors assembled)."),
     step: Optional[int] = typer.Option(None, "--step", help="Step to export (default: the newest complete one)."),
     job: Optional[str] = typer.Option(None, "--job", help="Job whose step to export (needed when DIR has several)."),
 ) -> None:
-    """Write every rank of a checkpoint step as a standard torch or safetensors file that loads without ftrun."""
+    """Write a checkpoint step in a standard format that loads without ftrun: a torch or safetensors file per
+    rank, or one DCP checkpoint."""
     from ftrun.snapshot.export import export_step
 
     for path in export_step(directory, out, fmt, step, job):

@@ -38,7 +38,7 @@ import torch
 from ftrun import heartbeat
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.ddp_buckets import BucketWarmup
-from ftrun.snapshot.layout import Capture, Entry, capture, decode_meta, encode_meta, restore
+from ftrun.snapshot.layout import Capture, Entry, LayoutChanged, capture, decode_meta, encode_meta, restore
 from ftrun.snapshot.loader_seed import LoaderSeedGuard
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
 from ftrun.snapshot.slot import HEADER_SIZE, META_HEADROOM, Header, SlotFile
@@ -115,7 +115,11 @@ class Snapshotter:
         if problem is not None:
             self._keeper.request("corrupt", rank=self._rank, slot=int(plan["slot"]), reason=problem)
             raise SnapshotCorrupt(f"snapshot of step {step} in {slot.path} failed verification: {problem}")
-        restore(self.state, layout, skeleton, functools.partial(_view, _data(slot, header.data_len)))
+        try:
+            restore(self.state, layout, skeleton, functools.partial(_view, _data(slot, header.data_len)))
+        except LayoutChanged as err:  # another mesh: this step cannot be loaded here, an older source may
+            self._keeper.request("corrupt", rank=self._rank, slot=int(plan["slot"]), reason=str(err))
+            raise SnapshotCorrupt(f"snapshot of step {step} does not fit the live state: {err}") from None
         self._keeper.request("restored", rank=self._rank, step=step, nbytes=header.payload_len,
                              seconds=time.perf_counter() - t0)
         self._restored = step

@@ -10,6 +10,10 @@ standard file (``ftrun export``) that loads without ftrun:
   ``optim/state/0/exp_avg``, ``__rng__/torch``...); the metadata keeps everything else as JSON:
   ``ftrun_skeleton`` and ``ftrun_layout`` (:mod:`ftrun.snapshot.layout`), ``ftrun_job``, ``ftrun_step``,
   ``ftrun_rank``. A tensor is stored at ``entries[i]`` of the layout where the skeleton says ``{"T": i}``.
+* ``dcp``: one checkpoint of ``torch.distributed.checkpoint`` in ``out`` (``.metadata`` and ``*.distcp``), which
+  ``dcp.load(state_dict, checkpoint_id=out)`` reads with torch alone, into any world size and sharding. A
+  DTensor (FSDP2, tensor parallel) is one global tensor, assembled from every rank's shard; every other value is
+  global rank 0's (the state as DCP sees it: keys joined by dots, ``model.0.weight``). RNG states are left out.
 
 Errors a user can fix (no such directory or step, a corrupt rank, an unwritable output) are
 :class:`~ftrun.errors.UsageError`. torch is imported only to export, so ``ftrun inspect`` starts at once.
@@ -36,7 +40,7 @@ if TYPE_CHECKING:
 
     from ftrun.snapshot.layout import Entry, Layout
 
-FORMATS = {"torch": "pt", "safetensors": "safetensors"}
+FORMATS = {"torch": "pt", "safetensors": "safetensors", "dcp": "distcp"}
 
 
 @dataclass(frozen=True)
@@ -176,8 +180,12 @@ def export_step(ckpt_dir: str, out: str, fmt: str, step: int | None = None, job:
         persist.mkdir_private(out)
     except OSError as err:
         raise UsageError(f"cannot create {out}: {err.strerror or err}") from None
-    for rank in range(doc["world"]):
-        source = os.path.join(root, persist.step_name(step), doc["ranks"][str(rank)]["file"])
+    sources = [os.path.join(root, persist.step_name(step), doc["ranks"][str(rank)]["file"])
+               for rank in range(doc["world"])]
+    if fmt == "dcp":
+        yield from _write_dcp(out, sources)
+        return
+    for rank, source in enumerate(sources):
         target = os.path.join(out, f"rank-{rank:05d}.{FORMATS[fmt]}")
         try:
             with _opened(source) as (layout, skeleton, stored):
@@ -253,6 +261,54 @@ def _torch_values(value: Any) -> Any:
     if type(value) in (list, tuple):
         return type(value)(map(_torch_values, value))
     return value
+
+
+def _write_dcp(out: str, sources: list[str]) -> Iterator[str]:
+    import torch.distributed.checkpoint as dcp
+
+    from ftrun.snapshot.layout import RNG_KEY, to_plain
+
+    with contextlib.ExitStack() as stack:
+        ranks = []
+        for source in sources:
+            layout, skeleton, stored = stack.enter_context(_opened(source))
+            plain = to_plain(layout, skeleton, stored, shards=True)
+            plain.pop(RNG_KEY, None)
+            ranks.append(plain)
+        state = _assembled(ranks)
+    before = set(os.listdir(out))
+    mask = os.umask(0o077)  # DCP writes its files with the process umask: 0600 as every ftrun file
+    try:
+        dcp.save(state, checkpoint_id=out, no_dist=True)
+    except OSError as err:
+        raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+    finally:
+        os.umask(mask)
+    for name in sorted(set(os.listdir(out)) - before):
+        yield os.path.join(out, name)
+
+
+def _assembled(ranks: list[Any]) -> Any:
+    """Rank 0's value, with every GlobalShard replaced by the global tensor its shards on all ranks make."""
+    import torch
+
+    from ftrun.snapshot.layout import GlobalShard
+
+    first = ranks[0]
+    if isinstance(first, GlobalShard):
+        whole = torch.empty(first.shape, dtype=first.local.dtype)
+        for shard in ranks:
+            if not isinstance(shard, GlobalShard) or shard.shape != first.shape:
+                raise UsageError("the ranks' snapshots disagree on a DTensor's global shape: cannot export as dcp")
+            whole[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local.shape))] = shard.local
+        return whole
+    if type(first) in (dict, OrderedDict):
+        return type(first)((key, _assembled([r.get(key) if isinstance(r, dict) else None for r in ranks]))
+                           for key in first)
+    if type(first) in (list, tuple):
+        return type(first)(_assembled([r[i] if isinstance(r, (list, tuple)) and i < len(r) else None
+                                       for r in ranks]) for i in range(len(first)))
+    return _torch_values(first)
 
 
 def _write_safetensors(path: str, layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor],

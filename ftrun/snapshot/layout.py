@@ -13,6 +13,11 @@ Skeleton: ``{"format": 1, "state": {key: node, ...}, "rng": node}`` ("rng" only 
           | {"F": "7ff8000000000000"}                          non-finite float: IEEE-754 bits (nan payload kept)
           | {"b": "<base64>"} | {"n": ["<f4", "<hex>"]}        bytes | numpy scalar (dtype.str, raw bytes)
           | {"T": i, "g": 1} | {"N": i}                        tensor ("g": requires_grad) | numpy array: entry i
+          | {"D": i, "mesh": [[rank, ...], ...], "names": [..] | null, "pl": ["Shard(dim=0)", ...],
+             "shape": [...], "stride": [...], "at": [...], "g": 1}
+                                                               DTensor: entry i holds this rank's local shard;
+                                                               its mesh, placements, global shape and stride,
+                                                               and where the shard starts in the global tensor
           | {"S": node}                                        stateful object: node is its state_dict()
           | {"X": "DataLoader"}                                a value whose state is not captured (a plain
                                                                torch DataLoader: restore leaves it as it is)
@@ -33,6 +38,11 @@ Invariants:
 * RNG, under the reserved top-level key ``__rng__``: ``{"python": random.getstate(), "numpy":
   np.random.get_state(), "torch": torch.get_rng_state(), "cuda": [...] (if CUDA is initialized)}``. Python's
   state is inline (625 ints), numpy's uint32 key array is entry ``__rng__/numpy/1``. Restored last.
+* A DTensor (FSDP2, tensor parallel, ``get_state_dict`` outputs) is stored as its local shard. Restore copies the
+  shard into the live DTensor in place when the mesh (its ranks), the placements and the global and local
+  shapes all match, else refuses it (:class:`LayoutChanged`, one line naming the entry and both layouts). Where
+  no live DTensor stands at its place (the state of an optimizer that has not stepped), it is rebuilt with
+  ``DTensor.from_local`` on the mesh of a live DTensor of the state with the same ranks and placements.
 * Restore ``copy_``-s a stored tensor into the live tensor at the same place (same dtype and shape, any
   device), else into a new tensor (on the live counterpart's device, else the CPU), then calls
   ``load_state_dict``, except on an ``nn.Module`` whose state tensors were all copied in place (so its load
@@ -48,8 +58,9 @@ import json
 import math
 import random
 import struct
+import sys
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,6 +76,11 @@ _KEYS = (type(None), bool, int, float, str, bytes)
 
 class UnsupportedState(TypeError):
     """A value :func:`capture` cannot snapshot; the one-line message names its path and type."""
+
+
+class LayoutChanged(ValueError):
+    """A DTensor of the snapshot does not fit the live one (another mesh, placements or shape); the one-line
+    message names the entry and both layouts."""
 
 
 @dataclass(frozen=True)
@@ -139,8 +155,8 @@ def _never(t: torch.Tensor, path: str) -> bool:
 def _live_tensors(obj: Any, path: str) -> _Live:
     """Which tensors of ``obj.state_dict()`` may be returned by reference (see the module docstring)."""
     if isinstance(obj, torch.nn.Module):
-        params = {(p.data_ptr(), p.dtype, p.shape, p.stride()) for p in obj.parameters()}
-        return lambda t, _: (t.data_ptr(), t.dtype, t.shape, t.stride()) in params
+        params = {_identity(_local(p)) for p in obj.parameters()}
+        return lambda t, _: _identity(t) in params
     if isinstance(obj, torch.optim.Optimizer):
         prefix = _join(path, "state") + "/"
         return lambda _, p: p.startswith(prefix)
@@ -150,6 +166,48 @@ def _live_tensors(obj: Any, path: str) -> _Live:
 def _uncaptured(v: Any) -> bool:
     """A plain ``torch.utils.data.DataLoader``: iterable, but without a state to capture (its position)."""
     return isinstance(v, torch.utils.data.DataLoader) and not _is_stateful(v)
+
+
+def _dtensor_type() -> type | None:
+    """The DTensor class, or None while ``torch.distributed.tensor`` is not imported (then none exists)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return getattr(module, "DTensor", None)
+
+
+def _is_dtensor(v: Any) -> bool:
+    kind = _dtensor_type()
+    return kind is not None and isinstance(v, kind)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes a snapshot stores: a DTensor's local shard (same memory), else ``t``."""
+    return t.detach().to_local() if _is_dtensor(t) else t
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    return t.data_ptr(), t.dtype, t.shape, t.stride()
+
+
+def _placement(t: Any) -> dict[str, Any]:
+    """A DTensor's mesh (its ranks and dimension names), placements and global shape and stride, as JSON."""
+    mesh = t.device_mesh
+    return {"mesh": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+            "pl": [repr(p) for p in t.placements], "shape": list(t.shape), "stride": list(t.stride())}
+
+
+def _offsets(t: Any, path: str) -> list[int]:
+    """Where a DTensor's local shard starts in the global tensor, from the chunk list DTensor gives DCP's
+    planners (``__create_chunk_list__``, the protocol DCP saves DTensors with). One box per rank."""
+    chunks = t.__create_chunk_list__()
+    if len(chunks) != 1:
+        raise UnsupportedState(f"cannot snapshot DTensor at {path}: its local shard is {len(chunks)} boxes of the "
+                               "global tensor, not one")
+    return list(chunks[0].offsets)
+
+
+def _describe(place: dict[str, Any], local: tuple[int, ...]) -> str:
+    return (f"mesh {place['mesh']} with ({', '.join(place['pl'])}), global {tuple(place['shape'])}, local "
+            f"{tuple(local)}")
 
 
 class _Walker:
@@ -170,6 +228,9 @@ class _Walker:
 
     def node(self, v: Any, path: str, live: _Live) -> Any:
         kind = type(v)
+        if _is_dtensor(v):
+            doc = {"D": self.add(_local(v), path, live), **_placement(v), "at": _offsets(v, path)}
+            return {**doc, "g": 1} if v.requires_grad else doc
         if isinstance(v, torch.Tensor):
             return {"T": self.add(v, path, live), "g": 1} if v.requires_grad else {"T": self.add(v, path, live)}
         if kind is np.ndarray:
@@ -227,11 +288,41 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> Capture:
     return Capture(_layout(walker.entries), walker.tensors, skeleton, walker.uncaptured)
 
 
+def _live_dtensors(value: Any) -> Iterator[Any]:
+    """The DTensors of a live state: module parameters and buffers, optimizer parameters, in containers."""
+    if _is_dtensor(value):
+        yield value
+    elif isinstance(value, torch.nn.Module):
+        yield from (t for t in (*value.parameters(), *value.buffers()) if _is_dtensor(t))
+    elif isinstance(value, torch.optim.Optimizer):
+        yield from (p for group in value.param_groups for p in group["params"] if _is_dtensor(p))
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _live_dtensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _live_dtensors(item)
+
+
+@dataclass(frozen=True)
+class GlobalShard:
+    """A DTensor of a snapshot read without live objects: this rank's ``local`` shard, which starts at ``offsets``
+    in a global tensor of ``shape`` (:func:`to_plain` with ``shards=True``)."""
+
+    local: torch.Tensor
+    offsets: tuple[int, ...]
+    shape: tuple[int, ...]
+
+
 class _Builder:
-    def __init__(self, layout: Layout, stored: Callable[[Entry], torch.Tensor], *, plain: bool = False) -> None:
+    def __init__(self, layout: Layout, stored: Callable[[Entry], torch.Tensor], *, plain: bool = False,
+                 state: Mapping[str, Any] | None = None, shards: bool = False) -> None:
         self.entries = layout.entries
         self.stored = stored
         self.plain = plain  # stateful objects become their state_dict() values instead of being loaded
+        self.shards = shards  # plain DTensors become GlobalShard, not their local tensor
+        self.state = state or {}
+        self.meshes: dict[str, tuple[Any, tuple, torch.device]] | None = None  # see mesh_of()
 
     def value(self, node: Any, live: Any, path: str, inplace: bool) -> Any:
         """The value of ``node``, reusing ``live`` (the current value at the same place) where it can."""
@@ -271,7 +362,42 @@ class _Builder:
             return self.value(node["S"], None, path, False) if self.plain else self.load(node["S"], live, path)
         if "X" in node:
             return None if self.plain else live
+        if "D" in node:
+            return self.dtensor(node, live, path)
         raise ValueError(f"corrupt snapshot skeleton at {path}")
+
+    def dtensor(self, node: dict, live: Any, path: str) -> Any:
+        src = self.stored(self.entries[node["D"]])
+        if self.plain:
+            local = src.clone()
+            return GlobalShard(local, tuple(node["at"]), tuple(node["shape"])) if self.shards else local
+        place = {key: node[key] for key in ("mesh", "names", "pl", "shape", "stride")}
+        if _is_dtensor(live):
+            local, mine = _local(live), _placement(live)
+            if mine != place or (local.dtype, local.shape) != (src.dtype, src.shape):
+                raise LayoutChanged(f"cannot restore {path}: the snapshot holds a DTensor on "
+                                    f"{_describe(place, src.shape)}, the live one is on {_describe(mine, local.shape)}")
+            with torch.no_grad():
+                local.copy_(src)
+            return live
+        found = self.mesh_of(place)
+        if found is None:
+            raise LayoutChanged(f"cannot restore {path}: the snapshot holds a DTensor on {_describe(place, src.shape)}"
+                                ", and no live DTensor of the state is on that mesh with those placements")
+        mesh, placements, device = found
+        out = _dtensor_type().from_local(src.to(device, copy=True), mesh, placements, run_check=False,  # type: ignore[union-attr]
+                                         shape=torch.Size(node["shape"]), stride=tuple(node["stride"]))
+        return out.requires_grad_() if node.get("g") else out
+
+    def mesh_of(self, place: dict) -> tuple[Any, tuple, torch.device] | None:
+        """(mesh, placements, device) of a live DTensor of the state on the same ranks with the same placements."""
+        if self.meshes is None:
+            self.meshes = {}
+            for t in _live_dtensors(self.state):
+                found = _placement(t)
+                key = json.dumps([found["mesh"], found["names"], found["pl"]])
+                self.meshes.setdefault(key, (t.device_mesh, tuple(t.placements), _local(t).device))
+        return self.meshes.get(json.dumps([place["mesh"], place["names"], place["pl"]]))
 
     def items(self, nodes: list, live: Any, path: str, inplace: bool) -> list:
         old = live if type(live) in (list, tuple) else ()
@@ -313,7 +439,7 @@ def restore(state: Mapping[str, Any], layout: Layout, skeleton: dict,
     if set(state) != set(nodes):
         raise ValueError(f"state keys do not match the snapshot: missing {sorted(set(nodes) - set(state))}, "
                          f"not in the snapshot {sorted(map(repr, set(state) - set(nodes)))}")
-    builder = _Builder(layout, stored)
+    builder = _Builder(layout, stored, state=state)
     for key, node in nodes.items():
         live, path = state[key], _join("", key)
         if type(node) is dict and "T" in node:
@@ -335,13 +461,15 @@ def restore(state: Mapping[str, Any], layout: Layout, skeleton: dict,
                 torch.cuda.set_rng_state(s, device)
 
 
-def to_plain(layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor]) -> dict[str, Any]:
+def to_plain(layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor], *,
+             shards: bool = False) -> dict[str, Any]:
     """The snapshot as plain values, without live objects: ``{key: value, ..., RNG_KEY: rngs}`` (RNG states only
     when captured). A stateful object becomes its ``state_dict()`` value, a tensor a new CPU tensor (with
-    ``requires_grad`` as captured), a numpy array or scalar stays numpy; containers keep their types."""
+    ``requires_grad`` as captured), a DTensor its local shard (a :class:`GlobalShard` with ``shards``), a numpy
+    array or scalar stays numpy; containers keep their types."""
     if skeleton.get("format") != FORMAT:
         raise ValueError(f"snapshot skeleton format {skeleton.get('format')!r}, expected {FORMAT}")
-    builder = _Builder(layout, stored, plain=True)
+    builder = _Builder(layout, stored, plain=True, shards=shards)
     plain = {key: builder.value(node, None, _join("", key), False) for key, node in skeleton["state"].items()}
     if "rng" in skeleton:
         plain[RNG_KEY] = builder.value(skeleton["rng"], None, RNG_KEY, False)
