@@ -44,6 +44,10 @@ Targets, as ratios with PASS/MISS: copy >= 0.8 x numpy.copyto; restore >= 10 x f
 /dev/shm; training with a snapshot every step >= 0.95 x without, and with persistence on >= 0.95 x off, both
 with a core to spare.
 
+Sharded rows, last (:mod:`sharded_worker`, 2 trainers, FSDP2, its docstring says what is timed): the snapshot
+copy of each rank's local shards >= 0.8 x numpy.copyto of the same bytes; restore from RAM >= 10 x faster than
+``dcp.load`` from /dev/shm; ``dcp.save`` through ``ftrun.dcp.MemoryWriter`` >= 5 x faster than to /dev/shm.
+
     .venv/bin/python benchmarks/snapshot.py            # 1 GiB of state, about 5 minutes
     .venv/bin/python benchmarks/snapshot.py --quick    # 64 MiB, 1 repetition, 1 job of each: smoke check (about 1 min)
 """
@@ -67,8 +71,9 @@ from ftrun.events import read_events
 
 HERE = Path(__file__).resolve().parent
 WORKER, PERSIST_WORKER = HERE / "snapshot_worker.py", HERE / "persist_worker.py"
+SHARDED_WORKER = HERE / "sharded_worker.py"
 GB = 1e9
-TARGET_COPY, TARGET_RESTORE, TARGET_TRAIN = 0.8, 10.0, 0.95
+TARGET_COPY, TARGET_RESTORE, TARGET_TRAIN, TARGET_DCP_SAVE = 0.8, 10.0, 0.95, 5.0
 JOB_TIMEOUT, PERSIST_JOB_TIMEOUT = 1200, 600
 IDLE_PERSISTS = 2  # snapshots each job with persistence takes after training, each waited for on disk
 PERSIST_BLOCKS = 2  # training blocks per persistence job at most (starting a job costs more than a block)
@@ -83,13 +88,14 @@ def filesystem(path: str) -> str:
     return f"{fstype} on {source}"
 
 
-def run_ftrun(job: str, workdir: str, flags: list[str], worker: list[str], timeout: float) -> None:
-    """Run ``worker`` (script and arguments) as the one trainer of a 1-node ftrun job with events in
+def run_ftrun(job: str, workdir: str, flags: list[str], worker: list[str], timeout: float, nproc: int = 1) -> None:
+    """Run ``worker`` (script and arguments) as the ``nproc`` trainers of a 1-node ftrun job with events in
     ``workdir/logs``, killed after ``timeout`` seconds; SystemExit with the tail of ftrun's output if it fails.
     Removes what it left in /dev/shm."""
     log = os.path.join(workdir, "log")
-    command = [sys.executable, "-m", "ftrun", "--nnodes", "1", "--nproc-per-node", "1", "--rdzv-id", job, "--log-dir",
-               os.path.join(workdir, "logs"), "--hang-timeout", "600", "--hang-timeout-initial", "600", *flags, *worker]
+    command = [sys.executable, "-m", "ftrun", "--nnodes", "1", "--nproc-per-node", str(nproc), "--rdzv-id", job,
+               "--log-dir", os.path.join(workdir, "logs"), "--hang-timeout", "600", "--hang-timeout-initial", "600",
+               *flags, *worker]
     with open(log, "wb") as f:
         proc = subprocess.Popen(command, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
@@ -115,6 +121,39 @@ def run_job(args: argparse.Namespace, workdir: str, disk_dir: str) -> Results:
               [str(WORKER), "--size-mib", str(args.size_mib), "--reps", str(args.reps), "--blocks", str(args.blocks),
                "--steps", str(args.steps), "--disk-dir", disk_dir, "--out", out], JOB_TIMEOUT)
     return finished(out, "restore")
+
+
+def sharded(args: argparse.Namespace, workdir: str) -> None:
+    """The sharded rows: :mod:`sharded_worker` on 2 trainers (FSDP2), its table and targets."""
+    os.makedirs(workdir, exist_ok=True)
+    out = os.path.join(workdir, "sharded.jsonl")
+    run_ftrun(f"bench-sharded-{os.getpid()}", workdir, ["--max-restarts", "1"],
+              [str(SHARDED_WORKER), "--size-mib", str(args.size_mib), "--reps", str(args.reps), "--out", out],
+              JOB_TIMEOUT, nproc=2)
+    gens = {doc["generation"]: doc for doc in map(json.loads, Path(out).read_text().splitlines())}
+    if set(gens) != {0, 1}:
+        raise SystemExit(f"the sharded worker did not finish (generations {sorted(gens)})")
+    first, second = gens[0], gens[1]
+    size = first["local_bytes"]
+    print(f"\nFSDP2, 2 ranks, {size / 2**20:.0f} MiB of local shards per rank (params + AdamW), medians of "
+          f"{args.reps}")
+    rows = [("snapshot copy (Snapshotter)", first["copy"]), ("numpy.copyto of the same bytes", first["memcpy"]),
+            ("dcp.save to /dev/shm", first["dcp_save_shm"]), ("dcp.load from /dev/shm", first["dcp_load_shm"]),
+            ("restore from RAM (first, agreement included)", second["restore_first"]),
+            ("restore from RAM (repeated)", second["restore"])]
+    if "dcp_save_memory" in first:
+        rows.insert(3, ("dcp.save through ftrun.dcp.MemoryWriter", first["dcp_save_memory"]))
+    for label, seconds in rows:
+        print(f"  {label:<46} {seconds:8.3f} s  {size / seconds / GB:6.2f} GB/s")
+    print(f"  restored bit for bit: {second['bitwise']}")
+    checks = [("FSDP2 copy / memcpy throughput", first["memcpy"] / first["copy"], TARGET_COPY),
+              ("dcp.load from /dev/shm / restore from RAM", first["dcp_load_shm"] / second["restore"],
+               TARGET_RESTORE)]
+    if "dcp_save_memory" in first:
+        checks.append(("dcp.save to /dev/shm / through the memory writer",
+                       first["dcp_save_shm"] / first["dcp_save_memory"], TARGET_DCP_SAVE))
+    for label, ratio, target in checks:
+        print(f"  {label:<46} {ratio:8.2f}  target >= {target}: {'PASS' if ratio >= target else 'MISS'}")
 
 
 def finished(out: str, key: str) -> Results:
@@ -282,15 +321,18 @@ def main() -> int:
                         help="where the torch.save file and the --ckpt-dir go (a temporary directory inside it)")
     parser.add_argument("--quick", action="store_true",
                         help="64 MiB, 1 repetition, 1 short block, 1 job of each: a smoke check")
+    parser.add_argument("--sharded-only", action="store_true", help="only the FSDP2 rows (sharded_worker.py)")
     args = parser.parse_args()
     if args.quick:
         args.size_mib, args.reps, args.blocks, args.steps, args.jobs = 64, 1, 1, 3, 1
     workdir = tempfile.mkdtemp(prefix="ftrun-bench-snapshot-")
     disk = tempfile.mkdtemp(prefix="ftrun-bench-snapshot-disk-", dir=args.disk_dir)
     try:
-        results = run_job(args, workdir, disk)
-        jobs = run_persist_jobs(args, workdir, disk, compared(results)[1])
-        report(results, jobs, disk)
+        if not args.sharded_only:
+            results = run_job(args, workdir, disk)
+            jobs = run_persist_jobs(args, workdir, disk, compared(results)[1])
+            report(results, jobs, disk)
+        sharded(args, os.path.join(workdir, "sharded"))
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         shutil.rmtree(disk, ignore_errors=True)

@@ -42,6 +42,7 @@ def test_kill_9_of_a_trainer_restarts_all_once_and_state_is_bitwise_equal(start_
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # test_snapshots.py::test_hang_restores_from_ram_bitwise covers hangs in `make test`
 @pytest.mark.timeout(240)
 def test_sigstop_is_a_hang_detected_within_timeout(start_job, tmp_path, baseline_hash):
     hang_timeout = 2.0

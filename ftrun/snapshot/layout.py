@@ -53,6 +53,7 @@ Invariants:
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import math
@@ -190,19 +191,35 @@ def _identity(t: torch.Tensor) -> tuple:
 
 def _placement(t: Any) -> dict[str, Any]:
     """A DTensor's mesh (its ranks and dimension names), placements and global shape and stride, as JSON."""
-    mesh = t.device_mesh
+    return _placement_of(t.device_mesh, tuple(t.placements), t.shape, t.stride())
+
+
+@functools.lru_cache(maxsize=4096)
+def _placement_of(mesh: Any, placements: tuple, shape: torch.Size, stride: tuple[int, ...]) -> dict[str, Any]:
+    # cached: reading a mesh's ranks costs about a millisecond, and a save walks every DTensor of the state
     return {"mesh": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            "pl": [repr(p) for p in t.placements], "shape": list(t.shape), "stride": list(t.stride())}
+            "pl": [repr(p) for p in placements], "shape": list(shape), "stride": list(stride)}
 
 
 def _offsets(t: Any, path: str) -> list[int]:
     """Where a DTensor's local shard starts in the global tensor, from the chunk list DTensor gives DCP's
     planners (``__create_chunk_list__``, the protocol DCP saves DTensors with). One box per rank."""
-    chunks = t.__create_chunk_list__()
+    chunks = _chunks_of(t.device_mesh, tuple(t.placements), t.shape, t)
     if len(chunks) != 1:
         raise UnsupportedState(f"cannot snapshot DTensor at {path}: its local shard is {len(chunks)} boxes of the "
                                "global tensor, not one")
-    return list(chunks[0].offsets)
+    return chunks[0]
+
+
+_CHUNKS: dict[tuple, list[list[int]]] = {}
+
+
+def _chunks_of(mesh: Any, placements: tuple, shape: torch.Size, t: Any) -> list[list[int]]:
+    """The offsets of ``t``'s local boxes, which depend on its mesh, placements and global shape only (cached)."""
+    key = (mesh, placements, shape)
+    if key not in _CHUNKS:
+        _CHUNKS[key] = [list(chunk.offsets) for chunk in t.__create_chunk_list__()]
+    return _CHUNKS[key]
 
 
 def _describe(place: dict[str, Any], local: tuple[int, ...]) -> str:
