@@ -8,12 +8,11 @@ a repetition back to back so noise hits them alike:
   bytes as this rank's local shards (the bytes the snapshot holds);
 - ``dcp.save`` of DCP's app state (``get_state_dict``) to a ``FileSystemWriter`` directory in /dev/shm, and
   ``dcp.load`` of it back (``set_state_dict``);
-- ``dcp.save`` through ``ftrun.dcp.MemoryWriter`` when that module exists (a job uses the Snapshotter or the
-  memory writer, so this comes last, with its own steps).
 
 Then rank 0 SIGKILLs itself; in generation 1 every rank times ``restore()`` (the agreement included) and a
 repeated restore from the same slot (header checks and the copy into the live DTensors), and checks the state
-bit for bit. Rank 0 writes its results to ``--out`` (JSON, one object per generation, appended).
+bit for bit. Last (a job uses the Snapshotter or the memory writer: its snapshots come after), ``dcp.save``
+through ``ftrun.dcp.MemoryWriter`` beside ``dcp.save`` to /dev/shm, alternating. Rank 0 writes its results to ``--out`` (JSON, one object per generation, appended).
 """
 
 from __future__ import annotations
@@ -37,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
+from ftrun.dcp import MemoryWriter
 from ftrun.snapshot.client import Snapshotter
 
 WIDTH = 1024
@@ -115,13 +115,27 @@ def generation_0(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     return result
 
 
-def generation_1(model: nn.Module, optimizer: torch.optim.Optimizer, snap: Snapshotter, expected: int) -> dict:
+def generation_1(args: argparse.Namespace, model: nn.Module, optimizer: torch.optim.Optimizer, snap: Snapshotter,
+                 expected: int) -> dict:
     t0 = time.perf_counter()
     step = snap.restore()
     first = time.perf_counter() - t0
     same = fingerprint(model, optimizer) == expected
-    again = timed(snap.restore)
-    return {"restore_first": first, "restore": again, "step": step, "bitwise": same}
+    result = {"restore_first": first, "restore": timed(snap.restore), "step": step, "bitwise": same}
+    # last: the memory writer keeps its own snapshot stream, which the Snapshotter above must not restore
+    rows: dict[str, list[float]] = {"dcp_save_memory": [], "dcp_save_shm_beside": []}
+    directory = tempfile.mkdtemp(prefix="ftrun-bench-dcp-", dir="/dev/shm") if dist.get_rank() == 0 else ""
+    holder = [directory]
+    dist.broadcast_object_list(holder)
+    app = {"app": AppState(model, optimizer)}
+    for rep in range(args.reps + 2):  # two saves to map both slots first
+        seconds = timed(dcp.save, app, storage_writer=MemoryWriter(step + 1 + rep))
+        if rep >= 2:
+            rows["dcp_save_memory"].append(seconds)
+            rows["dcp_save_shm_beside"].append(timed(dcp.save, app, checkpoint_id=holder[0]))
+    if dist.get_rank() == 0:
+        shutil.rmtree(holder[0], ignore_errors=True)
+    return {**result, **{key: statistics.median(values) for key, values in rows.items()}}
 
 
 def main() -> None:
@@ -151,7 +165,7 @@ def main() -> None:
         expected = json.load(f)[0]
     for p in model.parameters():  # the restore must bring the snapshot's values back
         p.data.to_local().zero_() if hasattr(p.data, "to_local") else p.data.zero_()
-    result = generation_1(model, optimizer, snap, expected)
+    result = generation_1(args, model, optimizer, snap, expected)
     if rank == 0:
         with open(args.out, "a") as f:
             f.write(json.dumps({"generation": 1, **result}) + "\n")

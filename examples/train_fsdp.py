@@ -73,6 +73,29 @@ def shard(model: Net, tp: int) -> None:
     fully_shard(model, mesh=dp)
 
 
+def build(steps: int, tp: int) -> tuple[Net, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """The sharded model (the same initial values on every rank), AdamW and a cosine LR schedule over ``steps``;
+    then seeds dropout per data-parallel rank (the same within a tensor-parallel group)."""
+    torch.manual_seed(0)
+    model = Net()
+    shard(model, tp)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    torch.manual_seed(100 + dist.get_rank() // tp)
+    return model, optimizer, scheduler
+
+
+def train_step(model: Net, optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
+               step: int, data_rank: int) -> None:
+    """One step on the batch of (``step``, ``data_rank``), drawn from a generator seeded by them."""
+    x = torch.randn(8, WIDTH, generator=torch.Generator().manual_seed(step * 1000 + data_rank))
+    loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
+    optimizer.zero_grad()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+
+
 class AppState(Stateful):
     """DCP's recipe for model and optimizer state: ``get_state_dict`` / ``set_state_dict`` (sharded DTensors)."""
 
@@ -125,12 +148,7 @@ def main() -> None:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    torch.manual_seed(0)
-    model = Net()
-    shard(model, args.tp)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / args.steps)))
-    torch.manual_seed(100 + rank // args.tp)  # dropout: the same within a tensor-parallel group
+    model, optimizer, scheduler = build(args.steps, args.tp)
 
     if args.state == "objects":
         state = {"model": model, "optim": optimizer, "sched": scheduler}
@@ -141,13 +159,7 @@ def main() -> None:
     if rank == 0:
         print(f"starting at step {start}", flush=True)
     for step in range(start, args.steps):
-        batch = torch.Generator().manual_seed(step * 1000 + rank // args.tp)
-        x = torch.randn(8, WIDTH, generator=batch)
-        loss = nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        scheduler.step()
+        train_step(model, optimizer, scheduler, step, rank // args.tp)
         snap.save(step + 1)
     snap.wait()
     digest = shards_hash(model.state_dict(), optimizer.state_dict()["state"])

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader
 
 from conftest import SCRIPTS, assert_job_left_nothing, primary_failures
 from ftrun.snapshot.layout import capture, restore

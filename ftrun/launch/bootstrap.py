@@ -14,7 +14,8 @@ An exception is also written to ``TORCHELASTIC_ERROR_FILE`` in torchelastic's fo
 ``@record`` already wrote it); its ``Type: message`` is what the supervisor reports and the signature it
 compares to tell a crash loop (:mod:`ftrun.launch.supervisor`). A trainer started after a failure before the
 first step gets that failure in :data:`ENV_EARLY_FAILURE`; if it fails the same way, it prints one line
-instead of the same traceback again.
+instead of the same traceback again. Where torch is imported already (a zygote's trainer), DDP modules are
+recorded as the script builds them (:func:`~ftrun.snapshot.ddp_buckets.track_ddp_modules`).
 """
 
 from __future__ import annotations
@@ -117,6 +118,10 @@ def run_main(target: str, args: list[str], module: bool) -> None:
         except OSError:
             pass
     sys.argv = [target, *args]
+    if "torch" in sys.modules:  # a zygote's trainer: record DDP modules for exact resumption, at no import cost
+        from ftrun.snapshot.ddp_buckets import track_ddp_modules
+
+        track_ddp_modules()
     try:
         if module:
             sys.path.insert(0, os.getcwd())

@@ -13,8 +13,9 @@ differ in the last bits.
 How. :class:`BucketWarmup`, armed by ``Snapshotter.restore()`` when it loaded a step > 0, makes the resumed
 first step use the rebuilt layout, with public torch API only (no DDP internals, no patching):
 
-* it finds the DDP modules: those alive at restore (``gc``) and those built later (a global module
-  registration hook sees DDP's ``self.module = module``);
+* it finds the DDP modules through a global module registration hook, which sees DDP's ``self.module =
+  module``: those built before the restore were recorded since the trainer started (:func:`track_ddp_modules`;
+  a trainer started without it scans the heap instead), those built after it are hooked as they are built;
 * on each one's first forward with gradients enabled (a forward pre-hook with kwargs) it first runs a warm-up:
   the same forward on the same inputs, then a backward of zero gradients. That is the iteration DDP re-buckets
   after, so the real forward re-buckets exactly as the failure-free run did after its step 0: the ready order
@@ -27,7 +28,8 @@ global) and run the same script. A module is left alone where the layout cannot 
 (a sum of two terms is the same in either order) and ``find_unused_parameters=True`` without a static graph
 (DDP never re-buckets then). The hooks are gone after the warm-up, or at the first optimizer step.
 
-Cost: one forward and backward per DDP module per restore; nothing in a generation that did not restore.
+Cost: one forward and backward per DDP module per restore; without a restore, one Python call per submodule
+assignment while models are built (the registration hook).
 Limit: a forward whose outputs hold no tensor that requires grad cannot be warmed up; ftrun warns once then
 (the fix: return the tensors the loss is computed from).
 """
@@ -38,14 +40,41 @@ import contextlib
 import gc
 import random
 import sys
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 from torch.nn.modules.module import register_module_module_registration_hook
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.hooks import RemovableHandle
+
+if TYPE_CHECKING:
+    from torch.nn.parallel import DistributedDataParallel
+
+_built: weakref.WeakSet | None = None  # the DDP modules built in this process since track_ddp_modules()
+
+
+def track_ddp_modules() -> None:
+    """Record every DDP module built in this process from now on, so that a restore finds them without scanning
+    the heap (``gc``: about 0.1 s with torch loaded). The trainer's bootstrap calls it before the user's code."""
+    global _built
+    if _built is None:
+        _built = weakref.WeakSet()
+        register_module_module_registration_hook(_record)
+
+
+def _record(owner: torch.nn.Module, name: str, child: torch.nn.Module | None) -> None:
+    if name == "module" and _is_ddp(owner):
+        _built.add(owner)  # type: ignore[union-attr]
+
+
+def _is_ddp(obj: object) -> bool:
+    """Whether ``obj`` is a DDP module (none exists while its module is not imported). Not isinstance: that
+    reads ``obj.__class__``, which warns on torch's deprecated ``reduce_op``."""
+    module = sys.modules.get("torch.nn.parallel.distributed")
+    kind = getattr(module, "DistributedDataParallel", None)
+    return kind is not None and issubclass(type(obj), kind)
 
 
 class BucketWarmup:
@@ -58,9 +87,9 @@ class BucketWarmup:
 
     def arm(self) -> None:
         """Hook the DDP modules alive now and any built from now on."""
-        for obj in gc.get_objects():
-            if isinstance(obj, DistributedDataParallel):
-                self._hook(obj)
+        alive = list(_built) if _built is not None else [obj for obj in gc.get_objects() if _is_ddp(obj)]
+        for module in alive:
+            self._hook(module)
         self._registration = register_module_module_registration_hook(self._registered)
 
     def disarm(self) -> None:
@@ -73,8 +102,8 @@ class BucketWarmup:
         self._pending.clear()
 
     def _registered(self, owner: torch.nn.Module, name: str, child: torch.nn.Module | None) -> None:
-        if name == "module" and isinstance(owner, DistributedDataParallel):
-            self._hook(owner)
+        if name == "module" and _is_ddp(owner):
+            self._hook(owner)  # type: ignore[arg-type]
 
     def _hook(self, module: DistributedDataParallel) -> None:
         if id(module) not in self._pending:

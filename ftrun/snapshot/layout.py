@@ -31,9 +31,9 @@ Invariants:
 * Paths join keys and list indices with "/" (a key's "%" and "/" are written %25 and %2F): unique unless a dict
   holds both ``k`` and ``str(k)``. ``Layout.digest`` is SHA-256 over every entry's (path, dtype, shape, offset),
   so equal layouts have equal digests in every process.
-* Parameters of an ``nn.Module`` (the memory of one of ``module.parameters()``) and the tensors under
-  ``state`` of a ``torch.optim.Optimizer`` are returned by reference: only the optimizer step changes them, and
-  it waits for the engine's copy. Every other tensor (buffers, raw tensors, numpy arrays, tensors in plain
+* Parameters of an ``nn.Module`` (the memory of one of ``module.parameters()``), the tensors under ``state`` of
+  a ``torch.optim.Optimizer`` and those in a :class:`Borrowed` dict are returned by reference: only the
+  optimizer step changes them, and it waits for the engine's copy. Every other tensor (buffers, raw tensors, numpy arrays, tensors in plain
   values or in other objects' state dicts, RNG state) is cloned at capture.
 * RNG, under the reserved top-level key ``__rng__``: ``{"python": random.getstate(), "numpy":
   np.random.get_state(), "torch": torch.get_rng_state(), "cuda": [...] (if CUDA is initialized)}``. Python's
@@ -77,6 +77,12 @@ _KEYS = (type(None), bool, int, float, str, bytes)
 
 class UnsupportedState(TypeError):
     """A value :func:`capture` cannot snapshot; the one-line message names its path and type."""
+
+
+class Borrowed(dict):
+    """A dict whose tensors :func:`capture` takes by reference instead of cloning them: its owner keeps them
+    unchanged until the snapshot's copy is committed (:mod:`ftrun.dcp`, whose writes return only then). Restored
+    as a plain dict."""
 
 
 class LayoutChanged(ValueError):
@@ -151,6 +157,10 @@ _Live = Callable[[torch.Tensor, str], bool]
 
 def _never(t: torch.Tensor, path: str) -> bool:
     return False
+
+
+def _always(t: torch.Tensor, path: str) -> bool:
+    return True
 
 
 def _live_tensors(obj: Any, path: str) -> _Live:
@@ -268,6 +278,8 @@ class _Walker:
             return [self.node(x, _join(path, i), live) for i, x in enumerate(v)]
         if kind is tuple:
             return {"t": [self.node(x, _join(path, i), live) for i, x in enumerate(v)]}
+        if kind is Borrowed:
+            return self.node(dict(v), path, _always)
         if kind is dict or kind is OrderedDict:
             doc: dict[str, Any] = {"d": [[self.key(k, path), self.node(x, _join(path, k), live)] for k, x in v.items()]}
             if kind is OrderedDict:
