@@ -133,6 +133,7 @@ def test_dcp_async_save_to_ram_resumes_a_crash_bitwise(start_job, tmp_path):
     assert f"starting at step {restored[1]}" in job.output
 
 
+@pytest.mark.extended  # make test: test_sharded's FSDP x TP node loss
 @pytest.mark.timeout(300)
 def test_dcp_save_to_ram_survives_a_node_loss_bitwise(start_job, tmp_path):
     job, final, expected = run_pair(start_job, tmp_path, ("--nnodes", "2", "--nproc-per-node", "2"),

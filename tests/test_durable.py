@@ -50,6 +50,7 @@ def test_job_killed_whole_resumes_from_disk_bitwise(start_job, tmp_path, gpt_bas
     assert_job_left_nothing(again)
 
 
+@pytest.mark.extended  # make test: test_slurm's SIGTERM, persist and requeued resume
 @pytest.mark.timeout(300)
 def test_sigterm_persists_the_newest_step_and_a_rerun_resumes_bitwise(start_job, tmp_path, gpt_baselines):
     ckpt = tmp_path / "ckpt"

@@ -84,6 +84,7 @@ def test_node_lost_while_parity_of_a_newer_step_is_computed_restores_a_protected
     assert plan["step"] in protected
 
 
+@pytest.mark.extended  # make test: test_durable's more-nodes-lost-than-parity (to disk)
 @pytest.mark.timeout(240)
 def test_more_lost_nodes_than_parity_starts_over_saying_what_was_lost(start_job, tmp_path, gpt_baselines):
     job = run_bitwise(start_job, tmp_path, gpt_baselines(3, 1), "too-many", "--inject", "node-loss@node=1,step=25",

@@ -131,22 +131,21 @@ def test_a_plain_dataloader_is_left_as_it_is_and_named(tmp_path):
     assert state["data"] is loader and state["n"] == 3
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(240)
 def test_three_ranks_resume_mid_epoch_at_the_same_sample_and_end_bitwise_equal(start_job, tmp_path):
     """DDP on 3 ranks, dropout, LR schedule, a StatefulDataLoader with 2 workers over a shuffling
-    DistributedSampler, epoch by epoch (8 steps each). A crash at step 13 restores step 10 (mid-epoch), and so
-    does a hang at step 13 in another run: the sample ids of every step and the final state equal the run's
-    without failure."""
+    DistributedSampler, epoch by epoch (8 steps each). A crash at step 13 restores step 10 (mid-epoch): the
+    sample ids of every step and the final state equal the run's without failure. (Hangs and node losses: the
+    matrix, and train_gpt's tests.)"""
     shape = ("--nproc-per-node", "3")
     script = ("--data", "stateful", "--workers", "2")
     _, expected, expected_ids = ddp_run(start_job, tmp_path, "straight", shape, script=script)
-    for name, flags, kind, rank in (("crash", ("--inject", "crash@rank=1,step=13"), "crash", 1),
-                                    ("hang", ("--hang-timeout", "2", "--inject", "hang@rank=2,step=13"), "hang", 2)):
-        job, final, ids = ddp_run(start_job, tmp_path, name, shape, *flags, script=script)
-        assert [(f["kind"], f["rank"]) for f in primary_failures(job)] == [(kind, rank)], job.output
-        assert "restore step 10 from RAM" in job.output
-        assert ids == expected_ids, name
-        assert final == expected, name
+    job, final, ids = ddp_run(start_job, tmp_path, "crash", shape, "--inject", "crash@rank=1,step=13",
+                              script=script)
+    assert [(f["kind"], f["rank"]) for f in primary_failures(job)] == [("crash", 1)], job.output
+    assert "restore step 10 from RAM" in job.output
+    assert ids == expected_ids
+    assert final == expected
 
 
 @pytest.mark.timeout(180)

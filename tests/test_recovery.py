@@ -26,6 +26,7 @@ def wait_running(job, generation: int = 0) -> None:
     job.wait_for_event(lambda e: e["event"] in ("first_heartbeat", "recovered") and e["generation"] == generation)
 
 
+@pytest.mark.extended  # make test: test_snapshots' crash tests (SIGKILL of a trainer, bitwise)
 @pytest.mark.timeout(240)
 def test_kill_9_of_a_trainer_restarts_all_once_and_state_is_bitwise_equal(start_job, tmp_path, baseline_hash):
     args, out = train_args(tmp_path, "kill9", "--step-time", "0.05")
@@ -60,6 +61,7 @@ def test_sigstop_is_a_hang_detected_within_timeout(start_job, tmp_path, baseline
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: test_crash_loop.py (exceptions, restarts)
 @pytest.mark.timeout(240)
 def test_exception_in_trainer_restarts(start_job, tmp_path, baseline_hash):
     args, out = train_args(tmp_path, "raise", "--raise-at", "12")
@@ -98,6 +100,7 @@ def test_script_broken_at_import_reports_the_restarts_it_made(start_job):
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: test_erasure_recovery's node losses (local mode)
 @pytest.mark.timeout(240)
 def test_node_loss_in_local_mode_gets_a_replacement(start_job, tmp_path, baseline_hash):
     args, out = train_args(tmp_path, "nodeloss", "--step-time", "0.02")
@@ -112,6 +115,7 @@ def test_node_loss_in_local_mode_gets_a_replacement(start_job, tmp_path, baselin
 
 
 
+@pytest.mark.extended  # make test: test_spares' and test_etcd_jobs' lost nodes
 @pytest.mark.timeout(240)
 def test_multi_node_mode_lost_node_seen_by_beats_and_replaced(start_job, tmp_path):
     node_timeout = 2.0

@@ -65,6 +65,7 @@ def test_crash_in_the_middle_of_a_snapshot_copy_restores_the_previous_step(start
     assert_recovered_from_ram(job, [(1, 20)])
 
 
+@pytest.mark.extended  # make test: the crash in the middle of a snapshot copy
 @pytest.mark.timeout(240)
 def test_crash_between_commits_of_different_ranks_restores_a_step_every_rank_holds(start_job, tmp_path,
                                                                                    gpt_baseline):
@@ -73,7 +74,7 @@ def test_crash_between_commits_of_different_ranks_restores_a_step_every_rank_hol
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("parity", ["0", "1"])
+@pytest.mark.parametrize("parity", ["0", pytest.param("1", marks=pytest.mark.extended)])  # make test: parity 0
 def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, gpt_baseline, parity):
     args, out = gpt_args(tmp_path, "flip")
     job = start_job(*NODES, "--ec-parity", parity, "--hang-timeout", "600", "--inject", "hang@rank=1,step=35", *args)

@@ -315,6 +315,7 @@ def tmux():
         subprocess.run(["tmux", "-L", socket, "kill-server"], capture_output=True, timeout=30)
 
 
+@pytest.mark.extended  # make test: the --tui view in the launcher's terminal
 @pytest.mark.timeout(240)
 def test_live_view_in_a_terminal(start_job, tmp_path, tmux):
     job = crash_job(start_job, tmp_path, step_time=0.15, steps=60)
