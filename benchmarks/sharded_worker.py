@@ -98,17 +98,19 @@ def generation_0(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     dist.broadcast_object_list(holder)
     directory = holder[0]
     app = {"app": AppState(model, optimizer)}
-    for rep in range(args.reps + 2):  # two saves to map both slots first
-        snap.save(rep + 1)
-        snap.wait()
-        if rep < 2:
-            continue
-        rows["copy"].append(snap.last_copy_seconds)
-        rows["memcpy"].append(timed(np.copyto, target, source))
-        rows["dcp_save_shm"].append(timed(dcp.save, app, checkpoint_id=directory))
-        rows["dcp_load_shm"].append(timed(dcp.load, app, checkpoint_id=directory))
-    if dist.get_rank() == 0:
-        shutil.rmtree(directory, ignore_errors=True)
+    try:
+        for rep in range(args.reps + 2):  # two saves to map both slots first
+            snap.save(rep + 1)
+            snap.wait()
+            if rep < 2:
+                continue
+            rows["copy"].append(snap.last_copy_seconds)
+            rows["memcpy"].append(timed(np.copyto, target, source))
+            rows["dcp_save_shm"].append(timed(dcp.save, app, checkpoint_id=directory))
+            rows["dcp_load_shm"].append(timed(dcp.load, app, checkpoint_id=directory))
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
     result = {key: statistics.median(values) for key, values in rows.items()}
     result["local_bytes"] = nbytes
     result["fingerprint"] = fingerprint(model, optimizer)
@@ -128,13 +130,15 @@ def generation_1(args: argparse.Namespace, model: nn.Module, optimizer: torch.op
     holder = [directory]
     dist.broadcast_object_list(holder)
     app = {"app": AppState(model, optimizer)}
-    for rep in range(args.reps + 2):  # two saves to map both slots first
-        seconds = timed(dcp.save, app, storage_writer=MemoryWriter(step + 1 + rep))
-        if rep >= 2:
-            rows["dcp_save_memory"].append(seconds)
-            rows["dcp_save_shm_beside"].append(timed(dcp.save, app, checkpoint_id=holder[0]))
-    if dist.get_rank() == 0:
-        shutil.rmtree(holder[0], ignore_errors=True)
+    try:
+        for rep in range(args.reps + 2):  # two saves to map both slots first
+            seconds = timed(dcp.save, app, storage_writer=MemoryWriter(step + 1 + rep))
+            if rep >= 2:
+                rows["dcp_save_memory"].append(seconds)
+                rows["dcp_save_shm_beside"].append(timed(dcp.save, app, checkpoint_id=holder[0]))
+    finally:
+        if dist.get_rank() == 0:
+            shutil.rmtree(holder[0], ignore_errors=True)
     return {**result, **{key: statistics.median(values) for key, values in rows.items()}}
 
 
