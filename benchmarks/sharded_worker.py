@@ -23,35 +23,26 @@ import os
 import shutil
 import signal
 import statistics
+import sys
 import tempfile
 import time
 import zlib
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.fsdp import fully_shard
 
 from ftrun.dcp import MemoryWriter
 from ftrun.snapshot.client import Snapshotter
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+from train_fsdp import AppState  # noqa: E402  DCP's app-state recipe, as the examples use it
+
 WIDTH = 1024
-
-
-class AppState(Stateful):
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        model_state, optim_state = get_state_dict(self.model, self.optimizer)
-        return {"model": model_state, "optim": optim_state}
-
-    def load_state_dict(self, state: dict) -> None:
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
 def build(size: int) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -82,9 +82,7 @@ class Snapshotter:
         self._error: BaseException | None = None
         self._disabled = False
         self.last_copy_seconds = 0.0
-        # the resume window (see the module docstring)
-        self._warmup: BucketWarmup | None = None
-        self._loaders: LoaderSeedGuard | None = None
+        self._window: tuple[BucketWarmup, LoaderSeedGuard] | None = None  # the resume window (module docstring)
         self._restored = 0
         self._told_uncaptured = False
         for value in state.values():
@@ -123,9 +121,9 @@ class Snapshotter:
         self._keeper.request("restored", rank=self._rank, step=step, nbytes=header.payload_len,
                              seconds=time.perf_counter() - t0)
         self._restored = step
-        self._warmup = BucketWarmup()
-        self._warmup.arm()
-        self._loaders = LoaderSeedGuard(self.state)
+        warmup = BucketWarmup()
+        warmup.arm()
+        self._window = warmup, LoaderSeedGuard(self.state)
         heartbeat(step)
         return step
 
@@ -135,7 +133,7 @@ class Snapshotter:
         heartbeat(step)
         if not self.active:
             return
-        if self._warmup is not None and step > self._restored:
+        if step > self._restored:
             self._end_resume_window()
         if self._disabled or step % self.every:
             return
@@ -169,15 +167,15 @@ class Snapshotter:
 
     def _before_step(self) -> None:
         """Every optimizer step waits for the copy; the first one after a restore ends the resume window."""
-        if self._warmup is not None:
-            self._end_resume_window()
+        self._end_resume_window()
         self.wait()
 
     def _end_resume_window(self) -> None:
-        self._warmup.disarm()  # type: ignore[union-attr]
-        self._warmup = None
-        self._loaders.release()  # type: ignore[union-attr]
-        self._loaders = None
+        if self._window is not None:
+            warmup, loaders = self._window
+            self._window = None
+            warmup.disarm()
+            loaders.release()
 
     def _copy(self, step: int, taken: Capture, meta: bytes, ready: Any) -> None:
         try:

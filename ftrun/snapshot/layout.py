@@ -33,8 +33,8 @@ Invariants:
   so equal layouts have equal digests in every process.
 * Parameters of an ``nn.Module`` (the memory of one of ``module.parameters()``), the tensors under ``state`` of
   a ``torch.optim.Optimizer`` and those in a :class:`Borrowed` dict are returned by reference: only the
-  optimizer step changes them, and it waits for the engine's copy. Every other tensor (buffers, raw tensors, numpy arrays, tensors in plain
-  values or in other objects' state dicts, RNG state) is cloned at capture.
+  optimizer step changes them, and it waits for the engine's copy. Every other tensor (buffers, raw tensors,
+  numpy arrays, tensors in plain values or in other objects' state dicts, RNG state) is cloned at capture.
 * RNG, under the reserved top-level key ``__rng__``: ``{"python": random.getstate(), "numpy":
   np.random.get_state(), "torch": torch.get_rng_state(), "cuda": [...] (if CUDA is initialized)}``. Python's
   state is inline (625 ints), numpy's uint32 key array is entry ``__rng__/numpy/1``. Restored last.
@@ -53,7 +53,6 @@ Invariants:
 from __future__ import annotations
 
 import base64
-import functools
 import hashlib
 import json
 import math
@@ -201,35 +200,33 @@ def _identity(t: torch.Tensor) -> tuple:
 
 def _placement(t: Any) -> dict[str, Any]:
     """A DTensor's mesh (its ranks and dimension names), placements and global shape and stride, as JSON."""
-    return _placement_of(t.device_mesh, tuple(t.placements), t.shape, t.stride())
-
-
-@functools.lru_cache(maxsize=4096)
-def _placement_of(mesh: Any, placements: tuple, shape: torch.Size, stride: tuple[int, ...]) -> dict[str, Any]:
-    # cached: reading a mesh's ranks costs about a millisecond, and a save walks every DTensor of the state
-    return {"mesh": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            "pl": [repr(p) for p in placements], "shape": list(shape), "stride": list(stride)}
+    return _described(t)[0]
 
 
 def _offsets(t: Any, path: str) -> list[int]:
     """Where a DTensor's local shard starts in the global tensor, from the chunk list DTensor gives DCP's
     planners (``__create_chunk_list__``, the protocol DCP saves DTensors with). One box per rank."""
-    chunks = _chunks_of(t.device_mesh, tuple(t.placements), t.shape, t)
-    if len(chunks) != 1:
-        raise UnsupportedState(f"cannot snapshot DTensor at {path}: its local shard is {len(chunks)} boxes of the "
+    boxes = _described(t)[1]
+    if len(boxes) != 1:
+        raise UnsupportedState(f"cannot snapshot DTensor at {path}: its local shard is {len(boxes)} boxes of the "
                                "global tensor, not one")
-    return chunks[0]
+    return boxes[0]
 
 
-_CHUNKS: dict[tuple, list[list[int]]] = {}
+_DESCRIBED: dict[tuple, tuple[dict[str, Any], list[list[int]]]] = {}
 
 
-def _chunks_of(mesh: Any, placements: tuple, shape: torch.Size, t: Any) -> list[list[int]]:
-    """The offsets of ``t``'s local boxes, which depend on its mesh, placements and global shape only (cached)."""
-    key = (mesh, placements, shape)
-    if key not in _CHUNKS:
-        _CHUNKS[key] = [list(chunk.offsets) for chunk in t.__create_chunk_list__()]
-    return _CHUNKS[key]
+def _described(t: Any) -> tuple[dict[str, Any], list[list[int]]]:
+    """:func:`_placement` and the offsets of the local boxes of ``t``. Both depend on its mesh, placements and
+    global shape and stride only, so they are cached: reading a mesh's ranks costs about a millisecond, and a
+    save walks every DTensor of the state."""
+    key = (t.device_mesh, tuple(t.placements), t.shape, t.stride())
+    if key not in _DESCRIBED:
+        mesh, placements, shape, stride = key
+        place = {"mesh": mesh.mesh.tolist(), "names": list(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+                 "pl": [repr(p) for p in placements], "shape": list(shape), "stride": list(stride)}
+        _DESCRIBED[key] = place, [list(chunk.offsets) for chunk in t.__create_chunk_list__()]
+    return _DESCRIBED[key]
 
 
 def _describe(place: dict[str, Any], local: tuple[int, ...]) -> str:
