@@ -5,7 +5,9 @@ The model, sharding and data are train_fsdp.py's (uneven shards, dropout, AdamW,
 it loads the step every rank holds in RAM (none: it starts at step 0); every ``--every`` steps it saves the
 model and optimizer (DCP's ``AppState`` recipe), the LR scheduler, this rank's RNG state and the step.
 ``--async-save`` uses ``dcp.async_save`` (thread mode, on a gloo group of its own) instead of ``dcp.save``.
-At the end rank 0 writes the SHA-256 of every rank's shards to ``--out``.
+At the end rank 0 writes the SHA-256 of every rank's shards to ``--out`` (and the unsharded model to ``--full-out``).
+Started at another world size than the one that saved, it loads the newest durable copy in DCP's format
+(``--ckpt-dir DIR --ckpt-format dcp``), resharded.
 
     ftrun --nnodes 2 --nproc-per-node 2 examples/train_dcp.py --steps 25 --out /tmp/h
 """
@@ -20,6 +22,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -45,6 +48,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5, help="save every this many steps")
     parser.add_argument("--async-save", action="store_true", help="dcp.async_save instead of dcp.save")
     parser.add_argument("--out", help="file for the final state hash (rank 0)")
+    parser.add_argument("--full-out", help="file for the final model state, unsharded (rank 0, torch.save)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -85,6 +89,10 @@ def main() -> None:
         with open(args.out, "w") as f:
             f.write(digest + "\n")
         print(f"final state hash {digest[:16]}", flush=True)
+    if args.full_out:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full, args.full_out)
     dist.destroy_process_group()
 
 

@@ -156,6 +156,9 @@ def run(
     persist_every: Optional[int] = typer.Option(None, "--persist-every",
                                                 help="Persist every N globally committed snapshots (10)."),
     keep: Optional[int] = typer.Option(None, "--keep", help="Complete persisted steps kept (2)."),
+    ckpt_format: Optional[str] = typer.Option(None, "--ckpt-format",
+                                              help="ftrun (default), or dcp: each persisted step is also "
+                                                   "written as a torch.distributed.checkpoint (step-N/dcp)."),
     resume: Optional[bool] = typer.Option(None, "--resume/--no-resume",
                                           help="Resume from --ckpt-dir when it holds steps of this job (on)."),
     persist_grace: Optional[float] = typer.Option(None, "--persist-grace",
@@ -194,6 +197,7 @@ def run(
         "node_timeout": node_timeout, "stop_grace": stop_grace, "zygote": zygote, "tui": tui,
         "ec_group": ec_group, "ec_parity": ec_parity, "ec_backend": ec_backend,
         "secret_file": secret_file, "ckpt_dir": ckpt_dir, "persist_every": persist_every, "keep": keep,
+        "ckpt_format": ckpt_format,
         "resume": resume, "persist_grace": persist_grace, "inject": inject or None,
     })
     from ftrun.launch.handoff import begin, exec_launcher

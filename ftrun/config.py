@@ -31,6 +31,7 @@ DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 LOCAL_STORE_HOST = "127.0.0.1"
 START_METHODS = ("spawn", "fork", "forkserver")
+CKPT_FORMATS = ("ftrun", "dcp")
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")  # torchelastic's registered handlers
 # torchrun's --rdzv-conf keys for c10d and static. join_timeout (timeout: static's) sets --rdzv-timeout;
 # keep_alive_interval x keep_alive_max_attempt sets --node-timeout; store_type must be tcp; is_host must not name
@@ -92,6 +93,7 @@ class JobConfig:
     ckpt_dir: str | None = None
     persist_every: int = 10
     keep: int = 2
+    ckpt_format: str = "ftrun"
     resume: bool = True
     persist_grace: float = 60.0
     inject: list[str] = field(default_factory=list)
@@ -164,6 +166,10 @@ class JobConfig:
             raise UsageError("--standalone cannot be combined with --node-rank")
         if self.max_restarts < 0:
             raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.ckpt_format not in CKPT_FORMATS:
+            raise UsageError(f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, not {self.ckpt_format!r}")
+        if self.ckpt_format != "ftrun" and self.ckpt_dir is None:
+            raise UsageError(f"--ckpt-format {self.ckpt_format} needs --ckpt-dir (the directory to persist to)")
         if self.persist_every < 1 or self.keep < 1:
             raise UsageError(f"--persist-every and --keep must be at least 1, got {self.persist_every} and {self.keep}")
         for name in ("rdzv_timeout", "hang_timeout", "hang_timeout_initial", "hang_step_factor",

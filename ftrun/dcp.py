@@ -8,15 +8,16 @@
         start = 0
 
 Protocol. Both delegate to one :class:`~ftrun.snapshot.client.Snapshotter` per process (``every=1``,
-``rng=False``), made on first use, whose state is a dict this module fills: ``"format"`` (:data:`FORMAT`),
-``"world"`` (the world size that saved), ``"planner"`` (the save plan's ``planner_data``: DCP's flattening map)
-and ``"items"``: the items, keyed by a string of each one's ``MetadataIndex`` (``fqn`` for an object,
-``fqn@o0,o1`` for a tensor chunk), each described by ``{"fqn", "at", "sizes", "size", "dtype", "t"}`` for a
-tensor chunk (``t`` the chunk, a plain local tensor; ``at``/``sizes`` where it sits in the global tensor of
-``size``) or ``{"fqn", "obj"}`` for anything else, the object itself (``planner.lookup_object``), stored in the
-snapshot's JSON skeleton (:mod:`ftrun.snapshot.layout`): nothing is pickled, and a value JSON cannot hold (an
-instance of a custom class) is refused in one line. ``MemoryWriter.write_data`` snapshots the items and returns
-once the copy is committed; ``MemoryReader()`` asks the keeper for the step every rank holds
+``rng=False``), made on first use, whose state holds the rank's items of the save
+(:mod:`ftrun.snapshot.dcp_items`): each tensor chunk with where it sits in its global tensor, and every other
+item's value itself (``planner.lookup_object``), kept in the snapshot's JSON skeleton
+(:mod:`ftrun.snapshot.layout`): nothing is pickled, and a value JSON cannot hold (an
+instance of a custom class) is refused in one line. ``MemoryWriter.write_data`` on the main thread (``dcp.save``)
+takes a parameter or the state of an optimizer that has stepped by reference and clones every other tensor, then
+returns while the keeper's copy runs in the background: a step pre-hook on every optimizer
+(``register_optimizer_step_pre_hook``) waits for the copy, as the Snapshotter's does, so a snapshot is exactly the
+state at ``step``. Elsewhere (``dcp.async_save``'s thread, over tensors DCP staged) it returns once the copy is
+committed. ``MemoryReader()`` asks the keeper for the step every rank holds
 (``Snapshotter.restore``; it raises :class:`NoSnapshot` itself, before DCP runs, since DCP would wrap an error of
 ``read_metadata`` in a ``CheckpointException``) and DCP copies from it into the live state in place
 (``planner.resolve_tensor`` / ``commit_tensor``; an object reaches ``planner.load_bytes`` as a ``torch.save``
@@ -29,9 +30,12 @@ Invariants:
   slot, and ``read_metadata`` describes that slot alone.
 * A RAM snapshot loads only into the world size and sharding that saved it: another world size is refused when
   the reader is made, a plan that asks for other chunks at ``prepare_local_plan`` / ``read_data`` (DCP reports
-  it as a ``CheckpointException``), one line each (:class:`ReshardRequired`). Resharding goes through a durable
-  checkpoint (DCP's ``FileSystemWriter``). Not seen: a live chunk no stored chunk overlaps at the same world size
+  it as a ``CheckpointException``), one line each (:class:`ReshardRequired`), unless a durable copy in DCP's
+  format exists (``--ckpt-format dcp``): then ``MemoryReader`` reads the newest one every rank sees, through
+  DCP's ``FileSystemReader``, which reshards. Not seen: a live chunk no stored chunk overlaps at the same world size
   (a restarted job runs the same command: its sharding changes with its world size only).
+* A tensor is taken by reference only when only an optimizer step changes it: its memory is that of a parameter
+  or a state tensor of an optimizer seen stepping. The first save before any optimizer step clones everything.
 * A job uses either a Snapshotter of its own or this module, never both: the keeper holds one snapshot stream per
   rank, and ``restore`` answers once per process.
 * The snapshot restored at start is held in this process's memory (one copy of the rank's state) until the
@@ -46,26 +50,31 @@ from __future__ import annotations
 import io
 import os
 import threading
+import weakref
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import (BytesStorageMetadata, ChunkStorageMetadata, LoadPlan, LoadPlanner,
-                                          Metadata, ReadItem, SavePlan, SavePlanner, StorageReader, StorageWriter,
-                                          TensorStorageMetadata, WriteItem)
+from torch.distributed.checkpoint import (BytesStorageMetadata, ChunkStorageMetadata, FileSystemReader, LoadPlan,
+                                          LoadPlanner, Metadata, ReadItem, SavePlan, SavePlanner, StorageReader,
+                                          StorageWriter, TensorStorageMetadata, WriteItem)
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from ftrun.snapshot import dcp_items
 from ftrun.snapshot.client import Snapshotter
-from ftrun.snapshot.layout import Borrowed, UnsupportedState
+from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT, dcp_path, newest_dcp
+from ftrun.snapshot.dcp_items import FORMAT
+from ftrun.snapshot.layout import UnsupportedState
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
 __all__ = ["MemoryReader", "MemoryWriter", "NoSnapshot", "ReshardRequired", "restored_step"]
 
-FORMAT = "ftrun.dcp/1"
-_RESHARD = "resharding goes through a durable checkpoint (dcp.save to a FileSystemWriter)"
+_RESHARD = ("resharding goes through a durable checkpoint in DCP format (ftrun --ckpt-dir DIR --ckpt-format dcp: "
+            "MemoryReader then loads it)")
 
 
 class NoSnapshot(FileNotFoundError):
@@ -81,6 +90,7 @@ _snap: Snapshotter | None = None
 _restored: int | None = None  # None: not asked yet
 _loaded: dict[str, Any] | None = None  # the restored snapshot, until the first save
 _saved = False  # a MemoryWriter of this process has saved
+_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # seen stepping (the pre-hook records them)
 
 
 def restored_step() -> int:
@@ -97,16 +107,49 @@ def _require_keeper(what: str) -> None:
 def _snapshotter() -> Snapshotter:
     global _snap
     if _snap is None:
-        _snap = Snapshotter({"format": FORMAT, "world": 0, "planner": None, "items": Borrowed()}, every=1, rng=False)
+        _snap = Snapshotter(dcp_items.stored(0, None, {}), every=1, rng=False)
     return _snap
+
+
+def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Every optimizer step waits for the snapshot being copied (it may change the tensors the copy reads)."""
+    _optimizers.add(optimizer)
+    if _snap is not None:
+        _snap.wait()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
+
+
+def _stepped_memory() -> set[int]:
+    """The addresses of the memory of every parameter and state tensor of the optimizers seen stepping."""
+    found = set()
+    for optimizer in list(_optimizers):
+        tensors = [p for group in optimizer.param_groups for p in group["params"]]
+        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        found.update(_local(t).untyped_storage().data_ptr() for t in tensors)
+    return found
+
+
+register_optimizer_step_pre_hook(_before_step)  # from import on, so the optimizers are seen before a save
+
+
+def _durable_step() -> tuple[int, str] | None:
+    """(step, path) of the newest durable DCP copy of the job that every rank sees, or None (agreed by all ranks:
+    every rank calls this together, as the keeper's agreement on the RAM step is the same on every rank)."""
+    root = os.environ.get(ENV_DCP_ROOT)
+    found = newest_dcp(root) if root else None
+    step = found[0] if found else 0
+    if _world() > 1:
+        steps: list[Any] = [None] * _world()
+        dist.all_gather_object(steps, step)
+        step = min(steps)
+    return (step, dcp_path(root, step)) if root and step > 0 and os.path.isdir(dcp_path(root, step)) else None
 
 
 def _world() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _key(index: MetadataIndex) -> str:
-    return index.fqn if index.offset is None else f"{index.fqn}@{','.join(map(str, index.offset))}"
 
 
 def _no_checkpoint_id(what: str, checkpoint_id: str | os.PathLike | None) -> None:
@@ -152,29 +195,31 @@ class MemoryWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         local = self._local if self._local is not None else plan
+        background = threading.current_thread() is threading.main_thread()
+        stepped = _stepped_memory() if background else set()
         items = {}
         for item in local.items:
-            key = _key(item.index)
+            key = dcp_items.key(item.index.fqn, item.index.offset)
             if key in items:
                 raise ValueError(f"ftrun.dcp.MemoryWriter: two items of this rank have the key {key!r}")
-            items[key] = _describe(item, planner)
+            items[key] = d = _describe(item, planner)
+            if background and "t" in d and d["t"].untyped_storage().data_ptr() not in stepped:
+                d["t"] = d["t"].clone()  # a buffer, a staged or computed tensor: the next forward may change it
         global _loaded, _saved
         with _lock:
             snap = _snapshotter()
-            snap.state.update(world=_world(), planner=local.planner_data)
-            snap.state["items"] = Borrowed(items)  # copied straight into the slot: save() waits for it
+            snap.state.update(dcp_items.stored(_world(), local.planner_data, items))
             _loaded, _saved = None, True
             try:
                 snap.save(self.step)
-                snap.wait()
+                if not background:
+                    snap.wait()
             except UnsupportedState as err:
                 raise UnsupportedState(f"ftrun.dcp.MemoryWriter keeps non-tensor values as JSON, never pickled: "
                                        f"{err}") from None
             finally:
-                snap.state["items"] = Borrowed()  # the live tensors are not kept here
-        sizes = {key: d["t"].numel() * d["t"].element_size() for key, d in items.items() if "t" in d}
-        return _done([WriteResult(index=item.index, size_in_bytes=sizes.get(_key(item.index), 0),
-                                  storage_data=_key(item.index)) for item in plan.items])
+                snap.state.update(dcp_items.stored(0, None, {}))  # the copy thread holds its own references
+        return _done([])  # DCP hands the results to finish() alone, which needs none: nothing to gather
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         pass  # each rank's snapshot is self-describing; the keeper agrees on the step
@@ -185,7 +230,7 @@ class MemoryWriter(StorageWriter):
 
 
 def _describe(item: WriteItem, planner: SavePlanner) -> dict[str, Any]:
-    fqn = item.index.fqn
+    fqn, key = item.index.fqn, dcp_items.key(item.index.fqn, item.index.offset)
     if item.type == WriteItemType.BYTE_IO:
         lookup = getattr(planner, "lookup_object", None)
         if not callable(lookup):
@@ -195,7 +240,7 @@ def _describe(item: WriteItem, planner: SavePlanner) -> dict[str, Any]:
     data = item.tensor_data
     tensor = planner.resolve_data(item)
     if data is None or not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != tuple(data.chunk.sizes):
-        raise TypeError(f"ftrun.dcp.MemoryWriter: the planner resolved tensor item {_key(item.index)} to "
+        raise TypeError(f"ftrun.dcp.MemoryWriter: the planner resolved tensor item {key} to "
                         f"{type(tensor).__qualname__} {tuple(getattr(tensor, 'shape', ()))}, not its chunk")
     return {"fqn": fqn, "at": list(data.chunk.offsets), "sizes": list(data.chunk.sizes), "size": list(data.size),
             "dtype": str(data.properties.dtype).removeprefix("torch."), "t": tensor.detach()}
@@ -204,8 +249,10 @@ def _describe(item: WriteItem, planner: SavePlanner) -> dict[str, Any]:
 class MemoryReader(StorageReader):
     """Loads, through ``dcp.load``, the RAM snapshot of the step every rank holds (:attr:`step`).
 
-    Made once at the start of a generation: it asks the keeper for that step and raises :class:`NoSnapshot` when
-    there is none, :class:`ReshardRequired` when it was saved at another world size.
+    Made once at the start of a generation: it asks the keeper for that step. Where RAM holds none, or holds one
+    saved at another world size, it reads the newest durable copy in DCP's format every rank sees (``--ckpt-dir``
+    with ``--ckpt-format dcp``) through DCP's ``FileSystemReader``, which reshards; without one it raises
+    :class:`NoSnapshot`, or :class:`ReshardRequired` for another world size.
     """
 
     def __init__(self) -> None:
@@ -217,28 +264,42 @@ class MemoryReader(StorageReader):
                 _restored = snap.restore()
                 if _restored:
                     _loaded = {key: snap.state[key] for key in ("format", "world", "planner")}
-                    _loaded["items"], snap.state["items"] = snap.state["items"], Borrowed()
+                    if _loaded["format"] == FORMAT:
+                        _loaded["items"] = dcp_items.items(snap.state)
+                    snap.state.update(dcp_items.stored(0, None, {}))
             step, loaded = _restored or 0, _loaded
         if loaded is None and _saved:
             raise RuntimeError("ftrun.dcp.MemoryReader: made after a MemoryWriter save; a MemoryReader loads at the "
                                "start, before the first save (which releases the restored snapshot)")
-        if loaded is None:
-            raise NoSnapshot("ftrun.dcp.MemoryReader: no snapshot in RAM to load (start from scratch)")
-        if loaded["format"] != FORMAT:
+        if loaded is not None and loaded["format"] != FORMAT:
             raise ValueError(f"ftrun.dcp.MemoryReader: the RAM snapshot of step {step} is not a MemoryWriter's "
                              f"(format {loaded['format']!r}); a job uses either a Snapshotter or ftrun.dcp")
+        self.step: int = step
+        self._disk: FileSystemReader | None = None
+        if loaded is None or loaded["world"] != _world():
+            durable = _durable_step()
+            if durable is not None:
+                _restored = self.step = durable[0]
+                self._disk = FileSystemReader(durable[1])
+                return
+        if loaded is None:
+            raise NoSnapshot("ftrun.dcp.MemoryReader: no snapshot in RAM to load, nor a durable one in DCP format "
+                             "(start from scratch)")
         if loaded["world"] != _world():
             raise ReshardRequired(f"ftrun.dcp.MemoryReader: the RAM snapshot of step {step} was saved at world size "
                                   f"{loaded['world']}, this job runs {_world()}; {_RESHARD}")
-        self.step: int = step
         self._items: dict[str, dict[str, Any]] = loaded["items"]
         self._planner_data: Any = loaded["planner"]
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
         _no_checkpoint_id("MemoryReader", checkpoint_id)
+        if self._disk is not None:
+            self._disk.reset()
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """DCP's metadata of this rank's own snapshot: its chunks of each tensor, its objects."""
+        if self._disk is not None:
+            return self._disk.read_metadata(*args, **kwargs)
         described: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
         where: dict[MetadataIndex, str] = {}
         for key, d in self._items.items():
@@ -254,9 +315,13 @@ class MemoryReader(StorageReader):
         return Metadata(described, planner_data=self._planner_data, storage_data=where)
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if self._disk is not None:
+            return self._disk.set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self._where: dict[MetadataIndex, str] = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        if self._disk is not None:
+            return self._disk.prepare_local_plan(plan)
         for item in plan.items:
             if item.type != LoadItemType.BYTE_IO:
                 stored = self._items[self._where[item.storage_index]]
@@ -265,9 +330,11 @@ class MemoryReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        return plans if self._disk is None else self._disk.prepare_global_plan(plans)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if self._disk is not None:
+            return self._disk.read_data(plan, planner)
         lookup = getattr(planner, "lookup_tensor", None)  # DefaultLoadPlanner's: the whole live chunk
         if callable(lookup):
             for item in plan.items:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import sys
@@ -68,6 +69,8 @@ def listening_port():
     (["--rdzv-backend", "etcd-v2", str(TRAIN_PLAIN)], ["use --rdzv-backend etcd"]),
     (["--rdzv-backend", "etcd", str(TRAIN_PLAIN)], ["--rdzv-backend etcd needs --rdzv-endpoint"]),
     (["--rdzv-conf", "protocol=https", str(TRAIN_PLAIN)], ["settings are for --rdzv-backend etcd"]),
+    (["--ckpt-format", "dcp", str(TRAIN_PLAIN)], ["--ckpt-format dcp needs --ckpt-dir"]),
+    (["--ckpt-format", "zip", "--ckpt-dir", "x", str(TRAIN_PLAIN)], ["--ckpt-format must be one of ftrun, dcp"]),
     (["--nnodes", "100000", "--nproc-per-node", "100000", str(TRAIN_PLAIN)],
      ["100000 node(s) and 10000000000 trainer(s) on this host", "core(s)", "available", "--node-rank N", "srun"]),
 ])
@@ -117,3 +120,20 @@ def test_etcd_backend_at_a_port_nobody_listens_on():
     code, stderr, _ = run_ftrun("--rdzv-backend", "etcd", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                                 "--rdzv-timeout", "1", str(TRAIN_PLAIN))
     assert_one_line_error(code, stderr, "unreachable after 1s")
+
+
+def test_a_step_persisted_at_another_world_size_is_not_resumed_nor_lost(tmp_path):
+    """The newest persisted step of the job has 2 ranks, the run 1, no DCP copy: refused before anything starts
+    (the step stays as it was)."""
+    job = "bad-world"
+    step = tmp_path / "ckpt" / job / "step-00000010"
+    step.mkdir(parents=True)
+    ranks = {str(r): {"file": f"rank-{r:05d}.snap", "bytes": 4096, "checksum": 1, "digest": 1} for r in range(2)}
+    (step / "manifest.json").write_text(json.dumps({"format": 1, "job": job, "step": 10, "world": 2, "nnodes": 1,
+                                                    "nproc_per_node": 2, "time": 0, "ranks": ranks}))
+    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, "--ckpt-dir", str(tmp_path / "ckpt"),
+                             str(TRAIN_PLAIN), "--steps", "1"], capture_output=True, text=True, timeout=60)
+    assert_one_line_error(result.returncode, result.stderr, "cannot resume job bad-world", "newest persisted step, 10,",
+                          "saved at world size 2 and this run has 1", "--ckpt-format dcp", "--no-resume")
+    assert not job_processes(job) and not job_segments(job)
+    assert sorted(p.name for p in step.iterdir()) == ["manifest.json"]

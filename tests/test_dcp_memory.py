@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import subprocess
+import sys
 import time
 
 import pytest
@@ -16,7 +19,8 @@ import torch.distributed.checkpoint as dcp
 
 import ftrun.dcp
 from conftest import ROOT, assert_job_left_nothing, primary_failures
-from ftrun.snapshot.layout import Borrowed, capture, decode_meta, encode_meta, restore
+from ftrun.snapshot import dcp_items
+from ftrun.snapshot.layout import capture, decode_meta, encode_meta, restore
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
 TRAIN_DCP = ROOT / "examples" / "train_dcp.py"
@@ -42,6 +46,7 @@ class FakeSnapshotter:
 
     def save(self, step):
         taken = capture(self.state, rng=False)
+        self.borrowed = dict(self.state["tensors"])  # what the copy thread would read, after save() returned
         self.saved = step, encode_meta(taken.layout, taken.skeleton), [t.clone() for t in taken.tensors]
 
     def wait(self):
@@ -59,8 +64,7 @@ class FakeSnapshotter:
 def keeper(monkeypatch):
     """ftrun.dcp with the stand-in for the keeper (no process group: DCP's no_dist)."""
     monkeypatch.setenv(ENV_KEEPER_SOCKET, "test-keeper")
-    fake = FakeSnapshotter({"format": ftrun.dcp.FORMAT, "world": 0, "planner": None,
-                            "items": Borrowed()})  # the state ftrun.dcp gives its Snapshotter
+    fake = FakeSnapshotter(dcp_items.stored(0, None, {}))  # the state ftrun.dcp gives its Snapshotter
     monkeypatch.setattr(ftrun.dcp, "_snap", fake)
     monkeypatch.setattr(ftrun.dcp, "_restored", None)
     monkeypatch.setattr(ftrun.dcp, "_loaded", None)
@@ -74,8 +78,8 @@ def test_values_round_trip_through_json_and_an_unpicklable_free_value_is_refused
     state = {"w": torch.arange(12.0).reshape(4, 3), "cfg": {"betas": (0.9, 0.99), "name": "x", "inf": -math.inf},
              "step": 7}
     dcp.save(state, storage_writer=ftrun.dcp.MemoryWriter(7), no_dist=True)
-    items = dict(json.loads(keeper.saved[1])["skeleton"]["state"]["items"]["d"])  # all JSON, nothing pickled
-    assert items["cfg.betas"] == {"d": [["fqn", "cfg.betas"], ["obj", {"t": [0.9, 0.99]}]]}
+    objects = dict(json.loads(keeper.saved[1])["skeleton"]["state"]["objects"]["d"])  # all JSON, nothing pickled
+    assert objects["cfg.betas"] == ["cfg.betas", {"t": [0.9, 0.99]}]
     with pytest.raises(RuntimeError, match="made after a MemoryWriter save; a MemoryReader loads at the start"):
         ftrun.dcp.MemoryReader()
     monkeypatch.setattr(ftrun.dcp, "_saved", False)  # a restarted trainer
@@ -88,6 +92,30 @@ def test_values_round_trip_through_json_and_an_unpicklable_free_value_is_refused
     with pytest.raises(dcp.CheckpointException) as err:
         dcp.save({"lock": object()}, storage_writer=ftrun.dcp.MemoryWriter(8), no_dist=True)
     assert "MemoryWriter keeps non-tensor values as JSON, never pickled: cannot snapshot object at" in str(err.value)
+
+
+@SINGLE_PROCESS
+@pytest.mark.timeout(60)
+def test_dcp_save_borrows_only_what_an_optimizer_step_alone_changes(keeper):
+    """dcp.save returns before the copy: parameters and optimizer state of an optimizer seen stepping (the step
+    waits for the copy) are read in place; a buffer (the next forward changes it) is cloned first."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    optimizer = torch.optim.AdamW(model.parameters())
+    dcp.save({"model": model}, storage_writer=ftrun.dcp.MemoryWriter(1), no_dist=True)  # before any step
+    assert all(t.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
+               for t, p in zip(keeper.borrowed.values(), model.parameters()))
+    model(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    dcp.save({"model": model, "optim": optimizer.state_dict()}, storage_writer=ftrun.dcp.MemoryWriter(2),
+             no_dist=True)
+    live = {name: t for name, t in model.state_dict(keep_vars=True).items()}
+    live.update({f"optim.state.{i}.{k}": v for i, s in optimizer.state_dict()["state"].items() for k, v in s.items()})
+    same = {key.split("@")[0].removeprefix("model."): t.untyped_storage().data_ptr()
+            for key, t in keeper.borrowed.items()}
+    for name, t in live.items():
+        if name in same and isinstance(t, torch.Tensor):
+            stepped = name.startswith("optim.") or name in dict(model.named_parameters())
+            assert (same[name] == t.untyped_storage().data_ptr()) == stepped, name
 
 
 @SINGLE_PROCESS
@@ -141,3 +169,37 @@ def test_dcp_save_to_ram_survives_a_node_loss_bitwise(start_job, tmp_path):
     assert final == expected
     assert "restore step 10 from RAM (node 1 rebuilt from the parity" in job.output
     assert "starting at step 10" in job.output
+
+
+@pytest.mark.timeout(300)
+def test_dcp_save_crash_resumes_bitwise_and_its_durable_dcp_copy_reshards_to_another_world_size(start_job, tmp_path):
+    """dcp.save (its copy in the background until the next optimizer step) survives a crash bitwise; with
+    ``--ckpt-format dcp`` the final step is also on disk in DCP's format: torch alone loads it into an unsharded
+    model, and a run of the job at world size 1 loads it through MemoryReader, resharded, bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    full = {name: tmp_path / f"{name}.pt" for name in ("failed", "resharded")}
+    failed, final, expected = run_pair(start_job, tmp_path, ("--nproc-per-node", "2"),
+                                  ("--inject", "crash@rank=1,step=13", "--ckpt-dir", str(ckpt),
+                                   "--ckpt-format", "dcp"), ("--full-out", str(full["failed"])))
+    assert final == expected
+    copies = sorted(ckpt.glob("*/step-*/dcp"))
+    assert copies and copies[-1].parent.name == "step-00000025", list(ckpt.rglob("*"))
+    assert {os.stat(p).st_mode & 0o777 for p in copies[-1].iterdir()} == {0o600}
+    load = ("import torch, torch.distributed.checkpoint as dcp, sys\n"
+            "full = torch.load(sys.argv[1], weights_only=True)\n"
+            "state = {'app': {'model': {k: torch.zeros_like(v) for k, v in full.items()}}}\n"
+            "dcp.load(state, checkpoint_id=sys.argv[2], no_dist=True)\n"
+            "assert 'ftrun' not in sys.modules\n"
+            "print(sum(torch.equal(state['app']['model'][k], v) for k, v in full.items()), len(full))\n")
+    loaded = subprocess.run([sys.executable, "-c", load, str(full["failed"]), str(copies[-1])], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert loaded.returncode == 0, loaded.stderr
+    same, total = map(int, loaded.stdout.split())
+    assert same == total > 0
+
+    job = start_job("--nproc-per-node", "1", "--ckpt-dir", str(ckpt), str(TRAIN_DCP), "--steps", "25",
+                    "--full-out", str(full["resharded"]), job_id=failed.job_id)
+    assert job.wait(150) == 0, job.output
+    assert "starting at step 25" in job.output, job.output
+    a, b = torch.load(full["failed"], weights_only=True), torch.load(full["resharded"], weights_only=True)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

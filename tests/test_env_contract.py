@@ -12,6 +12,7 @@ import pytest
 from conftest import SCRIPTS, assert_job_left_nothing
 from ftrun.control.spec import ENV_NODE_SPEC
 from ftrun.launch.env import TORCHRUN_VARIABLES, TRAINER_FTRUN_VARIABLES
+from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT
 
 
 def read_dumps(directory) -> dict[tuple[int, int], dict]:
@@ -48,8 +49,9 @@ def test_environment_is_torchrun_contract_on_every_node_and_generation(start_job
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert env["TORCHELASTIC_ERROR_FILE"].endswith(f"gen{gen}/rank{rank}/error.json")
         assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
-        # of ftrun's variables only the client's: no launcher internals (node spec, store address, secret)
-        assert {k for k in env["_all"] if k.startswith("FTRUN_")} == set(TRAINER_FTRUN_VARIABLES)
+        # of ftrun's variables only the client's: no launcher internals (node spec, store address, secret); no
+        # durable directory without --ckpt-dir
+        assert {k for k in env["_all"] if k.startswith("FTRUN_")} == set(TRAINER_FTRUN_VARIABLES) - {ENV_DCP_ROOT}
     # one trainer store per generation, shared by all ranks of it, on a new port each time
     ports = {gen: {dumps[gen, r]["MASTER_PORT"] for r in range(4)} for gen in (0, 1)}
     assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]

@@ -117,11 +117,13 @@ def test_fsdp2_through_dcp_app_state_resumes_from_ram_bitwise(start_job, tmp_pat
 @pytest.mark.timeout(300)
 def test_fsdp_x_tp_survives_a_node_loss_bitwise_and_exports_to_dcp_that_torch_alone_loads(start_job, tmp_path):
     """FSDP x TP on a 2 x 2 mesh (strided shards): node 1 lost, its shards rebuilt from parity, the final state
-    equal to the run without failure. ``ftrun export --format dcp`` of its last persisted step then loads with
-    torch alone (no ftrun, no process group) into an unsharded model: the full state FSDP gathered at the end."""
+    equal to the run without failure. Its last persisted step, as the keeper wrote it in DCP's format
+    (``--ckpt-format dcp``) and as ``ftrun export --format dcp`` writes it, loads with torch alone (no ftrun, no
+    process group) into an unsharded model: the full state FSDP gathered at the end."""
     ckpt, full, out = tmp_path / "ckpt", tmp_path / "full.pt", tmp_path / "dcp"
     _, final, expected = run_pair(start_job, tmp_path, ("--nnodes", "2", "--nproc-per-node", "2"),
-                                  ("--inject", "node-loss@node=1,step=13", "--ckpt-dir", str(ckpt)), ("--tp", "2"),
+                                  ("--inject", "node-loss@node=1,step=13", "--ckpt-dir", str(ckpt),
+                                   "--ckpt-format", "dcp"), ("--tp", "2"),
                                   ("--full-out", str(full)))
     assert final == expected
     exported = subprocess.run([sys.executable, "-m", "ftrun", "export", str(ckpt), str(out), "--format", "dcp"],
@@ -134,8 +136,11 @@ def test_fsdp_x_tp_survives_a_node_loss_bitwise_and_exports_to_dcp_that_torch_al
             "dcp.load(state, checkpoint_id=sys.argv[2], no_dist=True)\n"
             "assert 'ftrun' not in sys.modules\n"
             "print(sum(torch.equal(state['model'][k], v) for k, v in full.items()), len(full))\n")
-    loaded = subprocess.run([sys.executable, "-c", load, str(full), str(out)], capture_output=True, text=True,
-                            timeout=120, cwd=tmp_path)
-    assert loaded.returncode == 0, loaded.stderr
-    same, total = map(int, loaded.stdout.split())
-    assert same == total == 14
+    copies = sorted(ckpt.glob("*/step-*/dcp"))
+    assert copies, list(ckpt.rglob("*"))
+    for written in (out, copies[-1]):
+        loaded = subprocess.run([sys.executable, "-c", load, str(full), str(written)], capture_output=True,
+                                text=True, timeout=120, cwd=tmp_path)
+        assert loaded.returncode == 0, loaded.stderr
+        same, total = map(int, loaded.stdout.split())
+        assert same == total == 14, written

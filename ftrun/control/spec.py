@@ -60,6 +60,7 @@ class NodeSpec:
     ckpt_dir: str | None = None  # durable tier (absolute path); None: off
     persist_every: int = 10  # persist every N globally committed steps
     keep: int = 2  # complete persisted steps kept
+    ckpt_format: str = "ftrun"  # "dcp": node 0 also writes each persisted step in DCP's format (step-N/dcp)
     persist_grace: float = 60.0  # seconds allowed for the final persist when stopping
     log_dir: str | None = None
     faults: list[str] = field(default_factory=list)

@@ -23,12 +23,13 @@ import psutil
 from ftrun.control.faults import ENV_TRAINER_FAULTS
 from ftrun.control.spec import DEFAULT_SIGNALS, ENV_SHM_DIR
 from ftrun.launch.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
+from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
 ENV_JOB_ID = "FTRUN_JOB_ID"
 ENV_NODE_RANK = "FTRUN_NODE_RANK"
 TRAINER_FTRUN_VARIABLES = (ENV_JOB_ID, ENV_NODE_RANK, ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT, ENV_KEEPER_SOCKET,
-                           ENV_TRAINER_FAULTS)
+                           ENV_TRAINER_FAULTS, ENV_DCP_ROOT)
 USER_FTRUN_VARIABLES = (ENV_SHM_DIR,)
 
 TORCHRUN_VARIABLES = (
@@ -70,10 +71,12 @@ def default_omp_threads(trainers_on_host: int) -> int:
 
 def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, heartbeat_file: str,
                 keeper_socket: str, error_file: str, faults: str, role: str = "default",
-                signals_to_handle: str = DEFAULT_SIGNALS, virtual_local_rank: bool = False) -> dict[str, str]:
+                signals_to_handle: str = DEFAULT_SIGNALS, virtual_local_rank: bool = False,
+                dcp_root: str | None = None) -> dict[str, str]:
     """The environment of the trainer at ``place``. ``role`` is torchrun's --role, ``signals_to_handle`` its
     --signals-to-handle (set, as torchrun sets it); ``virtual_local_rank``: LOCAL_RANK 0 and CUDA_VISIBLE_DEVICES
-    of the trainer's own device (picked from the inherited CUDA_VISIBLE_DEVICES, as torchrun does)."""
+    of the trainer's own device (picked from the inherited CUDA_VISIBLE_DEVICES, as torchrun does); ``dcp_root``:
+    the job's durable directory (``ftrun.dcp.MemoryReader`` looks there for DCP copies of its steps)."""
     env = {k: v for k, v in base.items() if not k.startswith("FTRUN_") or k in USER_FTRUN_VARIABLES}
     env.update({
         "RANK": str(place.rank),
@@ -99,6 +102,8 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
         ENV_KEEPER_SOCKET: keeper_socket,
         ENV_TRAINER_FAULTS: faults,
     })
+    if dcp_root is not None:
+        env[ENV_DCP_ROOT] = dcp_root
     env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     env["TORCHELASTIC_SIGNALS_TO_HANDLE"] = signals_to_handle
     if virtual_local_rank:

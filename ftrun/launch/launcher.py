@@ -55,7 +55,8 @@ from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import print_summary
-from ftrun.snapshot.persist import complete_steps, job_dir, step_name
+from ftrun.snapshot.dcp_copy import dcp_path
+from ftrun.snapshot.persist import complete_steps, job_dir, manifest, step_name
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
@@ -201,7 +202,7 @@ class Launcher:
             node_timeout=cfg.node_timeout, stop_grace=cfg.stop_grace, zygote=cfg.zygote,
             ec_group=cfg.erasure[0], ec_parity=cfg.erasure[1], ec_backend=cfg.ec_backend,
             ckpt_dir=job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None, persist_every=cfg.persist_every,
-            keep=cfg.keep, persist_grace=cfg.persist_grace, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject,
+            keep=cfg.keep, ckpt_format=cfg.ckpt_format, persist_grace=cfg.persist_grace, log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject,
             bind_addr=self.bind, run=self.job_run, rdzv_backend=cfg.rdzv_backend,
             rdzv_endpoint=cfg.rdzv_endpoint or "" if cfg.rdzv_backend == "etcd" else "", rdzv_conf=cfg.store_conf,
             monitor_interval=cfg.monitor_interval, role=cfg.role, signals_to_handle=cfg.signals_to_handle,
@@ -249,8 +250,10 @@ class Launcher:
 
     def run(self) -> int:
         become_subreaper()
-        store_host, store_port, raw_store = self._open_store()
         cfg = self.cfg
+        if cfg.ckpt_dir and cfg.resume and not cfg.standby:
+            self._check_world_on_disk(job_dir(cfg.ckpt_dir, self.job_id))
+        store_host, store_port, raw_store = self._open_store()
         use_job(self.job_id, self.secret, self._store_warning)
         store = signed(raw_store, self.job_id)
         if cfg.standby:
@@ -337,7 +340,7 @@ class Launcher:
         return {"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node, "max_restarts": cfg.max_restarts,
                 "target": self.target, "script": script_digest(cfg, self.target), "args": self.args,
                 "module": cfg.module, "no_python": cfg.no_python,
-                "ec": [*cfg.erasure, cfg.ec_backend], "persist": [cfg.persist_every, cfg.keep],
+                "ec": [*cfg.erasure, cfg.ec_backend], "persist": [cfg.persist_every, cfg.keep, cfg.ckpt_format],
                 "ckpt_dir": job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None}
 
     def _run_standby(self, store: SignedStore, store_host: str, store_port: int, why: str = "") -> int:
@@ -366,12 +369,12 @@ class Launcher:
                              "differ); not joining")
         self.job_run = run
         group, parity, backend = doc["ec"]
-        every, keep = doc["persist"]
+        every, keep, ckpt_format = doc["persist"]
         base = self._node_spec(-1, store_host, store_port)
         name = f"standby-{socket.gethostname()}-{os.getpid()}"
         spec = replace(base, nnodes=int(doc["nnodes"]), args=list(doc["args"]), max_restarts=int(doc["max_restarts"]),
                        ec_group=int(group), ec_parity=int(parity), ec_backend=str(backend), persist_every=int(every),
-                       keep=int(keep), ckpt_dir=doc["ckpt_dir"], spare=name)
+                       keep=int(keep), ckpt_format=str(ckpt_format), ckpt_dir=doc["ckpt_dir"], spare=name)
         self.events.emit("start", f"job {self.job_id}: {why}standby {name} joins run {run} as a hot spare "
                          f"({doc['nnodes']} node(s) x {cfg.nproc_per_node} trainer(s)), control store "
                          f"{self.address.endpoint}", job_id=self.job_id, spare=name, run=run,
@@ -420,6 +423,30 @@ class Launcher:
         self.events.emit("slurm_step", f"SLURM step {step.job_id}.{step.step_id} on {step.node_name}: node rank "
                          f"{self.node_rank} ({why})", slurm_node=step.node_name, node_rank=self.node_rank,
                          claimed=claim, slurm_step=f"{step.job_id}.{step.step_id}")
+
+    def _check_world_on_disk(self, root: str) -> None:
+        """Resuming: the newest persisted step of this job was saved at the world size of this run, or has a copy
+        in DCP's format (``ftrun.dcp.MemoryReader`` reshards it); else a UsageError, before anything starts."""
+        steps = complete_steps(root, self.job_id)
+        if not steps:
+            return
+        world, newest = self.cfg.nnodes * self.cfg.nproc_per_node, steps[-1]
+        try:
+            saved = manifest(root, newest)["world"]
+        except (OSError, ValueError):
+            return  # a corrupt step is reported (and not loaded) by the restore
+        if saved == world:
+            return
+        if os.path.isdir(dcp_path(root, newest)):
+            self.events.emit("resume", f"job {self.job_id}: the newest persisted step, {newest}, was saved at world "
+                             f"size {saved} and this run has {world}: ftrun.dcp.MemoryReader loads its DCP copy "
+                             f"({dcp_path(root, newest)}), resharded; a Snapshotter restores only at world size "
+                             f"{saved}", step=newest, saved_world=saved, world=world)
+            return
+        raise UsageError(f"cannot resume job {self.job_id} from {root}: its newest persisted step, {newest}, was saved "
+                         f"at world size {saved} and this run has {world}; ftrun resumes at the same world size, or "
+                         "from a step persisted with --ckpt-format dcp (resharded by ftrun.dcp.MemoryReader); start "
+                         "afresh with --no-resume (the steps are moved aside, kept)")
 
     def _move_aside(self, root: str) -> None:
         """--no-resume: move this job's persisted steps into ``previous-<time>/`` (kept, but not resumed from)."""

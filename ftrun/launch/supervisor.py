@@ -407,7 +407,8 @@ class Supervisor:
                               error_file=os.path.join(error_dir, "error.json"),
                               faults=trainer_faults_env(self.faults, place.rank, gen), role=self.spec.role,
                               signals_to_handle=self.spec.signals_to_handle,
-                              virtual_local_rank=self.spec.virtual_local_rank)
+                              virtual_local_rank=self.spec.virtual_local_rank,
+                              dcp_root=self.spec.ckpt_dir)
             env.update(_early_failure_env(self._started_by))
             self.heartbeats.reset(local)
             stdio = self.output.open(gen, place.rank, local)  # {} unless --redirects, --tee, ... ask

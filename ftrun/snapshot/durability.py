@@ -45,7 +45,8 @@ from typing import Any
 from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
 from ftrun.events import EventLog
-from ftrun.snapshot.persist import complete_steps, finalize, manifest, prune, remove_partial, step_name
+from ftrun.snapshot.dcp_copy import DcpCopies
+from ftrun.snapshot.persist import MANIFEST, complete_steps, finalize, manifest, prune, remove_partial, step_name
 
 READ_INTERVAL = 0.2  # how often a node reads the round document while it holds nothing for one
 CANCELLED = -1  # the step of a round cancelled by a generation change
@@ -103,6 +104,7 @@ class Durability:
         self._degraded: str | None = None
         self._rounds = number(coord.get("persist", "rounds")) or 0
         self._failures = number(coord.get("persist", "failures")) or 0
+        self.copies = DcpCopies(self.root, events) if self.leader and spec.ckpt_format == "dcp" else None
 
     def disk_steps(self) -> set[int]:
         """Complete steps of this job, with as many ranks as it has now, on disk."""
@@ -132,6 +134,8 @@ class Durability:
                                  json.dumps(outcome))
         if self.leader:
             self._lead(restorable)
+            if self.copies is not None:
+                self.copies.poll()
         now = time.monotonic()
         if self.hold is None and now < self._next_read and not self.leader:
             return
@@ -234,13 +238,15 @@ class Durability:
                 path = finalize(self.root, step, self.spec.job_id, self.spec.nnodes, self.spec.nproc_per_node,
                                 entries)
                 pruned = prune(self.root, self.spec.keep, self.spec.job_id)
-                shutil.rmtree(replaced, ignore_errors=True)
+                self._drop_replaced(replaced)
             except (OSError, ValueError) as err:
                 errors = [str(err)]
         if errors:
             self._failed(step, "; ".join(errors))
             return
         self.done = step
+        if self.copies is not None:
+            self.copies.want(step)
         nbytes = sum(int(e["bytes"]) for e in entries.values())
         seconds = max(float(o.get("seconds", 0.0)) for o in outcomes.values())  # the keepers wrote in parallel
         finishing = time.perf_counter() - t0  # manifest, rename, pruning
@@ -254,6 +260,26 @@ class Durability:
                          f"{seconds:.2f}s, {nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s; finished in {finishing:.2f}s)"
                          f"{'; removed steps ' + str(pruned) if pruned else ''}", step=step, bytes=nbytes,
                          seconds=seconds, finish_seconds=finishing, path=path, pruned=pruned)
+
+    def _drop_replaced(self, replaced: str) -> None:
+        """Delete the step an earlier run left where this one persisted, unless it was saved at another world
+        size: that one is moved into ``previous-<time>/`` (kept, as ``--no-resume`` keeps steps)."""
+        if not os.path.isdir(replaced):
+            return
+        try:
+            with open(os.path.join(replaced, MANIFEST), "rb") as f:
+                world = json.loads(f.read())["world"]
+        except (OSError, ValueError, KeyError, TypeError):
+            world = None
+        if world is None or world == self.spec.nnodes * self.spec.nproc_per_node:
+            shutil.rmtree(replaced, ignore_errors=True)
+            return
+        aside = os.path.join(self.root, time.strftime("previous-%Y%m%d-%H%M%S"))
+        os.makedirs(aside, mode=0o700, exist_ok=True)
+        name = os.path.basename(replaced).removesuffix(".replaced")
+        os.rename(replaced, os.path.join(aside, name))
+        self.events.emit("durability", f"moved {name}, saved at world size {world} and persisted again by this run, "
+                         f"to {aside}", path=aside, saved_world=world)
 
     def _failed(self, step: int, reason: str) -> None:
         remove_partial(self.root, step)
@@ -280,6 +306,8 @@ class Durability:
             return None
         done, failed = number(self.coord.get("persist", "done")), number(self.coord.get("persist", "failed"))
         if final == 0 or (done is not None and done >= final):  # 0: nothing was ever committed
+            if self.copies is not None and self.copies.pending(int(done or 0)):
+                return None  # node 0 waits for the DCP copy of the final step too
             return ""
         if failed is not None and failed >= final:
             reason = self.coord.get("persist", "degraded")

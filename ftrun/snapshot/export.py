@@ -12,8 +12,11 @@ standard file (``ftrun export``) that loads without ftrun:
   ``ftrun_rank``. A tensor is stored at ``entries[i]`` of the layout where the skeleton says ``{"T": i}``.
 * ``dcp``: one checkpoint of ``torch.distributed.checkpoint`` in ``out`` (``.metadata`` and ``*.distcp``), which
   ``dcp.load(state_dict, checkpoint_id=out)`` reads with torch alone, into any world size and sharding. A
-  DTensor (FSDP2, tensor parallel) is one global tensor, assembled from every rank's shard; every other value is
+  DTensor (FSDP2, tensor parallel) is written as every rank's shard, a chunk of its global tensor, as DCP itself
+  writes one (never assembled in memory: the shards are read from the mapped rank files); every other value is
   global rank 0's (the state as DCP sees it: keys joined by dots, ``model.0.weight``). RNG states are left out.
+  A step saved through ``ftrun.dcp.MemoryWriter`` exports to what ``dcp.save`` to a directory would have written:
+  the same keys, each tensor as the chunks the ranks saved.
 
 Errors a user can fix (no such directory or step, a corrupt rank, an unwritable output) are
 :class:`~ftrun.errors.UsageError`. torch is imported only to export, so ``ftrun inspect`` starts at once.
@@ -268,47 +271,115 @@ def _write_dcp(out: str, sources: list[str]) -> Iterator[str]:
 
     from ftrun.snapshot.layout import RNG_KEY, to_plain
 
+    before = set(os.listdir(out))
     with contextlib.ExitStack() as stack:
         ranks = []
         for source in sources:
             layout, skeleton, stored = stack.enter_context(_opened(source))
-            plain = to_plain(layout, skeleton, stored, shards=True)
+            plain = to_plain(layout, skeleton, stored, shards=True, copy=False)  # views of the mapped files
             plain.pop(RNG_KEY, None)
             ranks.append(plain)
-        state = _assembled(ranks)
-    before = set(os.listdir(out))
-    mask = os.umask(0o077)  # DCP writes its files with the process umask: 0600 as every ftrun file
-    try:
-        dcp.save(state, checkpoint_id=out, no_dist=True)
-    except OSError as err:
-        raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
-    finally:
-        os.umask(mask)
+        memory_writer = str(ranks[0].get("format", "")).startswith("ftrun.dcp/")
+        state = _dcp_items(ranks) if memory_writer else _chunked(ranks)
+        mask = os.umask(0o077)  # DCP writes its files with the process umask: 0600 as every ftrun file
+        try:
+            dcp.save(state, checkpoint_id=out, planner=_chunk_planner(flatten=not memory_writer), no_dist=True)
+        except OSError as err:
+            raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+        finally:
+            os.umask(mask)
+            del state, ranks  # the views, before the files are unmapped
     for name in sorted(set(os.listdir(out)) - before):
         yield os.path.join(out, name)
 
 
-def _assembled(ranks: list[Any]) -> Any:
-    """Rank 0's value, with every GlobalShard replaced by the global tensor its shards on all ranks make."""
-    import torch
+@dataclass
+class _Chunks:
+    """A global tensor as the chunks the ranks hold: ``{offsets: local tensor}`` (a replicated one: one chunk)."""
 
+    shape: tuple[int, ...]
+    dtype: Any
+    chunks: dict[tuple[int, ...], Any]
+
+    def add(self, offsets: tuple[int, ...], local: Any, shape: tuple[int, ...]) -> None:
+        if tuple(shape) != tuple(self.shape) or local.dtype != self.dtype:
+            raise UsageError("the ranks' snapshots disagree on a DTensor's global shape or dtype: cannot export as "
+                             "dcp")
+        self.chunks.setdefault(tuple(offsets), local)
+
+
+def _chunked(ranks: list[Any]) -> Any:
+    """Rank 0's value, with every GlobalShard replaced by the :class:`_Chunks` of its shards on all ranks."""
     from ftrun.snapshot.layout import GlobalShard
 
     first = ranks[0]
     if isinstance(first, GlobalShard):
-        whole = torch.empty(first.shape, dtype=first.local.dtype)
+        whole = _Chunks(first.shape, first.local.dtype, {})
         for shard in ranks:
-            if not isinstance(shard, GlobalShard) or shard.shape != first.shape:
-                raise UsageError("the ranks' snapshots disagree on a DTensor's global shape: cannot export as dcp")
-            whole[tuple(slice(o, o + n) for o, n in zip(shard.offsets, shard.local.shape))] = shard.local
+            if not isinstance(shard, GlobalShard):
+                raise UsageError("the ranks' snapshots disagree on where a DTensor is: cannot export as dcp")
+            whole.add(shard.offsets, shard.local, shard.shape)
         return whole
     if type(first) in (dict, OrderedDict):
-        return type(first)((key, _assembled([r.get(key) if isinstance(r, dict) else None for r in ranks]))
+        return type(first)((key, _chunked([r.get(key) if isinstance(r, dict) else None for r in ranks]))
                            for key in first)
     if type(first) in (list, tuple):
-        return type(first)(_assembled([r[i] if isinstance(r, (list, tuple)) and i < len(r) else None
-                                       for r in ranks]) for i in range(len(first)))
+        return type(first)(_chunked([r[i] if isinstance(r, (list, tuple)) and i < len(r) else None
+                                     for r in ranks]) for i in range(len(first)))
     return _torch_values(first)
+
+
+def _dcp_items(ranks: list[Any]) -> dict[str, Any]:
+    """A flat DCP state ``{fqn: value}`` of the ranks' ``ftrun.dcp`` snapshots: every rank's chunks of each tensor,
+    every other value rank 0's."""
+    import torch
+
+    from ftrun.snapshot import dcp_items
+
+    state: dict[str, Any] = {}
+    for rank in ranks:  # in rank order: rank 0's object, and rank 0's chunk where ranks hold the same one, win
+        for item in dcp_items.items(rank).values():
+            if "t" not in item:
+                state.setdefault(item["fqn"], _torch_values(item["obj"]))
+                continue
+            whole = state.setdefault(item["fqn"], _Chunks(tuple(item["size"]), getattr(torch, item["dtype"]), {}))
+            whole.add(tuple(item["at"]), item["t"], tuple(item["size"]))
+    return state
+
+
+def _chunk_planner(flatten: bool) -> Any:
+    """DCP's default save planner, writing each :class:`_Chunks` value as its chunks (DCP's own metadata of a
+    sharded tensor, as if every rank had saved its shard), without assembling the global tensor."""
+    import torch
+    from torch.distributed.checkpoint import DefaultSavePlanner, SavePlan
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    def chunk(fqn: str, offsets: tuple[int, ...], local: Any, size: tuple[int, ...], kind: Any) -> Any:
+        return WriteItem(index=MetadataIndex(fqn, offsets), type=kind, tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=local.shape),
+            properties=TensorProperties.create_from_tensor(local), size=torch.Size(size)))
+
+    class ChunkPlanner(DefaultSavePlanner):
+        def create_local_plan(self) -> SavePlan:
+            items = []
+            for fqn, value in self.state_dict.items():
+                if isinstance(value, _Chunks):
+                    items += [chunk(fqn, at, t, value.shape, WriteItemType.SHARD) for at, t in value.chunks.items()]
+                elif isinstance(value, torch.Tensor):
+                    items.append(chunk(fqn, (0,) * value.dim(), value, tuple(value.shape), WriteItemType.TENSOR))
+                else:
+                    items.append(WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO))
+            self.plan = SavePlan(items, planner_data=self.mappings if self.flatten_state_dict else None)
+            return self.plan
+
+        def resolve_data(self, write_item: WriteItem) -> Any:
+            value = self.state_dict[write_item.index.fqn]
+            if isinstance(value, _Chunks):
+                return value.chunks[tuple(write_item.index.offset)]
+            return super().resolve_data(write_item)
+
+    return ChunkPlanner(flatten_state_dict=flatten)
 
 
 def _write_safetensors(path: str, layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor],

@@ -191,7 +191,10 @@ def _is_dtensor(v: Any) -> bool:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes a snapshot stores: a DTensor's local shard (same memory), else ``t``."""
-    return t.detach().to_local() if _is_dtensor(t) else t
+    if not _is_dtensor(t):
+        return t
+    with torch.no_grad():  # no autograd view: 3 us a DTensor, against 15 us for detach() (DTensor dispatch)
+        return t.to_local()
 
 
 def _identity(t: torch.Tensor) -> tuple:
@@ -342,11 +345,12 @@ class GlobalShard:
 
 class _Builder:
     def __init__(self, layout: Layout, stored: Callable[[Entry], torch.Tensor], *, plain: bool = False,
-                 state: Mapping[str, Any] | None = None, shards: bool = False) -> None:
+                 state: Mapping[str, Any] | None = None, shards: bool = False, copy: bool = True) -> None:
         self.entries = layout.entries
         self.stored = stored
         self.plain = plain  # stateful objects become their state_dict() values instead of being loaded
         self.shards = shards  # plain DTensors become GlobalShard, not their local tensor
+        self.copy = copy  # plain tensors are new tensors, not views of the stored ones
         self.state = state or {}
         self.meshes: dict[str, tuple[Any, tuple, torch.device]] | None = None  # see mesh_of()
 
@@ -376,6 +380,8 @@ class _Builder:
                 with torch.no_grad():
                     live.copy_(src)
                 return live
+            if not self.copy:
+                return src
             out = src.to(live.device if isinstance(live, torch.Tensor) else "cpu", copy=True)
             return out.requires_grad_() if node.get("g") else out
         if "N" in node:
@@ -383,7 +389,7 @@ class _Builder:
             if type(live) is np.ndarray and (live.dtype, live.shape) == (arr.dtype, arr.shape) and live.flags.writeable:
                 np.copyto(live, arr)
                 return live
-            return arr.copy()
+            return arr.copy() if self.copy else arr
         if "S" in node:
             return self.value(node["S"], None, path, False) if self.plain else self.load(node["S"], live, path)
         if "X" in node:
@@ -395,7 +401,7 @@ class _Builder:
     def dtensor(self, node: dict, live: Any, path: str) -> Any:
         src = self.stored(self.entries[node["D"]])
         if self.plain:
-            local = src.clone()
+            local = src.clone() if self.copy else src
             return GlobalShard(local, tuple(node["at"]), tuple(node["shape"])) if self.shards else local
         place = {key: node[key] for key in ("mesh", "names", "pl", "shape", "stride")}
         if _is_dtensor(live):
@@ -488,14 +494,15 @@ def restore(state: Mapping[str, Any], layout: Layout, skeleton: dict,
 
 
 def to_plain(layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor], *,
-             shards: bool = False) -> dict[str, Any]:
+             shards: bool = False, copy: bool = True) -> dict[str, Any]:
     """The snapshot as plain values, without live objects: ``{key: value, ..., RNG_KEY: rngs}`` (RNG states only
     when captured). A stateful object becomes its ``state_dict()`` value, a tensor a new CPU tensor (with
     ``requires_grad`` as captured), a DTensor its local shard (a :class:`GlobalShard` with ``shards``), a numpy
-    array or scalar stays numpy; containers keep their types."""
+    array or scalar stays numpy; containers keep their types. With ``copy=False`` tensors
+    and arrays are the stored ones themselves (views of the snapshot's memory, read-only use)."""
     if skeleton.get("format") != FORMAT:
         raise ValueError(f"snapshot skeleton format {skeleton.get('format')!r}, expected {FORMAT}")
-    builder = _Builder(layout, stored, plain=True, shards=shards)
+    builder = _Builder(layout, stored, plain=True, shards=shards, copy=copy)
     plain = {key: builder.value(node, None, _join("", key), False) for key, node in skeleton["state"].items()}
     if "rng" in skeleton:
         plain[RNG_KEY] = builder.value(skeleton["rng"], None, RNG_KEY, False)

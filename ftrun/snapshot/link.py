@@ -190,8 +190,10 @@ class KeeperLink(threading.Thread):
             except (KeeperUnavailable, KeeperError):
                 pass  # the keeper is restarting; the supervisor sees its exit
             except DistError:
-                return  # the control store is gone; the supervisor sees that too
+                break  # the control store is gone; the supervisor sees that too
             self._halt.wait(self._interval)
+        if self.durability is not None and self.durability.copies is not None:
+            self.durability.copies.stop()
 
     def _agree(self, gen: int) -> None:
         reply = self.keeper.request("held", generation=gen)

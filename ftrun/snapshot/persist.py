@@ -14,6 +14,8 @@ resume each other's steps::
         rank-00000.snap             the slot image of global rank 0: exactly the first HEADER_SIZE + payload_len
         rank-00001.snap ...         bytes of its keeper's slot file (header, tensor data, JSON meta; see
                                     :mod:`ftrun.snapshot.slot` and :mod:`ftrun.snapshot.layout`)
+        dcp/                        with --ckpt-format dcp: the step as a torch.distributed.checkpoint, added by
+                                    node 0 once the step is complete (:mod:`ftrun.snapshot.dcp_copy`)
 
 Invariants:
 

@@ -1,0 +1,113 @@
+"""Node 0's copy of each persisted step in DCP's on-disk format (``--ckpt-format dcp``): ``<dir>/step-N/dcp``.
+
+Once step N is complete on disk (:func:`ftrun.snapshot.persist.finalize`), a child process at the lowest CPU and
+I/O priority runs ``python -m ftrun export <dir> <dir>/step-N/dcp.partial --format dcp --step N``
+(:mod:`ftrun.snapshot.export`: every rank file verified first, each DTensor written as its ranks' shards, never
+assembled in memory), and the directory is renamed to ``dcp`` when that succeeds. ``dcp.load(state,
+checkpoint_id=<dir>/step-N/dcp)`` then reads it with torch alone, into any world size and sharding.
+
+Invariants:
+
+* A ``step-N/dcp`` directory is complete (renamed only after the export succeeded); it goes with its step when
+  the step is pruned.
+* One copy runs at a time, of the newest complete step asked for; a step finished meanwhile replaces an older
+  one still waiting. A copy of a step pruned while it ran fails silently; any other failure is one warning line
+  (the ``ftrun`` format step stays complete and usable).
+* The copy runs in this process's process group, so it ends with the supervisor.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+
+from ftrun.events import EventLog
+from ftrun.snapshot.persist import complete_steps, step_name
+
+DCP_DIR = "dcp"
+ENV_DCP_ROOT = "FTRUN_DCP_ROOT"  # a trainer's: its job's durable directory (--ckpt-dir)
+
+
+def newest_dcp(root: str) -> tuple[int, str] | None:
+    """(step, path) of the newest complete DCP copy in the job directory ``root``, or None."""
+    steps = [step for step in complete_steps(root) if os.path.isdir(dcp_path(root, step))]
+    return (steps[-1], dcp_path(root, steps[-1])) if steps else None
+
+
+def dcp_path(root: str, step: int) -> str:
+    """Where step ``step`` of the job directory ``root`` has its DCP copy."""
+    return os.path.join(root, step_name(step), DCP_DIR)
+
+
+class DcpCopies:
+    """Node 0's DCP copies of the persisted steps of the job directory ``root``: :meth:`want` after each step is
+    complete, :meth:`poll` every tick."""
+
+    def __init__(self, root: str, events: EventLog) -> None:
+        self.root = root
+        self.events = events
+        self._wanted = 0  # the newest complete step waiting for its copy
+        self._running: tuple[int, subprocess.Popen[str], float] | None = None
+        self.done = 0  # the newest step whose copy is complete
+
+    def want(self, step: int) -> None:
+        self._wanted = max(self._wanted, step)
+        self.poll()
+
+    def pending(self, step: int) -> bool:
+        """Whether the copy of ``step`` (or of a newer one) is still to be written."""
+        return self.done < step and (self._wanted >= step or self._running is not None)
+
+    def poll(self) -> None:
+        """Finish the running copy if it ended; start the next one."""
+        if self._running is not None:
+            step, child, t0 = self._running
+            if child.poll() is None:
+                return
+            self._running = None
+            self._ended(step, child, time.monotonic() - t0)
+        if self._wanted > self.done:
+            step, self._wanted = self._wanted, 0
+            partial = dcp_path(self.root, step) + ".partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            child = subprocess.Popen([sys.executable, "-m", "ftrun", "export", self.root, partial, "--format", "dcp",
+                                      "--step", str(step)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, text=True)
+            try:
+                psutil.Process(child.pid).nice(19)
+                psutil.Process(child.pid).ionice(psutil.IOPRIO_CLASS_IDLE)
+            except psutil.Error:
+                pass  # best effort, as the keeper's persister thread
+            self._running = step, child, time.monotonic()
+
+    def _ended(self, step: int, child: subprocess.Popen[str], seconds: float) -> None:
+        partial, path = dcp_path(self.root, step) + ".partial", dcp_path(self.root, step)
+        error = (child.stderr.read() if child.stderr else "").strip().splitlines()
+        if child.returncode == 0:
+            try:
+                os.rename(partial, path)
+            except OSError as err:
+                error = [f"cannot rename {partial}: {err.strerror or err}"]
+        if child.returncode == 0 and os.path.isdir(path):
+            self.done = max(self.done, step)
+            self.events.emit("dcp", f"wrote step {step} in DCP format to {path} in {seconds:.2f}s", step=step,
+                             path=path, seconds=seconds)
+            return
+        shutil.rmtree(partial, ignore_errors=True)
+        if not os.path.isdir(os.path.join(self.root, step_name(step))):
+            return  # pruned while it was copied: a newer step is on disk
+        reason = error[-1] if error else f"exit code {child.returncode}"
+        self.events.emit("durability", f"WARNING the DCP copy of step {step} failed ({reason}); the step stays on "
+                         f"disk in ftrun's format", step=step, degraded=True, reason=reason)
+
+    def stop(self) -> None:
+        """Stop a copy still running (its partial directory is removed at the next start)."""
+        if self._running is not None:
+            self._running[1].kill()
+            self._running[1].wait()
+            self._running = None
