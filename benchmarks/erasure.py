@@ -1,21 +1,23 @@
 """Erasure-coded redundancy of ftrun's RAM snapshots: parity encoding, rebuild of a lost node, memory per node.
 
-Two shapes side by side, one trainer per node, ``--size-mib`` of state per rank: erasure coding
-(``--nnodes 3 --ec-group 3 --ec-parity 1``: G = 3, m = 1, k = 2) and replication (``--nnodes 2``, the default
-G = 2, m = 1, k = 1). For each, this script runs a real ftrun job of :mod:`erasure_worker` (a snapshot every
-step; method there) with ``--inject node-loss@node=1,step=--loss-at`` and reads ``<log-dir>/events.jsonl``.
-A node's *blob* is the state of its ranks (the worker reports its state bytes). Times are medians.
+Three shapes side by side, one trainer per node, ``--size-mib`` of state per rank: erasure coding
+(``--nnodes 3 --ec-group 3 --ec-parity 1``: G = 3, m = 1, k = 2; ``--nnodes 6 --ec-group 6 --ec-parity 2``:
+k = 4, m = 2, two nodes lost at once) and replication (``--nnodes 2``, the default G = 2, m = 1, k = 1). For
+each, this script runs a real ftrun job of :mod:`erasure_worker` (a snapshot every step; method there) with
+``--inject node-loss@node=N,step=--loss-at`` and reads ``<log-dir>/events.jsonl``. A node's *blob* is the state
+of its ranks (the worker reports its state bytes). Times are medians.
 
-- Encode, pyeclib alone: ``Codec(k, m).encode`` in this process, over the pieces ``StripeLayout(G, m).pieces(L)``
-  of random data, for the m stripes a keeper holds parity of (k chunks of L bytes each, a blob's worth);
-  ``--reps`` repetitions. Encode, end to end: the keepers' ``parity`` events (fetch of the data fragments from
+- Encode, codec alone: :func:`~ftrun.snapshot.erasure.encode_parity` in this process for the m stripes a keeper
+  holds parity of, its fetches copies from memory; ``--reps`` repetitions. Encode, end to end: the keepers'
+  ``parity`` events (fetch of the data fragments from
   the other keepers over TCP, encoding, writing the parity file, checks), blob / seconds per keeper, median over
   the steps before the node loss except each keeper's first two (they allocate the two parity files, shown
   apart); the trainers run meanwhile, as in training.
-- Rebuild: the ``rebuilt`` event of node 1's replacement keeper (bytes, seconds; it reads k x those bytes from
-  k survivors), against a plain loopback TCP copy of as many bytes by this script (a thread sends a file in
-  /dev/shm with ``socket.sendfile``, the client receives it with ``recv_into`` into a faulted buffer) and against
-  ``Codec.reconstruct`` alone of the lost node's k chunks, each from k fragments; ``--reps`` runs of each.
+- Rebuild: the slowest ``rebuilt`` event of the lost nodes' replacement keepers (bytes, seconds; each reads k x
+  those bytes from k survivors), against a plain loopback TCP copy of as many bytes by this script (a thread
+  sends a file in /dev/shm with ``socket.sendfile``, the client receives it with ``recv_into`` into a faulted
+  buffer) and against :func:`~ftrun.snapshot.erasure.rebuild_chunk` alone of the lost node's k chunks;
+  ``--reps`` runs of each.
   For context, the job's recovery (``recovered``: failure seen to every rank beating again), which includes
   starting the replacement node.
 - Memory: the worker stops after saving step ``--hold-at`` until this script has seen that step's parity on
@@ -24,6 +26,15 @@ A node's *blob* is the state of its ranks (the worker reports its state bytes). 
   m/k of a blob = 2 + 2m/k.
 - Every rank of the last generation checks at the end that its state is bit for bit the one of a run without
   failure (so the restore was exact).
+- Training: 3 nodes x 1 trainer doing a fixed amount of matrix products per step and then waiting
+  ``--train-sleep`` with the CPU idle (as a GPU step leaves the host's cores to other work; 3 CPU-bound trainers
+  on this 2-core host would leave the encoders no core at all), a snapshot every ``--every`` steps, with parity
+  (m = 1) and without (``--ec-parity 0``), alternating ``--train-reps`` times: steps per second of the slowest
+  rank, from its first snapshot on.
+
+Targets, printed as PASS/MISS: encode end to end >= 2 GB/s per keeper (k=2, m=1) and >= 1 GB/s (k=4, m=2);
+rebuild <= 1.5 x the TCP copy (k=1, k=2) and <= 2 x (m=2, two lost); memory per node <= 2 + 2m/k; training
+with parity >= 0.97 x without.
 
     .venv/bin/python benchmarks/erasure.py            # 256 MiB per rank, about 3 minutes
     .venv/bin/python benchmarks/erasure.py --quick    # 16 MiB, 2 repetitions: a smoke check (about 1 minute)
@@ -35,6 +46,7 @@ import argparse
 import contextlib
 import glob
 import json
+import mmap
 import os
 import re
 import shutil
@@ -45,13 +57,17 @@ import sys
 import tempfile
 import threading
 import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median as med
 from typing import Any
 
 from ftrun.control.spec import shm_dir
-from ftrun.snapshot.erasure import DEFAULT_BACKEND, Codec, StripeLayout
+from ftrun.snapshot.erasure import (DEFAULT_BACKEND, Codec, Scratch, Segment, StripeLayout, encode_parity,
+                                    rebuild_chunk)
+from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, Reply
 
 WORKER = Path(__file__).resolve().parent / "erasure_worker.py"
 GB = 1e9
@@ -60,7 +76,6 @@ JOB_TIMEOUT = 900
 STOP_GRACE = 30
 POLL = 0.1
 ALLOCATION_ENCODES = 2  # a keeper's first two encodes allocate its two parity files
-LOST_NODE = 1
 Event = dict[str, Any]
 
 
@@ -73,6 +88,9 @@ class Shape:
     group: int
     parity: int
     flags: tuple[str, ...]  # ftrun's redundancy flags for it (none: the default)
+    lost: tuple[int, ...] = (1,)  # the nodes lost at once at --loss-at
+    rebuild_target: float = 1.5  # rebuild / TCP copy of the same bytes, at most
+    encode_target: float | None = None  # GB/s of blob per keeper, end to end, at least
 
     @property
     def k(self) -> int:
@@ -84,8 +102,9 @@ class Shape:
         return 2 + 2 * self.parity / self.k
 
 
-SHAPES = (Shape("erasure coding", 3, 3, 1, ("--ec-group", "3", "--ec-parity", "1")),
-          Shape("replication", 2, 2, 1, ()))
+SHAPES = (Shape("EC k=2 m=1", 3, 3, 1, ("--ec-group", "3", "--ec-parity", "1"), encode_target=2.0),
+          Shape("EC k=4 m=2", 6, 6, 2, ("--ec-group", "6", "--ec-parity", "2"), (1, 2), 2.0, 1.0),
+          Shape("replication k=1", 2, 2, 1, ()))
 
 
 @dataclass
@@ -107,30 +126,116 @@ class Job:
 
 # -- pyeclib alone ---------------------------------------------------------------------------------------------
 def codec_seconds(shape: Shape, blob: int, reps: int) -> tuple[list[float], list[float]]:
-    """Seconds, per rep, of one keeper's encode (its m stripes) and of a lost node's rebuild (its k chunks, each
-    from k other fragments) of blobs of ``blob`` random bytes with :class:`Codec` alone."""
+    """Seconds, per rep, of one keeper's encode (its m stripes) and of a lost node's rebuild (its k chunks) of
+    blobs of ``blob`` random bytes with :mod:`ftrun.snapshot.erasure` alone, its fetches copies from memory (the
+    same pipeline and thread pool as a keeper's, without the network)."""
     layout, codec, k = StripeLayout(shape.group, shape.parity), Codec(shape.k, shape.parity), shape.k
     chunk_len = layout.chunk_len([blob])
     data = bytearray(k * chunk_len)
     data[:blob] = os.urandom(blob)
-    view = memoryview(data)
+    parity = [bytearray(chunk_len) for _ in range(shape.parity)]
+    rebuilt = bytearray(k * chunk_len)
 
-    def chunks(offset: int, length: int) -> list[memoryview]:
-        return [view[i * chunk_len + offset:i * chunk_len + offset + length] for i in range(k)]
+    def fetch_into(i: int, offset: int, length: int, into: memoryview) -> None:
+        source = data if i < k else parity[i - k]
+        start = (i * chunk_len if i < k else 0) + offset
+        into[:] = memoryview(source)[start:start + length]
 
     encode, rebuild = [], []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        coded = [[codec.encode(chunks(*piece)) for piece in layout.pieces(chunk_len)] for _ in range(shape.parity)]
-        encode.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for lost in range(k):
-            for piece, (parity, headers) in zip(layout.pieces(chunk_len), coded[0]):
-                available = {i: c for i, c in enumerate(chunks(*piece)) if i != lost}
-                available.update({k + t: p for t, p in enumerate(parity)})
-                codec.reconstruct(available, headers, lost)
-        rebuild.append(time.perf_counter() - t0)
+    with ThreadPoolExecutor(2 * shape.group) as pool:
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for t in range(shape.parity):
+                encode_parity(codec, layout, 0, t, chunk_len, fetch_into, memoryview(parity[t]), pool)
+            encode.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for chunk in range(k):
+                view = memoryview(rebuilt)[chunk * chunk_len:(chunk + 1) * chunk_len]
+                segments = [Segment(o, n, view[o:o + n]) for o, n in layout.pieces(chunk_len)]
+                sources = [i for i in range(shape.group) if i != chunk]
+                rebuild_chunk(codec, layout, chunk, chunk_len, sources, fetch_into, segments,
+                              lambda o, b, view=view: view.__setitem__(slice(o, o + len(b)), b), pool)
+            rebuild.append(time.perf_counter() - t0)
+    if rebuilt != data:
+        raise SystemExit("the codec alone did not rebuild the data")
     return encode, rebuild
+
+
+# -- one keeper alone over loopback TCP ----------------------------------------------------------------------------
+def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], list[float]]:
+    """Seconds, per rep, of one keeper's encode and of one lost node's rebuild through the real path (keeper
+    transport, ``recv_into``, XOR or pyeclib, parity CRCs; the rebuild into freshly allocated /dev/shm files,
+    then their CRC-32) with only that keeper working: each peer is a transport server sending from a /dev/shm
+    file, as a keeper does. What a node with cores of its own sees; the job above shares 2 cores among all its
+    simulated nodes."""
+    layout, codec, k = StripeLayout(shape.group, shape.parity), Codec(shape.k, shape.parity), shape.k
+    chunk_len = layout.chunk_len([blob])
+    secret = os.urandom(32)
+    files, servers = [], []
+    try:
+        for i in range(shape.group):  # fragment i of one stripe: k data chunks, then m parity
+            fd, path = tempfile.mkstemp(prefix="ftrun-bench-erasure-frag-", dir=shm_dir())
+            with os.fdopen(fd, "wb") as f:
+                for _ in range(0, chunk_len, 64 * MIB):
+                    f.write(os.urandom(min(64 * MIB, chunk_len)))
+                f.truncate(chunk_len)
+            files.append(path)
+            servers.append(PeerServer(secret, lambda r, path=path: Reply({}, [FileRange(path, int(r["offset"]),
+                                                                                         int(r["length"]))]),
+                                      max_payload=0))
+            servers[-1].start()
+        clients: dict[tuple[int, int], PeerClient] = {}
+
+        def fetch_into(i: int, offset: int, length: int, into: memoryview) -> None:
+            key = (i, threading.get_ident())
+            if key not in clients:
+                clients[key] = PeerClient(*servers[i].address, secret)
+            _, got = clients[key].request("piece", into=into, offset=offset, length=length)
+            assert got == length
+
+        out = mmap.mmap(-1, chunk_len)
+        encode, rebuild = [], []
+        with ThreadPoolExecutor(2 * shape.group) as pool:
+            scratch = Scratch()
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for t in range(shape.parity):  # a keeper's m parity stripes, each from k data fragments
+                    encode_parity(codec, layout, 0, t, chunk_len, fetch_into, memoryview(out), pool, scratch)
+                encode.append(time.perf_counter() - t0)
+                fd, path = tempfile.mkstemp(prefix="ftrun-bench-erasure-slot-", dir=shm_dir())
+                try:
+                    t0 = time.perf_counter()
+                    os.posix_fallocate(fd, 0, k * chunk_len)
+                    slot = mmap.mmap(fd, k * chunk_len)
+                    for chunk in range(k):  # the lost node's k chunks, each from the k other fragments
+                        # with m >= 2, as in the job, a second node of the stripe is lost too: pyeclib rebuilds
+                        also_lost = (chunk + 1) % k if shape.parity > 1 and k > 1 else chunk
+                        sources = [i for i in range(shape.group) if i not in (chunk, also_lost)]
+                        _rebuild_into(codec, layout, chunk, chunk_len, sources, fetch_into, slot, pool, scratch)
+                    zlib.crc32(slot)
+                    rebuild.append(time.perf_counter() - t0)
+                    slot.close()
+                finally:
+                    os.close(fd)
+                    os.unlink(path)
+        for client in clients.values():
+            client.close()
+        return encode, rebuild
+    finally:
+        for server in servers:
+            server.close()
+        for path in files:
+            os.unlink(path)
+
+
+def _rebuild_into(codec: Codec, layout: StripeLayout, chunk: int, chunk_len: int, sources: list[int],
+                  fetch_into: Any, slot: mmap.mmap, pool: ThreadPoolExecutor, scratch: Scratch) -> None:
+    """Chunk ``chunk`` of the blob in ``slot``, rebuilt as a keeper does (its views die with this call)."""
+    base = chunk * chunk_len
+    view = memoryview(slot)[base:base + chunk_len]
+    segments = [Segment(o, n, view[o:o + n]) for o, n in layout.pieces(chunk_len)]
+    rebuild_chunk(codec, layout, chunk, chunk_len, sources, fetch_into, segments,
+                  lambda o, b: view.__setitem__(slice(o, o + len(b)), b), pool, scratch)
 
 
 # -- plain TCP copy --------------------------------------------------------------------------------------------
@@ -218,7 +323,8 @@ def run_job(shape: Shape, args: argparse.Namespace, workdir: str) -> Job:
     os.makedirs(out_dir)
     command = [sys.executable, "-m", "ftrun", "--nnodes", str(shape.nnodes), "--nproc-per-node", "1", *shape.flags,
                "--rdzv-id", job, "--log-dir", log_dir, "--max-restarts", "2", "--hang-timeout", "600",
-               "--hang-timeout-initial", "600", "--inject", f"node-loss@node={LOST_NODE},step={args.loss_at}",
+               "--hang-timeout-initial", "600",
+               *(x for node in shape.lost for x in ("--inject", f"node-loss@node={node},step={args.loss_at}")),
                str(WORKER), "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--hold-at",
                str(args.hold_at), "--step-time", str(args.step_time), "--go", str(go), "--out-dir", out_dir]
     print(f"running: {' '.join(command[1:])}", flush=True)
@@ -272,12 +378,14 @@ class Result:
 
     shape: Shape
     state: int  # bytes per node
-    encode_alone: float  # seconds, pyeclib alone
-    rebuild_alone: float  # seconds, pyeclib reconstruct alone
+    encode_alone: float  # seconds, the codec alone
+    rebuild_alone: float  # seconds, the codec alone
+    encode_tcp: float  # seconds, one keeper alone over loopback TCP
+    rebuild_tcp: float  # seconds, one rebuild alone over loopback TCP
     keepers: dict[int, float]  # node -> median seconds of its steady encodes
     allocating: float  # median seconds of the keepers' first two encodes
     parity_bytes: int
-    rebuilt: Event
+    rebuilt: Event  # the slowest rebuild of the lost nodes
     tcp: float  # seconds of a plain TCP copy of the rebuilt bytes
     recovery: float  # seconds from the failure seen to every rank beating again
     memory: dict[int, dict[str, int]]
@@ -303,7 +411,7 @@ class Result:
     def exact(self) -> str:
         """On how many ranks the final state was bit for bit the failure-free one."""
         final = [x["exact"] for x in self.records if "exact" in x]
-        return f"{sum(final)} of {self.shape.nnodes} ranks bit-exact"
+        return f"{sum(final)} of {self.shape.nnodes} bit-exact"
 
 
 def steady_encodes(job: Job) -> tuple[dict[int, float], list[float]]:
@@ -328,52 +436,108 @@ def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
     job = run_job(shape, args, workdir)
     steady, first = steady_encodes(job)
     encode, rebuild = codec_seconds(shape, job.state_bytes, args.reps)
-    rebuilt = job.of("rebuilt")[0]
+    encode_tcp, rebuild_tcp = pipeline_alone(shape, job.state_bytes, args.reps)
+    rebuilt = max(job.of("rebuilt"), key=lambda e: e["seconds"])
     tcp = tcp_copy_seconds(rebuilt["bytes"], args.reps)
-    return Result(shape, job.state_bytes, med(encode), med(rebuild), steady, med(first),
+    return Result(shape, job.state_bytes, med(encode), med(rebuild), med(encode_tcp), med(rebuild_tcp), steady,
+                  med(first),
                   job.of("parity")[0]["parity_bytes"], rebuilt, med(tcp), job.of("recovered")[0]["seconds"],
                   job.memory, job.records)
 
 
-def row(label: str, a: str, b: str, ratio: str = "") -> None:
-    print(f"  {label:<46}{a:>24}{b:>24}{ratio:>12}".rstrip())
+# -- training with parity on and off ---------------------------------------------------------------------------
+def training_rate(args: argparse.Namespace, workdir: str, parity: int, rep: int) -> float:
+    """Steps per second of 3 nodes x 1 trainer computing (``--matmuls`` matrix products per step) with a
+    snapshot every ``--every`` steps, in EC groups of 3 with ``parity`` parity (0: no redundancy)."""
+    job = f"bench-erasure-train{parity}-{rep}-{os.getpid()}"
+    out_dir = os.path.join(workdir, job)
+    os.makedirs(out_dir)
+    command = [sys.executable, "-m", "ftrun", "--nnodes", "3", "--nproc-per-node", "1", "--ec-group", "3",
+               "--ec-parity", str(parity), "--rdzv-id", job, "--log-dir", f"{out_dir}-logs", str(WORKER),
+               "--size-mib", str(args.size_mib), "--steps", str(args.train_steps), "--every", str(args.every),
+               "--matmuls", str(args.matmuls), "--step-time", str(args.train_sleep), "--out-dir", out_dir]
+    try:
+        done = subprocess.run(command, capture_output=True, timeout=JOB_TIMEOUT)
+    finally:
+        remove_leftovers(job)
+    records = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*-gen0.json"))]
+    rates = [x["steps_per_second"] for x in records if "steps_per_second" in x]
+    if done.returncode != 0 or len(rates) != 3:
+        raise SystemExit(f"the training job failed (exit code {done.returncode}): {done.stdout[-3000:]!r}")
+    return min(rates)  # the job goes at its slowest rank's pace
+
+
+def training_ratio(args: argparse.Namespace, workdir: str) -> tuple[list[float], list[float]]:
+    """Steps per second with parity on (m = 1) and off, alternating, ``--train-reps`` times each."""
+    on, off = [], []
+    for rep in range(args.train_reps):
+        off.append(training_rate(args, workdir, 0, rep))
+        on.append(training_rate(args, workdir, 1, rep))
+    return on, off
+
+
+# -- report ----------------------------------------------------------------------------------------------------
+def row(label: str, *cells: str) -> None:
+    print(f"  {label:<44}" + "".join(f"{c:>22}" for c in cells).rstrip())
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
 
 
 def report(results: list[Result], args: argparse.Namespace) -> None:
-    ec, rep = results
-    print(f"\nstate {ec.state / MIB:.0f} MiB per rank, one rank per node, a snapshot every step; {DEFAULT_BACKEND}; "
-          f"medians of {args.reps} (pyeclib, TCP copy) and over steps (keepers)")
+    print(f"\nstate {results[0].state / MIB:.0f} MiB per rank, one rank per node, a snapshot every step; "
+          f"{DEFAULT_BACKEND}; medians of {args.reps} (codec alone, TCP copy) and over steps (keepers)")
     for r in results:
         s = r.shape
         print(f"  {s.name}: --nnodes {s.nnodes} {' '.join(s.flags) or '(default groups)'}: G={s.group}, m={s.parity},"
-              f" k={s.k}; parity per node {r.parity_bytes / r.state:.3f} x the state")
+              f" k={s.k}; nodes {','.join(map(str, s.lost))} lost; parity per node {r.parity_bytes / r.state:.3f} x "
+              "the state")
     print()
-    row("", f"{ec.shape.name} k={ec.shape.k}", f"{rep.shape.name} k={rep.shape.k}", "EC / repl.")
-    # k = 1: the codec copies instead of calling pyeclib (the parity of a 1-of-n code is the data itself)
-    row("encode per keeper: pyeclib alone", ec.gbs(ec.encode_alone), "a copy, no pyeclib")
-    row("encode per keeper: end to end (parity events)", ec.gbs(ec.encode), rep.gbs(rep.encode),
-        f"{rep.encode / ec.encode:.2f}")
-    row("  each keeper, node 0, 1, ... (GB/s)", spread([ec.state / t / GB for t in ec.keepers.values()]),
-        spread([rep.state / t / GB for t in rep.keepers.values()]))
-    row("  end to end / pyeclib alone", f"{ec.encode_alone / ec.encode:.2f}", "-")
-    row("  first two encodes (parity files allocated)", ec.gbs(ec.allocating), rep.gbs(rep.allocating))
-    row("rebuild of node 1 (rebuilt event)", f"{ec.rebuilt['seconds']:.3f} s", f"{rep.rebuilt['seconds']:.3f} s",
-        f"{ec.rebuilt['seconds'] / rep.rebuilt['seconds']:.2f}")
-    row("  bytes rebuilt", f"{ec.rebuilt['bytes'] / MIB:.1f} MiB", f"{rep.rebuilt['bytes'] / MIB:.1f} MiB")
-    row("  bytes read from the survivors (k x)", sources(ec), sources(rep))
-    row("  pyeclib reconstruct alone", f"{ec.rebuild_alone:.3f} s", "a copy, no pyeclib")
-    row("plain TCP copy of the bytes rebuilt", f"{ec.tcp:.3f} s", f"{rep.tcp:.3f} s")
-    row("  rebuild / TCP copy", f"{ec.rebuilt['seconds'] / ec.tcp:.1f}", f"{rep.rebuilt['seconds'] / rep.tcp:.1f}")
-    row("recovery: failure seen to every rank beating", f"{ec.recovery:.2f} s", f"{rep.recovery:.2f} s",
-        f"{ec.recovery / rep.recovery:.2f}")
-    row("memory per node / state: expected 2 + 2m/k", f"{ec.shape.expected_memory:.2f}",
-        f"{rep.shape.expected_memory:.2f}", f"{ec.shape.expected_memory / rep.shape.expected_memory:.2f}")
-    row("  measured, node 0, 1, ...", spread(ec.memory_ratio()), spread(rep.memory_ratio()),
-        f"{med(ec.memory_ratio()) / med(rep.memory_ratio()):.2f}")
-    row("  of which slots + parity files (median)", parts(ec), parts(rep))
-    row("restored after the loss", ec.restored(), rep.restored())
-    row("final state vs a run without failure", ec.exact(), rep.exact())
-    print("\n  EC / repl.: the erasure-coding value of the row over the replication one")
+    row("", *(r.shape.name for r in results))
+    row("encode per keeper: codec alone", *(r.gbs(r.encode_alone) for r in results))
+    row("encode: one keeper alone over TCP", *(r.gbs(r.encode_tcp) for r in results))
+    row("encode per keeper: end to end (parity events)", *(r.gbs(r.encode) for r in results))
+    row("  each keeper, node 0, 1, ... (GB/s)", *(spread([r.state / t / GB for t in r.keepers.values()])
+                                                  for r in results))
+    row("  first two encodes (parity files allocated)", *(r.gbs(r.allocating) for r in results))
+    row("rebuild of a lost node (slowest rebuilt event)", *(f"{r.rebuilt['seconds']:.3f} s" for r in results))
+    row("  bytes rebuilt", *(f"{r.rebuilt['bytes'] / MIB:.1f} MiB" for r in results))
+    row("  bytes read from the survivors (k x)", *(sources(r) for r in results))
+    row("  codec alone", *(f"{r.rebuild_alone:.3f} s" for r in results))
+    row("  one rebuild alone over TCP (allocation, CRC)", *(f"{r.rebuild_tcp:.3f} s" for r in results))
+    row("plain TCP copy of the bytes rebuilt", *(f"{r.tcp:.3f} s" for r in results))
+    row("  rebuild / TCP copy", *(f"{r.rebuilt['seconds'] / r.tcp:.2f}" for r in results))
+    row("  one rebuild alone / TCP copy", *(f"{r.rebuild_tcp / r.tcp:.2f}" for r in results))
+    row("recovery: failure seen to every rank beating", *(f"{r.recovery:.2f} s" for r in results))
+    row("memory per node / state: 2 + 2m/k", *(f"{r.shape.expected_memory:.2f}" for r in results))
+    row("  measured, node 0, 1, ...", *(spread(r.memory_ratio()) for r in results))
+    row("  of which slots + parity files (median)", *(parts(r) for r in results))
+    row("restored after the loss", *(r.restored() for r in results))
+    row("final state vs a run without failure", *(r.exact() for r in results))
+    print("\ntargets")
+    for r in results:
+        s = r.shape
+        if s.encode_target is not None:
+            rate, alone = r.state / r.encode / GB, r.state / r.encode_tcp / GB
+            print(f"  {s.name}: encode end to end {rate:.2f} GB/s per keeper in the job, {alone:.2f} alone, target "
+                  f">= {s.encode_target}: {verdict(rate >= s.encode_target)} in the job, "
+                  f"{verdict(alone >= s.encode_target)} alone")
+        ratio, alone = r.rebuilt["seconds"] / r.tcp, r.rebuild_tcp / r.tcp
+        print(f"  {s.name}: rebuild / TCP copy {ratio:.2f} in the job, {alone:.2f} alone, target <= "
+              f"{s.rebuild_target}: {verdict(ratio <= s.rebuild_target)} in the job, "
+              f"{verdict(alone <= s.rebuild_target)} alone")
+        most = max(r.memory_ratio())
+        print(f"  {s.name}: memory per node {most:.2f} x the state, target <= {s.expected_memory:.2f}: "
+              f"{verdict(most <= s.expected_memory + 0.02)}")
+
+
+def report_training(training: tuple[list[float], list[float]], args: argparse.Namespace) -> None:
+    on, off = training
+    ratio = med(on) / med(off)
+    print(f"  training, 3 nodes, a snapshot every {args.every} steps: {med(on):.2f} steps/s with parity, "
+          f"{med(off):.2f} without ({spread(on)} / {spread(off)}): {ratio:.3f}, target >= 0.97: "
+          f"{verdict(ratio >= 0.97)}")
 
 
 def sources(r: Result) -> str:
@@ -391,20 +555,32 @@ def spread(values: list[float]) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size-mib", type=int, default=256, help="state per rank (MiB)")
-    parser.add_argument("--reps", type=int, default=5, help="repetitions of the pyeclib timings and the TCP copy")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions of the codec timings and the TCP copy")
     parser.add_argument("--steps", type=int, default=16, help="training steps (a snapshot after each)")
     parser.add_argument("--hold-at", type=int, default=4, help="step at which /dev/shm is measured")
     parser.add_argument("--loss-at", type=int, default=10, help="step at which node 1 is lost")
     parser.add_argument("--step-time", type=float, default=0.05, help="seconds of sleep per training step")
+    parser.add_argument("--train-steps", type=int, default=80, help="steps of each training-throughput job")
+    parser.add_argument("--every", type=int, default=10, help="snapshot interval of the training-throughput jobs")
+    parser.add_argument("--matmuls", type=int, default=30, help="256 x 256 matrix products per step of those jobs")
+    parser.add_argument("--train-sleep", type=float, default=0.07,
+                        help="seconds each of their steps waits with the CPU idle (a GPU step's kernels)")
+    parser.add_argument("--train-reps", type=int, default=2, help="training-throughput jobs with parity on and off")
+    parser.add_argument("--shapes", nargs="*", default=None, help="names of the shapes to run (default: all)")
+    parser.add_argument("--no-training", action="store_true", help="skip the training-throughput jobs")
     parser.add_argument("--quick", action="store_true", help="16 MiB, 2 repetitions, 10 steps: a smoke check")
     args = parser.parse_args()
     if args.quick:
         args.size_mib, args.reps, args.steps, args.hold_at, args.loss_at = 16, 2, 10, 3, 6
+        args.train_steps, args.train_reps, args.matmuls = 30, 1, 20
     if not 0 < args.hold_at < args.loss_at < args.steps:
         parser.error("need 0 < --hold-at < --loss-at < --steps")
+    shapes = [s for s in SHAPES if args.shapes is None or s.name in args.shapes]
     workdir = tempfile.mkdtemp(prefix="ftrun-bench-erasure-")
     try:
-        report([measure(shape, args, workdir) for shape in SHAPES], args)
+        report([measure(shape, args, workdir) for shape in shapes], args)
+        if not args.no_training:
+            report_training(training_ratio(args, workdir), args)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return 0

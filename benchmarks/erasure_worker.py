@@ -8,6 +8,10 @@ and again at the end, with ``exact``: whether the final state is bit for bit the
 (so the restore was exact; checked at the end not to compete with a rebuild for the CPU). In generation 0 it stops
 after saving step ``--hold-at`` until the file ``--go`` exists, so the benchmark can look at /dev/shm while
 nothing moves; ftrun's ``--inject node-loss`` later kills one node, whose replacement restores rebuilt slots.
+
+Training mode (``--matmuls N``, no ``--go``): each step also multiplies two 256 x 256 matrices N times (a fixed
+amount of work), a snapshot is taken every ``--every`` steps, and the final record holds ``steps_per_second``
+from the end of the first snapshot's step to the last step.
 """
 
 from __future__ import annotations
@@ -67,29 +71,40 @@ def hold(go: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    for flag in ("--size-mib", "--steps", "--hold-at"):
+    for flag in ("--size-mib", "--steps"):
         parser.add_argument(flag, type=int, required=True)
-    parser.add_argument("--step-time", type=float, required=True, help="seconds of sleep per step")
-    parser.add_argument("--go", required=True, help="file whose existence ends the hold")
+    parser.add_argument("--hold-at", type=int, default=0, help="step after which generation 0 waits for --go")
+    parser.add_argument("--step-time", type=float, default=0.0, help="seconds of sleep per step")
+    parser.add_argument("--go", help="file whose existence ends the hold")
+    parser.add_argument("--every", type=int, default=1, help="a snapshot every this many steps")
+    parser.add_argument("--matmuls", type=int, default=0, help="256 x 256 matrix products per step")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
     rank, generation = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     state = build(args.size_mib)
-    snap = Snapshotter(state, every=1, rng=False)
+    snap = Snapshotter(state, every=args.every, rng=False)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
     start = snap.restore()
     if start == 0:
         initialize(state, rank)
     doc: dict[str, object] = {"rank": rank, "generation": generation, "restored": start,
                               "state_bytes": sum(t.nbytes for t in state.values())}
     record(args.out_dir, rank, generation, doc)
+    timed_from = None
     for step in range(start, args.steps):
+        for _ in range(args.matmuls):
+            torch.mm(a, b)
         snap.wait()  # the copy of the previous snapshot reads the live tensors
         advance(state, step)
         snap.save(step + 1)
-        if generation == 0 and step + 1 == args.hold_at:
+        if generation == 0 and step + 1 == args.hold_at and args.go:
             hold(args.go)
+        if step + 1 == args.every:
+            timed_from = (step + 1, time.perf_counter())
         time.sleep(args.step_time)
     snap.wait()
+    if args.matmuls and timed_from is not None:
+        doc["steps_per_second"] = (args.steps - timed_from[0]) / (time.perf_counter() - timed_from[1])
     record(args.out_dir, rank, generation, {**doc, "exact": exact(state, rank, args.size_mib, args.steps)})
 
 

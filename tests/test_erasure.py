@@ -4,13 +4,17 @@ byte for byte from the survivors, whatever the group shape and blob sizes."""
 from __future__ import annotations
 
 import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ftrun.snapshot.erasure import (ALIGN, Codec, StripeLayout, default_group, encode_stripe, group_problem,
-                                    rebuild_chunk)
+from pyeclib.ec_iface import ECDriver
+
+from ftrun.snapshot.erasure import (ALIGN, BACKENDS, Codec, CorruptFragment, Segment, StripeLayout, default_group,
+                                    encode_parity, group_problem, rebuild_chunk)
 from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore
 
 
@@ -23,58 +27,108 @@ def groups(draw):
         blobs[0] = b"x"
     lost = draw(st.lists(st.integers(0, group - 1), min_size=parity, max_size=parity, unique=True))
     piece = draw(st.sampled_from([ALIGN, 2 * ALIGN]))
-    return group, parity, blobs, sorted(lost), piece
+    backend = draw(st.sampled_from(BACKENDS))
+    split = draw(st.integers(1, 3 * ALIGN))  # where the rebuilt blob's memory is cut in two (two slot files)
+    return group, parity, blobs, sorted(lost), piece, backend, split
 
 
 def encode_group(layout: StripeLayout, codec: Codec, blobs: list[bytes]):
-    """Every position's parity payloads and headers, as the keepers compute them."""
+    """Every position's parity payloads, as the keepers compute them."""
     chunk_len = layout.chunk_len([len(b) for b in blobs])
     padded = [b.ljust(layout.k * chunk_len, b"\0") for b in blobs]
-
-    def fetch(position: int, chunk: int, offset: int, length: int) -> bytes:
-        start = chunk * chunk_len + offset
-        return padded[position][start:start + length]
-
     parity: dict[tuple[int, int], bytearray] = {}
-    headers: dict[tuple[int, int], list[list[bytes]]] = {}
-    for position in range(layout.group):
-        for t, stripe in enumerate(layout.parity_stripes(position)):
-            parity[position, t] = bytearray(chunk_len)
-            headers[position, stripe] = []
-            for offset, payload, piece_headers in encode_stripe(codec, layout, stripe, chunk_len, t, fetch):
-                parity[position, t][offset:offset + len(payload)] = payload
-                headers[position, stripe].append(piece_headers)
-    return chunk_len, padded, parity, headers
+    with ThreadPoolExecutor(4) as pool:
+        for position in range(layout.group):
+            for t, stripe in enumerate(layout.parity_stripes(position)):
+                def fetch_into(i: int, offset: int, length: int, into: memoryview, stripe: int = stripe) -> None:
+                    start = i * chunk_len + offset
+                    into[:] = padded[layout.data_position(stripe, i)][start:start + length]
+
+                parity[position, t] = bytearray(chunk_len)
+                encode_parity(codec, layout, stripe, t, chunk_len, fetch_into, memoryview(parity[position, t]), pool)
+    return chunk_len, padded, parity
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=80, deadline=None)
 @given(groups())
 def test_any_m_lost_positions_are_rebuilt_byte_for_byte(case):
-    group, parity_count, blobs, lost, piece = case
+    group, parity_count, blobs, lost, piece, backend, split = case
     layout = StripeLayout(group, parity_count, piece)
-    codec = Codec(layout.k, parity_count)
-    chunk_len, padded, parity, headers = encode_group(layout, codec, blobs)
+    codec = Codec(layout.k, parity_count, backend)
+    chunk_len, padded, parity = encode_group(layout, codec, blobs)
     assert chunk_len % ALIGN == 0 and chunk_len * layout.k >= max(len(b) for b in blobs)
     for position in lost:
-        rebuilt = bytearray(layout.k * chunk_len)
+        size = len(blobs[position])
+        memory = [bytearray(min(split, size)), bytearray(max(0, size - split))]  # the blob over two "files"
+        views = [memoryview(memory[0]), memoryview(memory[1])]
+
+        def where(at: int, n: int) -> memoryview:
+            return views[0][at:at + n] if at < len(memory[0]) else views[1][at - len(memory[0]):at - len(memory[0]) + n]
+
         for chunk in range(layout.k):
             stripe = layout.chunk_stripe(position, chunk)
+            base = chunk * chunk_len
 
-            def fetch_fragment(index: int, offset: int, length: int) -> bytes:
+            def fetch_into(index: int, offset: int, length: int, into: memoryview, stripe: int = stripe) -> None:
                 holder = layout.position(stripe, index)
                 assert holder not in lost
                 if index < layout.k:
                     start = index * chunk_len + offset
-                    return padded[holder][start:start + length]
-                return bytes(parity[holder, index - layout.k][offset:offset + length])
+                    into[:] = padded[holder][start:start + length]
+                else:
+                    into[:] = parity[holder, index - layout.k][offset:offset + length]
 
-            keeper = next(layout.parity_position(stripe, t) for t in range(parity_count)
-                          if layout.parity_position(stripe, t) not in lost)
+            segments, at = [], base
+            for cut in sorted({base, base + chunk_len, *(c for c in (len(memory[0]), size) if base < c < base + chunk_len)}):
+                if cut > at:
+                    for o in range(at, cut, piece):
+                        n = min(piece, cut - o)
+                        segments.append(Segment(o - base, n, where(o, n) if o < size else None))
+                    at = cut
+
+            def write(offset: int, data, base: int = base) -> None:
+                for o in range(len(data)):
+                    if base + offset + o < size:
+                        where(base + offset + o, 1)[0] = data[o]
+
             sources = [i for i in range(group) if layout.position(stripe, i) not in lost]
-            for offset, data in rebuild_chunk(codec, layout, chunk, chunk_len, sources, fetch_fragment,
-                                              headers[keeper, stripe]):
-                rebuilt[chunk * chunk_len + offset:chunk * chunk_len + offset + len(data)] = data
-        assert bytes(rebuilt[:len(blobs[position])]) == blobs[position]
+            with ThreadPoolExecutor(4) as pool:
+                rebuild_chunk(codec, layout, chunk, chunk_len, sources, fetch_into, segments, write, pool)
+        assert bytes(memory[0] + memory[1]) == blobs[position]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("k,m", [(1, 1), (2, 1), (3, 1), (4, 2), (2, 3)])
+def test_parity_is_pyeclibs_own_bytes(backend, k, m):
+    """The XOR fast path and parity by reconstruction give exactly the parity payloads of pyeclib's encode."""
+    layout = StripeLayout(k + m, m, 2 * ALIGN)
+    codec = Codec(k, m, backend)
+    chunk_len = 5 * ALIGN  # three pieces, the last shorter
+    data = os.urandom(k * chunk_len)
+    for t in range(m):
+        out = bytearray(chunk_len)
+        encode_parity(codec, layout, 0, t, chunk_len,
+                      lambda i, offset, length, into: into.__setitem__(slice(None), data[i * chunk_len + offset:
+                                                                                        i * chunk_len + offset + length]),
+                      memoryview(out))
+        for offset, length in layout.pieces(chunk_len):
+            piece = b"".join(data[i * chunk_len + offset:i * chunk_len + offset + length] for i in range(k))
+            expected = piece[:length] if k == 1 else ECDriver(k=k, m=m, ec_type=backend).encode(piece)[k + t][80:]
+            assert bytes(out[offset:offset + length]) == expected, (t, offset)
+    assert codec.xor_first == (k == 1 or backend != "isa_l_rs_cauchy")
+
+
+def test_malformed_pieces_never_reach_pyeclib():
+    codec = Codec(2, 1, "isa_l_rs_cauchy")  # no XOR path: pyeclib computes
+
+    def frames(*lengths: int) -> list[memoryview]:
+        return [memoryview(bytearray(80 + n)) for n in lengths]
+
+    for pieces, length in ((frames(ALIGN), ALIGN), (frames(ALIGN, 100), ALIGN), (frames(10, 10), 10)):
+        with pytest.raises(ValueError, match="need 2 pieces"):
+            codec.parity(pieces, 0, length)
+    with pytest.raises(ValueError, match="need 2 pieces"):
+        codec.reconstruct(dict(zip((0, 2), frames(ALIGN, ALIGN - 1))), 1, ALIGN)
 
 
 @pytest.mark.parametrize("group,parity", [(2, 1), (3, 1), (4, 2), (5, 3), (6, 1)])
@@ -106,7 +160,7 @@ def test_pieces_are_bounded_and_cover_the_fragment():
     layout = StripeLayout(4, 1)
     chunk_len = 300 << 20
     pieces = layout.pieces(chunk_len)
-    assert pieces[0] == (0, 64 << 20) and sum(n for _, n in pieces) == chunk_len
+    assert pieces[0] == (0, 8 << 20) and sum(n for _, n in pieces) == chunk_len
     assert all(o % ALIGN == 0 for o, _ in pieces)
 
 
@@ -145,3 +199,23 @@ def test_restore_plan_prefers_ram_and_parity_and_falls_back_to_disk_skipping_cor
 def test_holdings_round_trip_through_json():
     doc = Holdings({0: {10, 20}, 1: {20}}, {20}, "127.0.0.1:5000")
     assert Holdings.decode(doc.encode()) == doc and doc.steps == {20}
+
+
+@pytest.mark.parametrize("backend", ["isa_l_rs_vand", "isa_l_rs_cauchy"])  # the XOR path and pyeclib's
+def test_a_corrupt_parity_piece_is_never_used(backend):
+    layout, codec = StripeLayout(3, 1, ALIGN), Codec(2, 1, backend)
+    chunk_len = 3 * ALIGN
+    data = os.urandom(2 * chunk_len)
+    parity = bytearray(chunk_len)
+
+    def fetch_into(i: int, offset: int, length: int, into: memoryview) -> None:
+        source = memoryview(data)[i * chunk_len:] if i < 2 else memoryview(parity)
+        into[:] = source[offset:offset + length]
+
+    crcs = encode_parity(codec, layout, 0, 0, chunk_len, fetch_into, memoryview(parity))
+    parity[ALIGN + 5] ^= 1  # piece 1
+    out = bytearray(chunk_len)
+    segments = [Segment(o, n, memoryview(out)[o:o + n]) for o, n in layout.pieces(chunk_len)]
+    with pytest.raises(CorruptFragment, match="parity fragment 2, piece 1 .* fails its checksum"):
+        rebuild_chunk(codec, layout, 0, chunk_len, [1, 2], fetch_into, segments,
+                      lambda o, b: out.__setitem__(slice(o, o + len(b)), b), parity_crcs={2: crcs})

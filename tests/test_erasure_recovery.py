@@ -70,6 +70,23 @@ def test_four_nodes_two_parity_lose_two_at_once_bitwise(start_job, tmp_path, gpt
     assert plan["step"] == 20
 
 
+@pytest.mark.timeout(300)
+def test_a_survivor_lost_during_a_rebuild_is_one_more_lost_node(start_job, tmp_path, gpt_baselines):
+    """Node 1 lost; while its replacement rebuilds from parity, node 2 (a survivor it reads from) is lost too.
+    Nothing is blamed on the parity: the next generation rebuilds both nodes (2 lost, 2 parity) at the same step,
+    and the job ends with the failure-free state."""
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(4, 1), "serve-loss", "--ec-group", "4", "--ec-parity", "2",
+                      "--inject", "node-loss@node=1,step=25", "--inject", "serve-loss@node=2,step=1,gen=1",
+                      nodes=shape(4, 1))
+    assert any(e["event"] == "inject" and "while it serves a peer's rebuild" in e["message"] for e in job.events())
+    assert any(e["event"] == "rebuild_failed" and e.get("peer_lost") for e in job.events()), job.output
+    assert not any(e["event"] == "restore_source_failed" for e in job.events()), job.output
+    decided = restores(job)
+    last = decided[max(decided)]
+    assert last["restored_from"] == "parity" and last["step"] == 20, last
+    assert set(last["rebuilt"]) == {"1", "2"}, last
+
+
 @pytest.mark.timeout(240)
 def test_node_lost_while_parity_of_a_newer_step_is_computed_restores_a_protected_step(start_job, tmp_path,
                                                                                        gpt_baselines):

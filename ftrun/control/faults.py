@@ -14,6 +14,8 @@ Kinds and their required keys:
   once one of its trainers reports step >= S.
 - ``parity-loss@node=N,step=S``: node N is lost the same way while its keeper computes the erasure-coded
   parity of a step >= S (after the first piece), so that step never becomes protected.
+- ``serve-loss@node=N,step=S``: node N is lost the same way when its keeper is asked for a piece of a step
+  >= S by a peer rebuilding a lost node (a survivor lost during a rebuild; use ``gen=1`` after a node-loss).
 
 Every fault also takes ``gen=G`` (default 0) and fires at most once: only in generation G. Trainer faults
 travel to the trainer in :data:`ENV_TRAINER_FAULTS` as ``kind:step`` pairs and fire inside
@@ -31,7 +33,7 @@ ENV_TRAINER_FAULTS = "FTRUN_INJECT"
 
 TRAINER_FAULTS = ("crash", "hang", "copy-crash", "commit-crash")
 _WHERE = {"crash": "rank", "hang": "rank", "copy-crash": "rank", "commit-crash": "rank", "keeper-crash": "node",
-          "node-loss": "node", "parity-loss": "node"}
+          "node-loss": "node", "parity-loss": "node", "serve-loss": "node"}
 
 
 @dataclass(frozen=True)

@@ -50,9 +50,9 @@ from typing import Any
 import psutil
 
 from ftrun.events import EventLog
-from ftrun.control.faults import parse_faults
+from ftrun.control.faults import Fault, parse_faults
 from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir
-from ftrun.snapshot.protocol import LineSocket, listen, same_user, socket_name
+from ftrun.snapshot.protocol import PEER_LOST, LineSocket, listen, same_user, socket_name
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank
 from ftrun.snapshot.slot import (COMMITTED, EMPTY, HEADER_SIZE, META_HEADROOM, RESTORED, SLOTS_PER_RANK, SPARE_SLOT, WRITING,
@@ -154,6 +154,7 @@ class Keeper:
         mine = [f for f in parse_faults(faults) if f.where == self.node]
         self.crash_faults = [f for f in mine if f.kind == "keeper-crash"]
         self.parity_faults = [f for f in mine if f.kind == "parity-loss"]
+        self.serve_faults = [f for f in mine if f.kind == "serve-loss"]
         self.ranks = [RankSlots() for _ in range(spec.nproc_per_node)]
         self.cond = threading.Condition()
         self.generation = -1
@@ -174,6 +175,7 @@ class Keeper:
         spec = self.spec
         place = GroupPlace(self.node, spec.ec_group, spec.ec_parity, spec.ec_backend)
         self.redundancy = Redundancy(self, place, secret, listener)
+        self.redundancy.serving_rebuild = self._fire_serve_fault
 
     # -- slot files -----------------------------------------------------------------------------------------
     def path(self, local: int, index: int) -> str:
@@ -366,7 +368,11 @@ class Keeper:
                 self._set_peers(peers)
             try:
                 nbytes, seconds = self.redundancy.rebuild(step, [int(n) for n in complete])
-            except (PeerUnavailable, PeerError, RedundancyError, LookupError, KeyError, ValueError, OSError) as err:
+            except PeerUnavailable as err:  # a survivor lost meanwhile: not the parity's fault (see the link)
+                self.events.emit("rebuild_failed", f"could not rebuild step {step} of node {self.node}: {err}",
+                                 node=self.node, step=step, peer_lost=True)
+                return {"error": f"{PEER_LOST} during the rebuild of step {step}: {err}"}
+            except (PeerError, RedundancyError, LookupError, KeyError, ValueError, OSError) as err:
                 self.events.emit("rebuild_failed", f"could not rebuild step {step} of node {self.node}: {err}",
                                  node=self.node, step=step)
                 return {"error": f"rebuild of step {step} failed: {err}"}
@@ -374,7 +380,8 @@ class Keeper:
         self.events.emit("rebuilt", f"rebuilt the {len(self.ranks)} slot(s) of step {step} from the parity of "
                          f"nodes {sources} in {seconds * 1000:.0f} ms ({human(nbytes)}, "
                          f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), checksums verified", node=self.node,
-                         step=step, sources=sources, bytes=nbytes, seconds=seconds)
+                         step=step, sources=sources, bytes=nbytes, seconds=seconds,
+                         phases=self.redundancy.phases)
         return {"bytes": nbytes, "seconds": seconds}
 
     def op_load(self, generation: int, step: int) -> dict[str, Any]:
@@ -536,12 +543,19 @@ class Keeper:
                         return True
         return False
 
+    def _fire_serve_fault(self, step: int) -> None:
+        self._lose_node(self.serve_faults, step, f"serves a peer's rebuild of step {step}")
+
     def _fire_parity_fault(self, step: int) -> None:
-        for fault in self.parity_faults:
+        self._lose_node(self.parity_faults, step, f"computes parity of step {step}")
+
+    def _lose_node(self, faults: list[Fault], step: int, doing: str) -> None:
+        """An injected node loss of ``faults`` due at ``step``: the supervisor kills every process of the node."""
+        for fault in faults:
             if step >= fault.step and self.generation == fault.gen:
-                self.events.emit("inject", f"injected {fault.spec}: node {self.node} lost while it computes "
-                                 f"parity of step {step}", node=self.node)
-                os.kill(os.getppid(), NODE_LOST_SIGNAL)  # the supervisor kills every process of the node
+                self.events.emit("inject", f"injected {fault.spec}: node {self.node} lost while it {doing}",
+                                 node=self.node)
+                os.kill(os.getppid(), NODE_LOST_SIGNAL)
                 threading.Event().wait()
 
     # -- background persistence -----------------------------------------------------------------------------

@@ -39,7 +39,7 @@ from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.snapshot.durability import Durability
-from ftrun.snapshot.protocol import KeeperClient, KeeperError, KeeperUnavailable, socket_name
+from ftrun.snapshot.protocol import PEER_LOST, KeeperClient, KeeperError, KeeperUnavailable, socket_name
 
 LINK_INTERVAL = 0.01
 
@@ -150,6 +150,7 @@ class KeeperLink(threading.Thread):
         self.keeper_status: dict[str, Any] = {}  # the keeper's view for the status document (ftrun.ui.status)
         self._bad_disk: set[int] = set()  # persisted steps found corrupt: never tried again
         self._bad_parity: set[int] = set()  # steps whose rebuild from parity failed: never tried again
+        self._peer_lost_wait = 2 * spec.node_timeout + 5  # a survivor lost during a rebuild is seen lost by then
         self._final: str | None = "did not complete"  # why the final persist failed (None: it is on disk)
         self._final_grace = 0.0
         self._asked_final = self._marked_stopped = False
@@ -226,8 +227,10 @@ class KeeperLink(threading.Thread):
 
         A parity step is first rebuilt by the nodes that lack it, a disk step first loaded by every node (and
         verified); if any of them fails, every node marks that source bad for that step (never tried again by
-        this node) and plans again, within the same generation: a failed source never costs a restart. None when
-        the generation moved on meanwhile."""
+        this node) and plans again, within the same generation: a failed source never costs a restart. A rebuild
+        that failed only because a survivor became unreachable (:data:`PEER_LOST`) marks nothing: the nodes wait
+        for the generation that its loss starts (the survivors' RAM and parity are still good), and mark the step
+        bad only if none comes within twice the node timeout. None when the generation moved on meanwhile."""
         while True:
             plan = plan_restore(held, self.group, self.parity, frozenset(self._bad_disk), frozenset(self._bad_parity))
             if plan.source == "disk":
@@ -247,6 +250,14 @@ class KeeperLink(threading.Thread):
             problems = {node: o for node, o in outcomes.items() if o != "ok" and node in workers}
             if not problems:
                 return plan
+            if plan.source == "parity" and all(o.startswith(PEER_LOST) for o in problems.values()):
+                # a survivor was lost during the rebuild: its loss starts the next generation, which plans again
+                # without it; this step's parity is not to blame
+                deadline = time.monotonic() + self._peer_lost_wait
+                while self._generation == gen and not self._halt.is_set() and time.monotonic() < deadline:
+                    time.sleep(self._interval)
+                if self._generation != gen or self._halt.is_set():
+                    return None
             bad, source = (self._bad_disk, "persisted") if plan.source == "disk" else (self._bad_parity, "parity of")
             bad.add(plan.step)
             self.events.emit("restore_source_failed", f"generation {gen}: {source} step {plan.step} is not "

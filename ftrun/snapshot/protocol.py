@@ -29,6 +29,7 @@ from typing import Any
 
 MAX_LINE = 1 << 20
 ENV_KEEPER_SOCKET = "FTRUN_KEEPER_SOCKET"
+PEER_LOST = "peer lost"  # starts the error of a rebuild that failed because a survivor became unreachable
 
 
 class KeeperUnavailable(ConnectionError):

@@ -9,9 +9,15 @@ the keeper), so a rebuilt image carries its checksum and is verified like any sl
 
 *Parity files* ``ftrun-<job>-node<N>-parity<I>`` (I = 0, 1; the slot file format of :mod:`ftrun.snapshot.slot`):
 the payload holds this node's ``m`` parity fragments of step s (fragment ``k + t`` of stripe
-``parity_stripes[t]`` at ``t * L``), then JSON: the group's shape, ``L``, the piece size, every position's image
-lengths and checksums, and the headers of every fragment of this node's stripes. A parity file is committed
-only after every data node still holds the same images as when the encoding started.
+``parity_stripes[t]`` at ``t * L``), then JSON: the group's shape, this node's position, ``L``, the piece size,
+every position's image lengths and checksums, and the CRC-32 of every parity piece, which the file's seal folds
+(:func:`parity_checksum`): a rebuild checks each parity piece it fetches whole against it, and a keeper that
+adopts the file checks them all. A parity file is committed only after every data node still holds the same
+images as when the encoding started.
+
+Data moves without extra copies: an encoder receives (``recv_into``) the first data fragment of an XOR stripe
+straight into its parity file and XORs the others into it; a rebuild receives the parity fragment straight into
+the new slot files and XORs the surviving data fragments into them (:mod:`ftrun.snapshot.erasure`).
 
 Encoding follows the job: when the newest globally committed step (told by the supervisor's link) has no
 parity here, the encoder fetches the data fragments of this node's stripes from the other nodes of the group,
@@ -26,21 +32,24 @@ Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths a
 
 from __future__ import annotations
 
-import base64
+import contextlib
 import hashlib
 import json
+import mmap
 import os
 import socket
+import struct
 import threading
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ftrun.events import EventLog
-from ftrun.snapshot.erasure import HEADER_BYTES, Buffer, Codec, StripeLayout, encode_stripe, rebuild_chunk
-from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, Header, SlotFile, checksum
+from ftrun.snapshot.erasure import Buffer, Codec, Scratch, Segment, StripeLayout, encode_parity, rebuild_chunk
+from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, Header, SlotFile
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
 
 
@@ -65,6 +74,7 @@ class SlotHolder(Protocol):
     def hold_restored(self, local: int, index: int, step: int) -> None: ...
 
 PARITY_FILES = 2
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
 META_ROOM = 64 << 10
 
 
@@ -108,13 +118,20 @@ class Redundancy:
         self.place = place
         self.layout = StripeLayout(place.group, place.parity)
         self.codec = Codec(self.layout.k, place.parity, place.backend)
+        if place.parity > 1 or not self.codec.xor_first:  # pyeclib will need the headers of a whole piece
+            threading.Thread(target=self.codec.headers, args=(self.layout.piece,), name="ftrun-ec-headers",
+                             daemon=True).start()
         self.secret = secret
         self.files: list[SlotFile | None] = [None] * PARITY_FILES
         self.steps: list[int | None] = [None] * PARITY_FILES  # complete parity held per file
         self.peers: dict[int, str] = {}  # node -> "host:port"
         self._clients: dict[tuple[str, int], PeerClient] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max(place.group - 1, 1), thread_name_prefix="ftrun-fetch")
+        # two pieces in flight (erasure's pipeline), k fetches each
+        self._pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-fetch")
+        self._scratch = Scratch()
+        self.phases: dict[str, float] = {}  # seconds of the parts of the last encode or rebuild (events)
+        self.serving_rebuild: Callable[[int], None] = lambda step: None  # told each piece served to a rebuild
         self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected, max_payload=0)
 
     # -- files ------------------------------------------------------------------------------------------------
@@ -135,7 +152,7 @@ class Redundancy:
             self.files[index] = file
             if file.header().state in (EMPTY, WRITING):
                 continue
-            problem = file.verify()
+            problem = file.problem() or parity_problem(file)
             if problem is None:
                 self.steps[index] = file.header().step
                 notes.append(f"parity {index} step {file.header().step}")
@@ -167,6 +184,8 @@ class Redundancy:
         if op == "info":
             images = self._images(step)
             return Reply({"images": [len_ for _, len_, _ in images], "crcs": [crc for _, _, crc in images]})
+        if request.get("rebuild"):
+            self.serving_rebuild(step)
         if op == "chunk":
             return Reply({}, self._blob_ranges(step, int(request["chunk"]) * int(request["chunk_len"])
                                                + int(request["offset"]), int(request["length"])))
@@ -235,13 +254,11 @@ class Redundancy:
                 client = self._clients[key] = PeerClient(host, int(port), self.secret)
         return client
 
-    def _fetch(self, node: int, op: str, size: int, **fields: Any) -> bytearray:
-        """``size`` bytes that ``node`` answers ``op`` with, received straight into a new buffer."""
-        buffer = bytearray(size)
-        _, got = self._client(node).request(op, into=memoryview(buffer), **fields)
-        if got != size:
-            raise RedundancyError(f"node {node} sent {got} bytes of {op}, expected {size}")
-        return buffer
+    def _fetch_into(self, node: int, op: str, into: memoryview, **fields: Any) -> None:
+        """Receive ``node``'s answer to ``op`` straight into ``into``, which it must fill exactly."""
+        _, got = self._client(node).request(op, into=into, **fields)
+        if got != len(into):
+            raise RedundancyError(f"node {node} sent {got} bytes of {op}, expected {len(into)}")
 
     def _info(self, node: int, step: int) -> tuple[list[int], list[int]]:
         reply, _ = self._client(node).request("info", step=step)
@@ -262,33 +279,28 @@ class Redundancy:
             index = min(range(PARITY_FILES), key=lambda i: (self.steps[i] == protected and protected > 0,
                                                             -1 if self.steps[i] is None else self.steps[i]))
             self.steps[index] = None
-        pieces = len(layout.pieces(chunk_len))
-        file = self._ensure(index, place.parity * chunk_len + META_ROOM + pieces * place.group * place.parity
-                            * HEADER_BYTES * 2)
+        file = self._ensure(index, place.parity * chunk_len + META_ROOM)
         file.set_state(WRITING)
-
-        def fetch(position: int, chunk: int, offset: int, length: int) -> bytes:
-            return self._fetch(self._node(position), "chunk", length, step=step, chunk=chunk, offset=offset,
-                               length=length, chunk_len=chunk_len)
-
-        headers: dict[str, list[str]] = {}
+        t1 = time.perf_counter()
         payload = file.payload()
+        crcs: dict[str, list[int]] = {}
         for t, stripe in enumerate(layout.parity_stripes(place.position)):
-            headers[str(stripe)] = []
-            for offset, parity, piece_headers in encode_stripe(self.codec, layout, stripe, chunk_len, t, fetch,
-                                                               self._pool.map):
-                start = t * chunk_len + offset
-                payload[start:start + len(parity)] = parity
-                headers[str(stripe)].append(base64.b64encode(b"".join(piece_headers)).decode())
-                fire()
+            def fetch_into(i: int, offset: int, length: int, into: memoryview, stripe: int = stripe) -> None:
+                self._fetch_into(self._node(layout.data_position(stripe, i)), "chunk", into, step=step, chunk=i,
+                                 offset=offset, length=length, chunk_len=chunk_len)
+
+            crcs[str(stripe)] = encode_parity(self.codec, layout, stripe, t, chunk_len, fetch_into,
+                                              payload[t * chunk_len:(t + 1) * chunk_len], self._pool, self._scratch)
+            fire()
         for position, info in infos.items():  # the data did not change while it was read
             now = self._local_info(step) if position == place.position else self._info(self._node(position), step)
             if now != info:
                 raise RedundancyError(f"step {step} of node {self._node(position)} changed while encoding")
         meta = json.dumps({"step": step, "group": place.group, "parity": place.parity, "backend": place.backend,
+                           "position": place.position,
                            "chunk_len": chunk_len, "piece": layout.piece,
                            "images": {str(p): info[0] for p, info in infos.items()},
-                           "crcs": {str(p): info[1] for p, info in infos.items()}, "headers": headers}).encode()
+                           "crcs": {str(p): info[1] for p, info in infos.items()}, "piece_crcs": crcs}).encode()
         data_len = place.parity * chunk_len
         if data_len + len(meta) > file.capacity:
             raise RedundancyError(f"parity metadata of step {step} does not fit ({len(meta)} bytes)")
@@ -297,15 +309,17 @@ class Redundancy:
         header = Header(step=step, generation=generation, digest=self._digest(chunk_len), data_len=data_len,
                         meta_len=len(meta))
         file.commit(header)
-        file.seal(checksum(file.map, file.header()))
+        t2 = time.perf_counter()
+        file.seal(parity_checksum(file.header(), [c for t in crcs.values() for c in t], meta))
         with self.keeper.cond:
             self.steps[index] = step
             self.keeper.cond.notify_all()
         took = time.perf_counter() - t0
+        self.phases = {"coded": t1 - t0, "seal": time.perf_counter() - t2}
         blob = sum(infos[place.position][0])
         self.keeper.events.emit("parity", f"parity of step {step} for group {place.index} in {took * 1000:.0f} ms "
                                 f"({data_len} bytes of parity for blobs of {blob} bytes)", console=False,
-                                node=place.node, step=step, seconds=took, parity_bytes=data_len)
+                                node=place.node, step=step, seconds=took, parity_bytes=data_len, phases=self.phases)
 
     def _local_info(self, step: int) -> tuple[list[int], list[int]]:
         images = self._images(step)
@@ -321,7 +335,7 @@ class Redundancy:
             return file
         if file is not None:
             file.close()
-        file = self.files[index] = SlotFile(self.path(index), HEADER_SIZE + payload)
+        file = self.files[index] = SlotFile(self.path(index), HEADER_SIZE + payload, populate=True)
         return file
 
     # -- rebuilding -------------------------------------------------------------------------------------------
@@ -356,30 +370,67 @@ class Redundancy:
                                   f"{len(self.keeper.ranks)}")
         chunk_len = int(first["chunk_len"])
         piece_layout = StripeLayout(place.group, place.parity, int(first["piece"]))
+        t1 = time.perf_counter()
         writer = _BlobWriter(self.keeper, step, images)
+        t2 = time.perf_counter()
         try:
             for chunk, stripe in enumerate(stripes):
-                headers = [[raw[i:i + HEADER_BYTES] for i in range(0, len(raw), HEADER_BYTES)]
-                           for raw in (base64.b64decode(h) for h in meta_of(holders[stripe])["headers"][str(stripe)])]
-
-                def fetch_fragment(index: int, offset: int, length: int, stripe: int = stripe) -> bytearray:
+                def fetch_into(index: int, offset: int, length: int, into: memoryview, stripe: int = stripe) -> None:
                     holder = self._node(piece_layout.position(stripe, index))
                     if index < piece_layout.k:
-                        return self._fetch(holder, "chunk", length, step=step, chunk=index, offset=offset,
-                                           length=length, chunk_len=chunk_len)
-                    return self._fetch(holder, "parity", length, step=step, t=index - piece_layout.k,
-                                       offset=offset, length=length)
+                        self._fetch_into(holder, "chunk", into, step=step, chunk=index, offset=offset, length=length,
+                                         chunk_len=chunk_len, rebuild=True)
+                    else:
+                        self._fetch_into(holder, "parity", into, step=step, t=index - piece_layout.k, offset=offset,
+                                         length=length, rebuild=True)
 
                 sources = [i for i in range(place.group)
                            if self._node(piece_layout.position(stripe, i)) in complete]
-                for offset, data in rebuild_chunk(self.codec, piece_layout, chunk, chunk_len, sources,
-                                                  fetch_fragment, headers, self._pool.map):
-                    writer.write(chunk * chunk_len + offset, data)
+                held = meta_of(holders[stripe])
+                t = piece_layout.parity_stripes(holders[stripe]).index(stripe)
+                rebuild_chunk(self.codec, piece_layout, chunk, chunk_len, sources, fetch_into,
+                              writer.segments(chunk * chunk_len, chunk_len, piece_layout.piece),
+                              lambda offset, data, base=chunk * chunk_len: writer.write(base + offset, data),
+                              self._pool, self._scratch, {piece_layout.k + t: held["piece_crcs"][str(stripe)]})
+            t3 = time.perf_counter()
             writer.finish()
         except BaseException:
             writer.abandon()
             raise
-        return sum(images), time.perf_counter() - t0
+        t4 = time.perf_counter()
+        self.phases = {"meta": t1 - t0, "allocate": t2 - t1, "transfer": t3 - t2, "verify": t4 - t3}
+        return sum(images), t4 - t0
+
+
+def parity_checksum(header: Header, piece_crcs: list[int], meta: bytes) -> int:
+    """The seal of a parity file: the CRC-32 of every parity piece (in order), folded with the header's identity
+    and the metadata, which records them: each piece can be checked alone (a rebuild checks what it fetches)."""
+    identity = struct.pack("<qqQQQ", header.step, header.generation, header.digest, header.data_len, header.meta_len)
+    return zlib.crc32(struct.pack(f"<{len(piece_crcs)}I", *piece_crcs), zlib.crc32(meta, zlib.crc32(identity)))
+
+
+def parity_problem(file: SlotFile) -> str | None:
+    """Why a committed parity file is not valid (its pieces against its metadata, then its seal), or None."""
+    header = file.header()
+    try:
+        meta = bytes(file.payload()[header.data_len:header.payload_len])
+        doc = json.loads(meta)
+        layout = StripeLayout(int(doc["group"]), int(doc["parity"]), int(doc["piece"]))
+        chunk_len = int(doc["chunk_len"])
+        stripes = layout.parity_stripes(int(doc["position"]))
+        recorded = [[int(c) for c in doc["piece_crcs"][str(s)]] for s in stripes]
+    except (ValueError, KeyError, TypeError) as err:
+        return f"unreadable parity metadata ({err})"
+    if header.data_len != layout.parity * chunk_len:
+        return f"{header.data_len} bytes of parity for chunks of {chunk_len}"
+    payload = file.payload()
+    for t, crcs in enumerate(recorded):
+        found = [zlib.crc32(payload[t * chunk_len + o:t * chunk_len + o + n]) for o, n in layout.pieces(chunk_len)]
+        if found != crcs:
+            return f"parity of stripe {stripes[t]} fails its checksum"
+    if not header.sealed or parity_checksum(header, [c for t in recorded for c in t], meta) != header.checksum:
+        return "seal mismatch"
+    return None
 
 
 class _BlobWriter:
@@ -392,8 +443,26 @@ class _BlobWriter:
         start = 0
         for local, length in enumerate(images):
             index, file = keeper.claim_vacant(local, length)
+            with contextlib.suppress(OSError, ValueError):  # page tables in one go, not a fault per page received
+                file.map.madvise(MADV_POPULATE_WRITE, 0, length)
             self.targets.append((local, index, file, start, length))
             start += length
+
+    def segments(self, start: int, length: int, piece: int) -> list[Segment]:
+        """Bytes ``[start, start + length)`` of the blob as segments of at most ``piece`` bytes, each within one
+        slot file (``into``: that file's memory) or past the last image (``into`` None); offsets from ``start``."""
+        found = []
+        end = start + length
+        covered = start
+        for _, _, file, begin, size in self.targets:
+            lo, hi = max(start, begin), min(end, begin + size)
+            for at in range(lo, hi, piece):
+                n = min(piece, hi - at)
+                found.append(Segment(at - start, n, memoryview(file.map)[at - begin:at - begin + n]))
+            covered = max(covered, hi)
+        if covered < end:
+            found.append(Segment(covered - start, end - covered, None))
+        return found
 
     def write(self, offset: int, data: Buffer) -> None:
         view = memoryview(data)
