@@ -44,6 +44,7 @@ def assert_rebuilt(job, lost: set[int], at: int) -> dict:
     return plan
 
 
+@pytest.mark.extended  # make test: test_slurm's and test_spares' lost nodes, rebuilt from replicas (2 nodes)
 @pytest.mark.timeout(240)
 def test_two_nodes_replication_rebuilds_a_lost_node_bitwise(start_job, tmp_path, gpt_baselines):
     job = run_bitwise(start_job, tmp_path, gpt_baselines(2, 2), "replica", "--inject", "node-loss@node=1,step=25")
@@ -112,6 +113,7 @@ def test_more_lost_nodes_than_parity_starts_over_saying_what_was_lost(start_job,
     assert set(last["lost_ranks"]) <= {1, 2} and last["lost_ranks"], last
 
 
+@pytest.mark.extended  # make test: test_hostile's hostile traffic on every listening port, keepers' included
 @pytest.mark.timeout(240)
 def test_keepers_refuse_peers_without_the_secret_and_keep_serving(start_job, tmp_path, gpt_baselines):
     args, out = gpt_args(tmp_path, "secret", "--step-time", "0.05")

@@ -22,7 +22,8 @@ With erasure coding (``--ec-parity`` > 0) the keeper also holds parity for its E
 step (``committed``, told by the supervisor), and ``restorable`` is then the job's *protected* step (held by
 every rank, with complete parity on every node), so a slot is only overwritten once the newer one is
 protected. A replacement node's keeper rebuilds its ranks' slots of the agreed step from its group's parity
-(``rebuild``) before the plan is told.
+(``rebuild``) before the plan is told. The sealer (checksums of new snapshots) and the encoder run below the
+trainers' priority (:mod:`ftrun.snapshot.priority`); a rebuild, which trainers wait for, does not.
 
 With a checkpoint directory (``--ckpt-dir``) a persister thread writes the step the job asks for (``persist``
 of a round, told by the link: :mod:`ftrun.snapshot.durability`) from the slots to disk
@@ -47,11 +48,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import psutil
-
 from ftrun.events import EventLog
 from ftrun.control.faults import Fault, parse_faults
 from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir
+from ftrun.snapshot.priority import lower_priority, lower_to_background
 from ftrun.snapshot.protocol import PEER_LOST, LineSocket, listen, same_user, socket_name
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank
@@ -490,6 +490,7 @@ class Keeper:
     # -- background sealing ---------------------------------------------------------------------------------
     def seal_forever(self) -> None:
         """Compute the checksum of each committed slot, unless it was reserved again meanwhile."""
+        lower_to_background()
         while True:
             local, index, step = self.seals.get()
             slot = self.ranks[local].files[index]
@@ -506,6 +507,7 @@ class Keeper:
     def encode_forever(self) -> None:
         """Keep this node's parity at the newest globally committed step (see the module doc)."""
         assert self.redundancy is not None
+        lower_to_background()
         failed: tuple[int, str] | None = None
         while True:
             with self.cond:
@@ -640,16 +642,6 @@ class Keeper:
         with self.cond:
             self._stopping = True
             self.cond.notify_all()
-
-
-def lower_priority() -> None:
-    """Run the calling thread at the lowest CPU priority and in the idle I/O class (best effort)."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, 19)
-        psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_IDLE)
-    except (OSError, psutil.Error):
-        pass
 
 
 def find_segments(job: str, node: int | str = "*") -> list[tuple[str, int, int]]:

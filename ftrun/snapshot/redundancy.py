@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from ftrun.events import EventLog
+from ftrun.snapshot.priority import lower_to_background
 from ftrun.snapshot.erasure import Buffer, Codec, Scratch, Segment, StripeLayout, encode_parity, rebuild_chunk
 from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, Header, SlotFile
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
@@ -127,9 +128,11 @@ class Redundancy:
         self.peers: dict[int, str] = {}  # node -> "host:port"
         self._clients: dict[tuple[str, int], PeerClient] = {}
         self._lock = threading.Lock()
-        # two pieces in flight (erasure's pipeline), k fetches each
-        self._pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-fetch")
-        self._scratch = Scratch()
+        # two pieces in flight (erasure's pipeline), k fetches each; encoding is background work, a rebuild is not
+        self._pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-rebuild-fetch")
+        self._encode_pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-encode-fetch",
+                                               initializer=lower_to_background)
+        self._scratch, self._encode_scratch = Scratch(), Scratch()
         self.phases: dict[str, float] = {}  # seconds of the parts of the last encode or rebuild (events)
         self.serving_rebuild: Callable[[int], None] = lambda step: None  # told each piece served to a rebuild
         self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected, max_payload=0)
@@ -167,6 +170,7 @@ class Redundancy:
 
     def close(self) -> None:
         self._pool.shutdown(wait=False)
+        self._encode_pool.shutdown(wait=False)
         self.server.close()
         for client in self._clients.values():
             client.close()
@@ -186,6 +190,8 @@ class Redundancy:
             return Reply({"images": [len_ for _, len_, _ in images], "crcs": [crc for _, _, crc in images]})
         if request.get("rebuild"):
             self.serving_rebuild(step)
+        elif op == "chunk":
+            lower_to_background()  # this connection serves an encoder (its own thread, lowered for good)
         if op == "chunk":
             return Reply({}, self._blob_ranges(step, int(request["chunk"]) * int(request["chunk_len"])
                                                + int(request["offset"]), int(request["length"])))
@@ -290,7 +296,8 @@ class Redundancy:
                                  offset=offset, length=length, chunk_len=chunk_len)
 
             crcs[str(stripe)] = encode_parity(self.codec, layout, stripe, t, chunk_len, fetch_into,
-                                              payload[t * chunk_len:(t + 1) * chunk_len], self._pool, self._scratch)
+                                              payload[t * chunk_len:(t + 1) * chunk_len], self._encode_pool,
+                                              self._encode_scratch)
             fire()
         for position, info in infos.items():  # the data did not change while it was read
             now = self._local_info(step) if position == place.position else self._info(self._node(position), step)
