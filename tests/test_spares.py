@@ -9,7 +9,7 @@ import pytest
 
 from conftest import assert_job_left_nothing, primary_failures, run_bitwise
 from ftrun.control.coordination import Coordinator, use_job
-from ftrun.control.ownership import claim, owner, take
+from ftrun.control.ownership import claim, enlist, owner, spare_doc, spares, take
 from ftrun.control.store import C10dStore, host_store
 
 
@@ -34,6 +34,30 @@ def test_two_spares_racing_for_a_lost_rank_one_claims_it():
     assert winner.id != "first"  # the lost owner is fenced out
     assert claim(coord, 1, 1, "late", "late", "h") is None  # the lost incarnation was replaced already
     assert take(coord, 1, "by-hand", "h") == 3  # a supervisor started for the rank takes it whatever is there
+
+
+def test_spares_enlisting_at_once_get_distinct_places():
+    """Two spares that enlist together used to both store "1" as the count, both believe they had stored it (the
+    store compares bytes, and signing is deterministic) and share index 0: one's "took" record then overwrote
+    the other's, and the summary forgot which spare took the node."""
+    use_job("spares-enlist", "a secret long enough for the test")
+    server = host_store(0)
+    barrier = threading.Barrier(8)
+    places: list[int] = []
+
+    def join(name: str) -> None:
+        coord = Coordinator(C10dStore(server), "spares-enlist", -1, 2, run=1)
+        barrier.wait()
+        places.append(enlist(coord, spare_doc(name, "h", 1)))
+
+    threads = [threading.Thread(target=join, args=(f"spare-{i}",)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(places) == list(range(8))
+    listed = spares(Coordinator(C10dStore(server), "spares-enlist", 0, 2, run=1))
+    assert sorted(d.name for d in listed) == [f"spare-{i}" for i in range(8)]
 
 
 @pytest.mark.timeout(240)

@@ -21,6 +21,7 @@ the number of nodes; a spare's wait reads two keys per poll.
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -59,7 +60,9 @@ def owner(coord: Coordinator, node: int) -> tuple[bytes, Owner | None]:
 
 def _advance(coord: Coordinator, key: str, after: Callable[[bytes | None], str]) -> str:
     """Replace ``key``'s value by ``after(its authentic payload, None when absent)`` by compare-and-set, again
-    while others change it meanwhile; returns the value stored."""
+    while others change it meanwhile; returns the value stored. ``after`` must make a value no other writer could
+    make at the same time: the store tells a success by the bytes it holds afterwards (signing is
+    deterministic), so two writers storing equal bytes would both believe they won."""
     for _ in range(_CAS_TRIES):
         raw = coord.store.get_raw(key) or b""
         value = after(coord.store.open(key, raw) if raw else None)
@@ -124,10 +127,18 @@ class SpareDoc:
 
 def enlist(coord: Coordinator, doc: SpareDoc) -> int:
     """Add a spare to the registry; returns its index (its keys are ``spares/<index>``)."""
-    count = int(_advance(coord, coord.key("spares", "count"),
-                         lambda payload: str(int(payload) + 1 if payload is not None else 1)))
+    token = secrets.token_hex(8)  # two spares enlisting at once must not store equal bytes (see _advance)
+    count = _count(_advance(coord, coord.key("spares", "count"), lambda payload: f"{_count(payload) + 1} {token}"))
     coord.store.set(coord.key("spares", count - 1), doc.encode())
     return count - 1
+
+
+def _count(payload: bytes | str | None) -> int:
+    """The number of spares in a ``spares/count`` value (``"<count> <token of its writer>"``)."""
+    if payload is None:
+        return 0
+    text = payload.decode() if isinstance(payload, bytes) else payload
+    return int(text.split()[0])
 
 
 def update_spare(coord: Coordinator, index: int, doc: SpareDoc) -> None:
@@ -136,8 +147,7 @@ def update_spare(coord: Coordinator, index: int, doc: SpareDoc) -> None:
 
 def spares(coord: Coordinator) -> list[SpareDoc]:
     """Every spare that ever enlisted in this run, oldest first."""
-    raw = coord.get("spares", "count")
-    count = int(raw) if raw is not None else 0
+    count = _count(coord.get("spares", "count"))
     docs = coord.store.multi_get([coord.key("spares", i) for i in range(count)])
     return [SpareDoc.decode(doc) for doc in docs if doc is not None]
 
