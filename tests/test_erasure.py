@@ -4,6 +4,7 @@ byte for byte from the survivors, whatever the group shape and blob sizes."""
 from __future__ import annotations
 
 import itertools
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 
@@ -16,6 +17,7 @@ from pyeclib.ec_iface import ECDriver
 from ftrun.snapshot.erasure import (ALIGN, BACKENDS, Codec, CorruptFragment, Segment, StripeLayout, default_group,
                                     encode_parity, group_problem, rebuild_chunk)
 from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore
+from ftrun.snapshot.redundancy import _BlobWriter
 
 
 @st.composite
@@ -78,13 +80,12 @@ def test_any_m_lost_positions_are_rebuilt_byte_for_byte(case):
                 else:
                     into[:] = parity[holder, index - layout.k][offset:offset + length]
 
-            segments, at = [], base
-            for cut in sorted({base, base + chunk_len, *(c for c in (len(memory[0]), size) if base < c < base + chunk_len)}):
-                if cut > at:
-                    for o in range(at, cut, piece):
-                        n = min(piece, cut - o)
-                        segments.append(Segment(o - base, n, where(o, n) if o < size else None))
-                    at = cut
+            # segments as a keeper cuts them: at every coding piece, at the end of the first "file" and of the blob
+            cuts = {*range(base, base + chunk_len, piece), base + chunk_len,
+                    *(c for c in (len(memory[0]), size) if base < c < base + chunk_len)}
+            bounds = sorted(cuts)
+            segments = [Segment(a - base, b - a, where(a, b - a) if a < size else None)
+                        for a, b in zip(bounds, bounds[1:])]
 
             def write(offset: int, data, base: int = base) -> None:
                 for o in range(len(data)):
@@ -219,3 +220,21 @@ def test_a_corrupt_parity_piece_is_never_used(backend):
     with pytest.raises(CorruptFragment, match="parity fragment 2, piece 1 .* fails its checksum"):
         rebuild_chunk(codec, layout, 0, chunk_len, [1, 2], fetch_into, segments,
                       lambda o, b: out.__setitem__(slice(o, o + len(b)), b), parity_crcs={2: crcs})
+
+
+def test_rebuild_segments_never_cross_a_coding_piece():
+    """A keeper's rebuild segments end at every slot file's end and at every piece, so each parity piece is checked
+    whole (a segment across a piece would leave its checksum unchecked)."""
+    writer = _BlobWriter.__new__(_BlobWriter)
+    files = [mmap.mmap(-1, n) for n in (5 * ALIGN + 100, 9 * ALIGN)]
+    writer.targets = [(0, 0, type("F", (), {"map": files[0]})(), 0, len(files[0])),
+                      (1, 0, type("F", (), {"map": files[1]})(), len(files[0]), len(files[1]))]
+    start, length, piece = 2 * ALIGN, 14 * ALIGN, 4 * ALIGN
+    segments = writer.segments(start, length, piece)
+    assert [(s.offset, s.length) for s in segments if s.into is not None] == [
+        (0, 3 * ALIGN + 100), (3 * ALIGN + 100, ALIGN - 100), (4 * ALIGN, 4 * ALIGN), (8 * ALIGN, 4 * ALIGN),
+        (12 * ALIGN, 100)]
+    assert [(s.offset, s.length) for s in segments if s.into is None] == [(12 * ALIGN + 100, 2 * ALIGN - 100)]
+    assert all(s.offset // piece == (s.offset + s.length - 1) // piece for s in segments)
+    assert sum(s.length for s in segments) == length
+    del segments

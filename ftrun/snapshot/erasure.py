@@ -115,9 +115,14 @@ class StripeLayout:
         """L: the chunk (and fragment) length of the group for these blob lengths."""
         return align(-(-max(blob_lens, default=0) // self.k)) if self.k else 0
 
+    @property
+    def piece_len(self) -> int:
+        """The length of every coding piece but a fragment's last one."""
+        return max(ALIGN, min(self.piece, (1 << 30) // self.group) // ALIGN * ALIGN)
+
     def pieces(self, chunk_len: int) -> list[tuple[int, int]]:
         """(offset, length) of the coding pieces of a fragment of ``chunk_len`` bytes."""
-        piece = max(ALIGN, min(self.piece, (1 << 30) // self.group) // ALIGN * ALIGN)
+        piece = self.piece_len
         return [(o, min(piece, chunk_len - o)) for o in range(0, chunk_len, piece)]
 
 
@@ -215,7 +220,8 @@ def xor_into(target: memoryview, source: Buffer) -> None:
 @dataclass(frozen=True)
 class Segment:
     """``length`` bytes at ``offset`` in a chunk, to be rebuilt straight into ``into`` (a writable view of that
-    many bytes); ``into`` None: bytes past the end of the blob, not needed."""
+    many bytes); ``into`` None: bytes past the end of the blob, not needed. A segment with ``into`` lies within
+    one coding piece (:meth:`StripeLayout.pieces`), so the pieces' checksums can be checked part by part."""
 
     offset: int
     length: int

@@ -322,7 +322,7 @@ class Redundancy:
             self.steps[index] = step
             self.keeper.cond.notify_all()
         took = time.perf_counter() - t0
-        self.phases = {"coded": t1 - t0, "seal": time.perf_counter() - t2}
+        self.phases = {"prepare": t1 - t0, "code": t2 - t1, "seal": time.perf_counter() - t2}
         blob = sum(infos[place.position][0])
         self.keeper.events.emit("parity", f"parity of step {step} for group {place.index} in {took * 1000:.0f} ms "
                                 f"({data_len} bytes of parity for blobs of {blob} bytes)", console=False,
@@ -396,7 +396,7 @@ class Redundancy:
                 held = meta_of(holders[stripe])
                 t = piece_layout.parity_stripes(holders[stripe]).index(stripe)
                 rebuild_chunk(self.codec, piece_layout, chunk, chunk_len, sources, fetch_into,
-                              writer.segments(chunk * chunk_len, chunk_len, piece_layout.piece),
+                              writer.segments(chunk * chunk_len, chunk_len, piece_layout.piece_len),
                               lambda offset, data, base=chunk * chunk_len: writer.write(base + offset, data),
                               self._pool, self._scratch, {piece_layout.k + t: held["piece_crcs"][str(stripe)]})
             t3 = time.perf_counter()
@@ -456,16 +456,19 @@ class _BlobWriter:
             start += length
 
     def segments(self, start: int, length: int, piece: int) -> list[Segment]:
-        """Bytes ``[start, start + length)`` of the blob as segments of at most ``piece`` bytes, each within one
-        slot file (``into``: that file's memory) or past the last image (``into`` None); offsets from ``start``."""
+        """Bytes ``[start, start + length)`` of the blob as segments, each within one coding piece (``piece``
+        bytes from ``start`` on) and one slot file (``into``: that file's memory), or past the last image
+        (``into`` None); offsets from ``start``."""
         found = []
         end = start + length
         covered = start
         for _, _, file, begin, size in self.targets:
             lo, hi = max(start, begin), min(end, begin + size)
-            for at in range(lo, hi, piece):
-                n = min(piece, hi - at)
+            at = lo
+            while at < hi:
+                n = min(hi, start + ((at - start) // piece + 1) * piece) - at  # to the next piece's start
                 found.append(Segment(at - start, n, memoryview(file.map)[at - begin:at - begin + n]))
+                at += n
             covered = max(covered, hi)
         if covered < end:
             found.append(Segment(covered - start, end - covered, None))
