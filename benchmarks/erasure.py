@@ -134,7 +134,7 @@ def codec_seconds(shape: Shape, blob: int, reps: int) -> tuple[list[float], list
     data = bytearray(k * chunk_len)
     data[:blob] = os.urandom(blob)
     parity = [bytearray(chunk_len) for _ in range(shape.parity)]
-    rebuilt = bytearray(k * chunk_len)
+    rebuilt = mmap.mmap(-1, k * chunk_len)
 
     def fetch_into(i: int, offset: int, length: int, into: memoryview) -> None:
         source = data if i < k else parity[i - k]
@@ -150,15 +150,19 @@ def codec_seconds(shape: Shape, blob: int, reps: int) -> tuple[list[float], list
             encode.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             for chunk in range(k):
-                view = memoryview(rebuilt)[chunk * chunk_len:(chunk + 1) * chunk_len]
-                segments = [Segment(o, n, view[o:o + n]) for o, n in layout.pieces(chunk_len)]
-                sources = [i for i in range(shape.group) if i != chunk]
-                rebuild_chunk(codec, layout, chunk, chunk_len, sources, fetch_into, segments,
-                              lambda o, b, view=view: view.__setitem__(slice(o, o + len(b)), b), pool)
+                _rebuild_into(codec, layout, chunk, chunk_len, rebuild_sources(shape, chunk), fetch_into, rebuilt,
+                              pool, Scratch())
             rebuild.append(time.perf_counter() - t0)
-    if rebuilt != data:
+    if rebuilt[:] != data:
         raise SystemExit("the codec alone did not rebuild the data")
     return encode, rebuild
+
+
+def rebuild_sources(shape: Shape, chunk: int) -> list[int]:
+    """The fragments of a stripe that survive when data fragment ``chunk`` is lost; with m >= 2, as in the job,
+    another data fragment of the stripe is lost too (pyeclib rebuilds then, not the XOR)."""
+    also_lost = (chunk + 1) % shape.k if shape.parity > 1 and shape.k > 1 else chunk
+    return [i for i in range(shape.group) if i not in (chunk, also_lost)]
 
 
 # -- one keeper alone over loopback TCP ----------------------------------------------------------------------------
@@ -207,11 +211,9 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
                     t0 = time.perf_counter()
                     os.posix_fallocate(fd, 0, k * chunk_len)
                     slot = mmap.mmap(fd, k * chunk_len)
-                    for chunk in range(k):  # the lost node's k chunks, each from the k other fragments
-                        # with m >= 2, as in the job, a second node of the stripe is lost too: pyeclib rebuilds
-                        also_lost = (chunk + 1) % k if shape.parity > 1 and k > 1 else chunk
-                        sources = [i for i in range(shape.group) if i not in (chunk, also_lost)]
-                        _rebuild_into(codec, layout, chunk, chunk_len, sources, fetch_into, slot, pool, scratch)
+                    for chunk in range(k):  # the lost node's k chunks, each from k other fragments
+                        _rebuild_into(codec, layout, chunk, chunk_len, rebuild_sources(shape, chunk), fetch_into,
+                                      slot, pool, scratch)
                     zlib.crc32(slot)
                     rebuild.append(time.perf_counter() - t0)
                     slot.close()

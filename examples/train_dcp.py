@@ -22,11 +22,10 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_fsdp import AppState, build, shards_hash, train_step  # noqa: E402
+from train_fsdp import AppState, build, train_step, write_results  # noqa: E402
 
 import ftrun  # noqa: E402
 import ftrun.dcp  # noqa: E402
@@ -84,15 +83,7 @@ def main() -> None:
                 dcp.save(state(step + 1), storage_writer=writer)
     if pending is not None:
         pending.result()
-    digest = shards_hash(model.state_dict(), optimizer.state_dict()["state"])
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            f.write(digest + "\n")
-        print(f"final state hash {digest[:16]}", flush=True)
-    if args.full_out:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, args.full_out)
+    write_results(model, optimizer, args.out, args.full_out)
     dist.destroy_process_group()
 
 

@@ -110,6 +110,21 @@ class AppState(Stateful):
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 
 
+def write_results(model: nn.Module, optimizer: torch.optim.Optimizer, out: str | None, full_out: str | None) -> None:
+    """Rank 0 writes the hash of every rank's shards to ``out`` and the unsharded model to ``full_out`` (each
+    when given); every rank takes part in gathering them."""
+    rank = dist.get_rank()
+    digest = shards_hash(model.state_dict(), optimizer.state_dict()["state"])
+    if rank == 0 and out:
+        with open(out, "w") as f:
+            f.write(digest + "\n")
+        print(f"final state hash {digest[:16]}", flush=True)
+    if full_out:
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if rank == 0:
+            torch.save(full, full_out)
+
+
 def shards_hash(*states: dict) -> str:
     """SHA-256 over every rank's local shards of ``states`` (gathered to rank 0), in rank order."""
     digest = hashlib.sha256()
@@ -162,15 +177,7 @@ def main() -> None:
         train_step(model, optimizer, scheduler, step, rank // args.tp)
         snap.save(step + 1)
     snap.wait()
-    digest = shards_hash(model.state_dict(), optimizer.state_dict()["state"])
-    if rank == 0 and args.out:
-        with open(args.out, "w") as f:
-            f.write(digest + "\n")
-        print(f"final state hash {digest[:16]}", flush=True)
-    if args.full_out:
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(full, args.full_out)
+    write_results(model, optimizer, args.out, args.full_out)
     dist.destroy_process_group()
 
 

@@ -68,7 +68,7 @@ from ftrun.snapshot import dcp_items
 from ftrun.snapshot.client import Snapshotter
 from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT, dcp_path, newest_dcp
 from ftrun.snapshot.dcp_items import FORMAT
-from ftrun.snapshot.layout import UnsupportedState
+from ftrun.snapshot.layout import UnsupportedState, local_shard
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
 __all__ = ["MemoryReader", "MemoryWriter", "NoSnapshot", "ReshardRequired", "restored_step"]
@@ -118,17 +118,13 @@ def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> No
         _snap.wait()
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") and hasattr(t, "device_mesh") else t
-
-
 def _stepped_memory() -> set[int]:
     """The addresses of the memory of every parameter and state tensor of the optimizers seen stepping."""
     found = set()
     for optimizer in list(_optimizers):
         tensors = [p for group in optimizer.param_groups for p in group["params"]]
         tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        found.update(_local(t).untyped_storage().data_ptr() for t in tensors)
+        found.update(local_shard(t).untyped_storage().data_ptr() for t in tensors)
     return found
 
 

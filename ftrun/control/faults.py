@@ -13,7 +13,8 @@ Kinds and their required keys:
 - ``node-loss@node=N,step=S``: the supervisor of node N kills every process of the node, itself included,
   once one of its trainers reports step >= S.
 - ``parity-loss@node=N,step=S``: node N is lost the same way while its keeper computes the erasure-coded
-  parity of a step >= S (after the first piece), so that step never becomes protected.
+  parity of a step >= S (after its first parity stripe, before the commit), so that step never becomes
+  protected.
 - ``serve-loss@node=N,step=S``: node N is lost the same way when its keeper is asked for a piece of a step
   >= S by a peer rebuilding a lost node (a survivor lost during a rebuild; use ``gen=1`` after a node-loss).
 

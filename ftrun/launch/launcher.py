@@ -56,7 +56,7 @@ from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bi
                                  route_address)
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
-from ftrun.snapshot.persist import complete_steps, job_dir, manifest, step_name
+from ftrun.snapshot.persist import complete_steps, job_dir, manifest, move_aside, step_name
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
@@ -453,10 +453,7 @@ class Launcher:
         steps = complete_steps(root, self.job_id)
         if not steps:
             return
-        aside = os.path.join(root, time.strftime("previous-%Y%m%d-%H%M%S"))
-        os.makedirs(aside, mode=0o700, exist_ok=True)
-        for step in steps:
-            os.rename(os.path.join(root, step_name(step)), os.path.join(aside, step_name(step)))
+        aside = move_aside(root, [os.path.join(root, step_name(step)) for step in steps])
         self.events.emit("no_resume", f"--no-resume: moved {len(steps)} persisted step(s) of job {self.job_id} "
                          f"(newest {steps[-1]}) to {aside}", steps=steps, path=aside)
 

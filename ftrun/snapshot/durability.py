@@ -46,7 +46,8 @@ from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
 from ftrun.events import EventLog
 from ftrun.snapshot.dcp_copy import DcpCopies
-from ftrun.snapshot.persist import MANIFEST, complete_steps, finalize, manifest, prune, remove_partial, step_name
+from ftrun.snapshot.persist import (MANIFEST, complete_steps, finalize, manifest, move_aside, prune, remove_partial,
+                                    step_name)
 
 READ_INTERVAL = 0.2  # how often a node reads the round document while it holds nothing for one
 CANCELLED = -1  # the step of a round cancelled by a generation change
@@ -274,12 +275,10 @@ class Durability:
         if world is None or world == self.spec.nnodes * self.spec.nproc_per_node:
             shutil.rmtree(replaced, ignore_errors=True)
             return
-        aside = os.path.join(self.root, time.strftime("previous-%Y%m%d-%H%M%S"))
-        os.makedirs(aside, mode=0o700, exist_ok=True)
-        name = os.path.basename(replaced).removesuffix(".replaced")
-        os.rename(replaced, os.path.join(aside, name))
-        self.events.emit("durability", f"moved {name}, saved at world size {world} and persisted again by this run, "
-                         f"to {aside}", path=aside, saved_world=world)
+        aside = move_aside(self.root, [replaced])
+        self.events.emit("durability", f"moved {os.path.basename(replaced).removesuffix('.replaced')}, saved at "
+                         f"world size {world} and persisted again by this run, to {aside}", path=aside,
+                         saved_world=world)
 
     def _failed(self, step: int, reason: str) -> None:
         remove_partial(self.root, step)

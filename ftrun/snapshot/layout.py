@@ -165,7 +165,7 @@ def _always(t: torch.Tensor, path: str) -> bool:
 def _live_tensors(obj: Any, path: str) -> _Live:
     """Which tensors of ``obj.state_dict()`` may be returned by reference (see the module docstring)."""
     if isinstance(obj, torch.nn.Module):
-        params = {_identity(_local(p)) for p in obj.parameters()}
+        params = {_identity(local_shard(p)) for p in obj.parameters()}
         return lambda t, _: _identity(t) in params
     if isinstance(obj, torch.optim.Optimizer):
         prefix = _join(path, "state") + "/"
@@ -189,7 +189,7 @@ def _is_dtensor(v: Any) -> bool:
     return kind is not None and isinstance(v, kind)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_shard(t: torch.Tensor) -> torch.Tensor:
     """The tensor whose bytes a snapshot stores: a DTensor's local shard (same memory), else ``t``."""
     if not _is_dtensor(t):
         return t
@@ -256,7 +256,7 @@ class _Walker:
     def node(self, v: Any, path: str, live: _Live) -> Any:
         kind = type(v)
         if _is_dtensor(v):
-            doc = {"D": self.add(_local(v), path, live), **_placement(v), "at": _offsets(v, path)}
+            doc = {"D": self.add(local_shard(v), path, live), **_placement(v), "at": _offsets(v, path)}
             return {**doc, "g": 1} if v.requires_grad else doc
         if isinstance(v, torch.Tensor):
             return {"T": self.add(v, path, live), "g": 1} if v.requires_grad else {"T": self.add(v, path, live)}
@@ -405,7 +405,7 @@ class _Builder:
             return GlobalShard(local, tuple(node["at"]), tuple(node["shape"])) if self.shards else local
         place = {key: node[key] for key in ("mesh", "names", "pl", "shape", "stride")}
         if _is_dtensor(live):
-            local, mine = _local(live), _placement(live)
+            local, mine = local_shard(live), _placement(live)
             if mine != place or (local.dtype, local.shape) != (src.dtype, src.shape):
                 raise LayoutChanged(f"cannot restore {path}: the snapshot holds a DTensor on "
                                     f"{_describe(place, src.shape)}, the live one is on {_describe(mine, local.shape)}")
@@ -428,7 +428,7 @@ class _Builder:
             for t in _live_dtensors(self.state):
                 found = _placement(t)
                 key = json.dumps([found["mesh"], found["names"], found["pl"]])
-                self.meshes.setdefault(key, (t.device_mesh, tuple(t.placements), _local(t).device))
+                self.meshes.setdefault(key, (t.device_mesh, tuple(t.placements), local_shard(t).device))
         return self.meshes.get(json.dumps([place["mesh"], place["names"], place["pl"]]))
 
     def items(self, nodes: list, live: Any, path: str, inplace: bool) -> list:

@@ -214,6 +214,17 @@ def complete_steps(root: str, job: str | None = None) -> list[int]:
     return steps
 
 
+def move_aside(root: str, paths: list[str]) -> str:
+    """Move step directories of ``root`` into ``<root>/previous-<time>/`` (created 0700) under their step names
+    (``step-00000030``, whatever suffix they had): kept, but never resumed from. Returns that directory."""
+    aside = os.path.join(root, time.strftime("previous-%Y%m%d-%H%M%S"))
+    os.makedirs(aside, mode=0o700, exist_ok=True)
+    for path in paths:
+        name = _COMPLETE.search(os.path.basename(path))
+        os.rename(path, os.path.join(aside, name.group(0) if name else os.path.basename(path)))
+    return aside
+
+
 def remove_partial(root: str, step: int) -> None:
     with contextlib.suppress(FileNotFoundError):
         shutil.rmtree(partial_dir(root, step))
