@@ -16,8 +16,10 @@ of its ranks (the worker reports its state bytes). Times are medians.
 - Rebuild: the slowest ``rebuilt`` event of the lost nodes' replacement keepers (bytes, seconds; each reads k x
   those bytes from k survivors), against a plain loopback TCP copy of as many bytes by this script (a thread
   sends a file in /dev/shm with ``socket.sendfile``, the client receives it with ``recv_into`` into a faulted
-  buffer) and against :func:`~ftrun.snapshot.erasure.rebuild_chunk` alone of the lost node's k chunks;
-  ``--reps`` runs of each.
+  buffer; the target; for context also into a new /dev/shm file, whose pages are allocated as they arrive, as a
+  new node's must be) and against :func:`~ftrun.snapshot.erasure.rebuild_chunk` alone of the lost node's k
+  chunks; ``--reps`` runs of each. The rebuilt event's phases (seconds): metadata, slots claimed, transfer,
+  verification, and the part of the transfer spent waiting for the slots' memory.
   For context, the job's recovery (``recovered``: failure seen to every rank beating again), which includes
   starting the replacement node.
 - Memory: the worker stops after saving step ``--hold-at`` until this script has seen that step's parity on
@@ -57,16 +59,20 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from statistics import median as med
 from typing import Any
 
+from isal.isal_zlib import crc32
+
 from ftrun.control.spec import shm_dir
 from ftrun.snapshot.erasure import (DEFAULT_BACKEND, Codec, Scratch, Segment, StripeLayout, encode_parity,
                                     rebuild_chunk)
+from ftrun.snapshot.heap import reuse_large_blocks
+from ftrun.snapshot.slot import HEADER_SIZE, AheadAllocator, SlotFile
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, Reply
 
 WORKER = Path(__file__).resolve().parent / "erasure_worker.py"
@@ -150,8 +156,8 @@ def codec_seconds(shape: Shape, blob: int, reps: int) -> tuple[list[float], list
             encode.append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             for chunk in range(k):
-                _rebuild_into(codec, layout, chunk, chunk_len, rebuild_sources(shape, chunk), fetch_into, rebuilt,
-                              pool, Scratch())
+                _rebuild_into(codec, layout, chunk, chunk_len, rebuild_sources(shape, chunk), fetch_into,
+                              memoryview(rebuilt), lambda end: None, pool, Scratch())
             rebuild.append(time.perf_counter() - t0)
     if rebuilt[:] != data:
         raise SystemExit("the codec alone did not rebuild the data")
@@ -168,9 +174,9 @@ def rebuild_sources(shape: Shape, chunk: int) -> list[int]:
 # -- one keeper alone over loopback TCP ----------------------------------------------------------------------------
 def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], list[float]]:
     """Seconds, per rep, of one keeper's encode and of one lost node's rebuild through the real path (keeper
-    transport, ``recv_into``, XOR or pyeclib, parity CRCs; the rebuild into freshly allocated /dev/shm files,
-    then their CRC-32) with only that keeper working: each peer is a transport server sending from a /dev/shm
-    file, as a keeper does. What a node with cores of its own sees; the job above shares 2 cores among all its
+    transport, ``recv_into``, XOR or pyeclib, parity CRCs; the rebuild into a new /dev/shm slot file allocated
+    ahead of the transfer as a keeper's, then its CRC-32) with only that keeper working: each peer is a transport
+    server sending from a /dev/shm file, as a keeper does. What a node with cores of its own sees; the job above shares 2 cores among all its
     simulated nodes."""
     layout, codec, k = StripeLayout(shape.group, shape.parity), Codec(shape.k, shape.parity), shape.k
     chunk_len = layout.chunk_len([blob])
@@ -206,19 +212,19 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
                 for t in range(shape.parity):  # a keeper's m parity stripes, each from k data fragments
                     encode_parity(codec, layout, 0, t, chunk_len, fetch_into, memoryview(out), pool, scratch)
                 encode.append(time.perf_counter() - t0)
-                fd, path = tempfile.mkstemp(prefix="ftrun-bench-erasure-slot-", dir=shm_dir())
+                path = os.path.join(shm_dir(), f"ftrun-bench-erasure-slot-{os.getpid()}")
                 try:
                     t0 = time.perf_counter()
-                    os.posix_fallocate(fd, 0, k * chunk_len)
-                    slot = mmap.mmap(fd, k * chunk_len)
+                    slot = SlotFile(path, HEADER_SIZE + k * chunk_len, allocate=False)  # as a rebuild's slots
+                    memory = AheadAllocator([(slot, slot.size)])
                     for chunk in range(k):  # the lost node's k chunks, each from k other fragments
                         _rebuild_into(codec, layout, chunk, chunk_len, rebuild_sources(shape, chunk), fetch_into,
-                                      slot, pool, scratch)
-                    zlib.crc32(slot)
+                                      slot.payload(), lambda end: memory.ready(HEADER_SIZE + end), pool, scratch)
+                    memory.ready(memory.total)
+                    crc32(slot.payload())
                     rebuild.append(time.perf_counter() - t0)
                     slot.close()
                 finally:
-                    os.close(fd)
                     os.unlink(path)
         for client in clients.values():
             client.close()
@@ -231,18 +237,29 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
 
 
 def _rebuild_into(codec: Codec, layout: StripeLayout, chunk: int, chunk_len: int, sources: list[int],
-                  fetch_into: Any, slot: mmap.mmap, pool: ThreadPoolExecutor, scratch: Scratch) -> None:
-    """Chunk ``chunk`` of the blob in ``slot``, rebuilt as a keeper does (its views die with this call)."""
+                  fetch_into: Any, blob: memoryview, ready: Callable[[int], None], pool: ThreadPoolExecutor,
+                  scratch: Scratch) -> None:
+    """Chunk ``chunk`` of the blob in ``blob``'s memory, rebuilt as a keeper does: each fetch and write first
+    waits for ``ready(end)`` of the blob bytes it brings (its views die with this call)."""
     base = chunk * chunk_len
-    view = memoryview(slot)[base:base + chunk_len]
+    view = blob[base:base + chunk_len]
     segments = [Segment(o, n, view[o:o + n]) for o, n in layout.pieces(chunk_len)]
-    rebuild_chunk(codec, layout, chunk, chunk_len, sources, fetch_into, segments,
-                  lambda o, b: view.__setitem__(slice(o, o + len(b)), b), pool, scratch)
+
+    def fetch_ready(i: int, offset: int, length: int, into: memoryview) -> None:
+        ready(base + offset + length)
+        fetch_into(i, offset, length, into)
+
+    def write(offset: int, data: Any) -> None:
+        ready(base + offset + len(data))
+        view[offset:offset + len(data)] = data
+
+    rebuild_chunk(codec, layout, chunk, chunk_len, sources, fetch_ready, segments, write, pool, scratch)
 
 
 # -- plain TCP copy --------------------------------------------------------------------------------------------
-def tcp_copy_seconds(nbytes: int, reps: int) -> list[float]:
-    """Seconds of loopback TCP copies of ``nbytes`` from a /dev/shm file (sendfile) into a faulted buffer."""
+def tcp_copy_seconds(nbytes: int, reps: int, fresh: bool = False) -> list[float]:
+    """Seconds of loopback TCP copies of ``nbytes`` from a /dev/shm file (sendfile) into a faulted buffer, or
+    with ``fresh`` into a new /dev/shm file (its pages allocated as they are received, as a new node's are)."""
     fd, path = tempfile.mkstemp(prefix="ftrun-bench-erasure-tcp-", dir=shm_dir())
     server = socket.create_server(("127.0.0.1", 0))
     try:
@@ -252,7 +269,8 @@ def tcp_copy_seconds(nbytes: int, reps: int) -> list[float]:
         sender = threading.Thread(target=_send_file, args=(server, path, nbytes, reps), daemon=True)
         sender.start()
         buffer = memoryview(bytearray(b"\1") * nbytes)
-        times = [_receive(server.getsockname(), buffer) for _ in range(reps)]
+        times = [_receive_fresh(server.getsockname(), nbytes) if fresh else _receive(server.getsockname(), buffer)
+                 for _ in range(reps)]
         sender.join()
         return times
     finally:
@@ -266,6 +284,23 @@ def _send_file(server: socket.socket, path: str, nbytes: int, reps: int) -> None
             conn, _ = server.accept()
             with conn:
                 conn.sendfile(f, 0, nbytes)
+
+
+def _receive_fresh(address: tuple[str, int], nbytes: int) -> float:
+    path = os.path.join(shm_dir(), f"ftrun-bench-erasure-copy-{os.getpid()}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        t0 = time.perf_counter()
+        os.ftruncate(fd, nbytes)
+        with mmap.mmap(fd, nbytes) as memory:
+            view = memoryview(memory)
+            _receive(address, view)
+            seconds = time.perf_counter() - t0
+            view.release()
+        return seconds
+    finally:
+        os.close(fd)
+        os.unlink(path)
 
 
 def _receive(address: tuple[str, int], buffer: memoryview) -> float:
@@ -389,6 +424,7 @@ class Result:
     parity_bytes: int
     rebuilt: Event  # the slowest rebuild of the lost nodes
     tcp: float  # seconds of a plain TCP copy of the rebuilt bytes
+    tcp_fresh: float  # the same into new /dev/shm memory
     recovery: float  # seconds from the failure seen to every rank beating again
     memory: dict[int, dict[str, int]]
     records: list[dict[str, Any]]
@@ -441,10 +477,10 @@ def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
     encode_tcp, rebuild_tcp = pipeline_alone(shape, job.state_bytes, args.reps)
     rebuilt = max(job.of("rebuilt"), key=lambda e: e["seconds"])
     tcp = tcp_copy_seconds(rebuilt["bytes"], args.reps)
+    tcp_fresh = tcp_copy_seconds(rebuilt["bytes"], args.reps, fresh=True)
     return Result(shape, job.state_bytes, med(encode), med(rebuild), med(encode_tcp), med(rebuild_tcp), steady,
-                  med(first),
-                  job.of("parity")[0]["parity_bytes"], rebuilt, med(tcp), job.of("recovered")[0]["seconds"],
-                  job.memory, job.records)
+                  med(first), job.of("parity")[0]["parity_bytes"], rebuilt, med(tcp), med(tcp_fresh),
+                  job.of("recovered")[0]["seconds"], job.memory, job.records)
 
 
 # -- training with parity on and off ---------------------------------------------------------------------------
@@ -506,11 +542,14 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     row("rebuild of a lost node (slowest rebuilt event)", *(f"{r.rebuilt['seconds']:.3f} s" for r in results))
     row("  bytes rebuilt", *(f"{r.rebuilt['bytes'] / MIB:.1f} MiB" for r in results))
     row("  bytes read from the survivors (k x)", *(sources(r) for r in results))
+    row("  its phases in the job (s)", *(phases(r.rebuilt) for r in results))
     row("  codec alone", *(f"{r.rebuild_alone:.3f} s" for r in results))
     row("  one rebuild alone over TCP (allocation, CRC)", *(f"{r.rebuild_tcp:.3f} s" for r in results))
     row("plain TCP copy of the bytes rebuilt", *(f"{r.tcp:.3f} s" for r in results))
     row("  rebuild / TCP copy", *(f"{r.rebuilt['seconds'] / r.tcp:.2f}" for r in results))
     row("  one rebuild alone / TCP copy", *(f"{r.rebuild_tcp / r.tcp:.2f}" for r in results))
+    row("  (TCP copy into new /dev/shm memory: the pages", *(f"{r.tcp_fresh:.3f} s" for r in results))
+    row("   a new node allocates / into faulted memory)", *(f"{r.tcp_fresh / r.tcp:.2f}" for r in results))
     row("recovery: failure seen to every rank beating", *(f"{r.recovery:.2f} s" for r in results))
     row("memory per node / state: 2 + 2m/k", *(f"{r.shape.expected_memory:.2f}" for r in results))
     row("  measured, node 0, 1, ...", *(spread(r.memory_ratio()) for r in results))
@@ -550,6 +589,11 @@ def parts(r: Result) -> str:
     return f"{med(r.memory_ratio(('slot',))):.2f} + {med(r.memory_ratio(('parity',))):.2f}"
 
 
+def phases(event: Event) -> str:
+    """A rebuilt event's phases, short: meta, claim, transfer, verify, and the transfer's wait for memory."""
+    return " ".join(f"{value:.2f}" for value in event.get("phases", {}).values())
+
+
 def spread(values: list[float]) -> str:
     return " ".join(f"{v:.2f}" for v in values)
 
@@ -578,6 +622,7 @@ def main() -> int:
     if not 0 < args.hold_at < args.loss_at < args.steps:
         parser.error("need 0 < --hold-at < --loss-at < --steps")
     shapes = [s for s in SHAPES if args.shapes is None or s.name in args.shapes]
+    reuse_large_blocks()  # the rows timed in this process allocate as a keeper does
     workdir = tempfile.mkdtemp(prefix="ftrun-bench-erasure-")
     try:
         report([measure(shape, args, workdir) for shape in shapes], args)

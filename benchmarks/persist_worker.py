@@ -23,7 +23,7 @@ import torch
 
 from ftrun.snapshot.client import Snapshotter
 from ftrun.snapshot.keeper import find_segments
-from ftrun.snapshot.persist import step_name
+from ftrun.snapshot.persist import job_dir, step_name
 from snapshot_worker import build, sealed, train_step  # ftrun puts the script's directory on sys.path
 
 WARM_UP_MAX = 8  # training steps at most to wait for the spare slot
@@ -102,7 +102,8 @@ def main() -> None:
     trainer.warm_up(args.ckpt_dir is not None)
     results: dict[str, Any] = {"warm_up": trainer.step, "slots": slots()}
     results.update(rate=trainer.blocks(args.blocks, args.steps), trained=trainer.step)
-    idle = trainer.persist_idle(args.ckpt_dir, args.persists + 1) if args.ckpt_dir else []
+    idle = (trainer.persist_idle(job_dir(args.ckpt_dir, os.environ["TORCHELASTIC_RUN_ID"]), args.persists + 1)
+            if args.ckpt_dir else [])
     results.update(first_idle=idle[:1], idle=idle[1:])
     Path(args.out).write_text(json.dumps(results))
 

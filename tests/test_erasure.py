@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 
 from pyeclib.ec_iface import ECDriver
 
-from ftrun.snapshot.erasure import (ALIGN, BACKENDS, Codec, CorruptFragment, Segment, StripeLayout, default_group,
-                                    encode_parity, group_problem, rebuild_chunk)
+from ftrun.snapshot.erasure import (ALIGN, BACKENDS, PIECE, Codec, CorruptFragment, Segment, StripeLayout,
+                                    default_group, encode_parity, group_problem, rebuild_chunk)
 from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore
 from ftrun.snapshot.redundancy import _BlobWriter
 
@@ -238,3 +238,40 @@ def test_rebuild_segments_never_cross_a_coding_piece():
     assert all(s.offset // piece == (s.offset + s.length - 1) // piece for s in segments)
     assert sum(s.length for s in segments) == length
     del segments
+
+
+HEAP_PROBE = """
+import resource, sys, threading
+from ftrun.snapshot.erasure import HEADER_BYTES, PIECE, Codec
+from ftrun.snapshot.heap import reuse_large_blocks
+keep = sys.argv[1] == "keep"
+if keep:
+    assert reuse_large_blocks()
+codec, length = Codec(4, 2), PIECE
+frames = {i: memoryview(bytearray(HEADER_BYTES + length)) for i in (1, 3, 4, 5)}
+faults = []
+def code():
+    for n in range(6):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        codec.reconstruct(frames, 0, length)
+        if n >= 2:
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+thread = threading.Thread(target=code)
+thread.start()
+thread.join()
+print(max(faults))
+"""
+
+
+def test_the_keepers_heap_keeps_pyeclibs_fragment_buffers():
+    """pyeclib allocates and frees piece-sized fragments on every call; in a keeper's threads they are then
+    faulted in afresh each time unless the heap keeps them (:func:`reuse_large_blocks`): page faults per call
+    counted, in a process of its own (the setting is process-wide)."""
+    import subprocess
+    import sys
+
+    faults = {how: int(subprocess.run([sys.executable, "-c", HEAP_PROBE, how], capture_output=True, text=True,
+                                      check=True, timeout=60).stdout) for how in ("keep", "default")}
+    pages = PIECE // 4096
+    assert faults["default"] >= pages  # at least one fragment's pages, every call
+    assert faults["keep"] < pages // 4, faults

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import struct
@@ -13,7 +14,7 @@ import pytest
 from ftrun.control.spec import ENV_SHM_DIR, NodeSpec
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot.link import newest_common
-from ftrun.snapshot.slot import COMMITTED, HEADER_SIZE, WRITING, Header, SlotFile
+from ftrun.snapshot.slot import ALLOCATE_STEP, COMMITTED, HEADER_SIZE, WRITING, AheadAllocator, Header, SlotFile
 
 
 @pytest.fixture
@@ -153,3 +154,45 @@ def test_keeper_refuses_to_allocate_beyond_free_space(shm, monkeypatch):
     reply = keeper.handle({"op": "reserve", "rank": 0, "step": 1, "generation": 0, "size": 10 << 20})
     assert "too small for snapshots" in reply["error"] and "1.0 MiB is free" in reply["error"]
     assert keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})["fatal"] == reply["error"]
+
+
+def test_allocate_ahead_fills_a_sparse_slot_in_order_and_a_full_directory_is_an_error(shm, monkeypatch):
+    """A rebuild's slots are made sparse and allocated ahead of the transfer: a writer waits for each position
+    (never touching an unallocated page, which would be a SIGBUS on a full /dev/shm); when the directory is full,
+    ready() raises ENOSPC instead."""
+    size = HEADER_SIZE + 3 * ALLOCATE_STEP + 12345
+    slots = [SlotFile(os.path.join(shm, f"s{i}"), size, allocate=False) for i in range(2)]
+    assert not slots[0].allocated and os.stat(slots[0].path).st_blocks * 512 == HEADER_SIZE
+    memory = AheadAllocator([(slot, size - 999) for slot in slots])
+    memory.ready(memory.total - 1)
+    view = memoryview(slots[1].map)
+    view[size - 1000] = 1  # below the position waited for
+    view.release()
+    memory.ready(memory.total)
+    assert all(slot.allocated for slot in slots)
+
+    calls = []
+    real = os.posix_fallocate
+
+    def fill_up(fd: int, offset: int, length: int) -> None:
+        calls.append(offset)
+        if len(calls) > 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", fill_up)
+    sparse = SlotFile(os.path.join(shm, "s2"), size, allocate=False)
+    memory = AheadAllocator([(sparse, size)])
+    memory.ready(ALLOCATE_STEP)
+    with pytest.raises(OSError, match="No space left"):
+        memory.ready(2 * ALLOCATE_STEP + 1)
+    assert not sparse.allocated
+
+
+def test_a_slot_a_failed_rebuild_left_sparse_is_allocated_before_a_trainer_gets_it(shm):
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    index, slot = keeper.claim_vacant(0, HEADER_SIZE + (4 << 20), allocate=False)
+    assert not slot.allocated  # the rebuild stopped before its allocation ran: then a trainer reserves it
+    assert keeper.ensure_slot(0, index, 4 << 20) is slot and slot.allocated
+    keeper.unlink_all()

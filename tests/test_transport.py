@@ -186,6 +186,44 @@ def test_large_payload_arrives_intact(make_server, make_client, tmp_path) -> Non
     assert hashlib.sha256(buffer).hexdigest() == expected
 
 
+def test_a_peer_that_stops_sending_is_unavailable_within_the_timeout(make_server, make_client) -> None:
+    """Payloads are received in whole-payload system calls (MSG_WAITALL on a blocking socket): the kernel's
+    receive timeout still bounds them, whether the handler never answers or the peer stops mid-payload."""
+    release = threading.Event()
+
+    def hanging(request: dict[str, Any]) -> Reply:
+        release.wait(CLOSE_WITHIN)
+        return Reply({}, b"late")
+
+    server, _ = make_server(handler=hanging)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def stalling() -> None:  # a keeper that authenticates, announces 2 MiB, sends 1 MiB and stops
+        conn, _ = listener.accept()
+        with conn:
+            nonce_s = os.urandom(32)
+            conn.sendall(HELLO.pack(b"FTRK", 1, nonce_s))
+            nonce_c = recv_exactly(conn, 64)[:32]
+            conn.sendall(hmac.new(SECRET, b"server" + nonce_c + nonce_s, hashlib.sha256).digest())
+            recv_exactly(conn, FRAME.size)
+            conn.sendall(frame(b"{}", 2 << 20) + bytes(1 << 20))
+            release.wait(CLOSE_WITHIN)
+
+    thread = threading.Thread(target=stalling, daemon=True)
+    thread.start()
+    try:
+        for client in (make_client(server, timeout=0.5), PeerClient(*listener.getsockname()[:2], SECRET, timeout=0.5)):
+            t0 = time.monotonic()
+            with pytest.raises(PeerUnavailable):
+                client.request("get", into=memoryview(bytearray(2 << 20)))
+            assert time.monotonic() - t0 < CLOSE_WITHIN / 2
+            client.close()
+    finally:
+        release.set()
+        thread.join(CLOSE_WITHIN)
+        listener.close()
+
+
 def test_handler_error_is_an_error_reply_and_the_connection_stays(make_server, make_client, tmp_path) -> None:
     server, events = make_server()
     client = make_client(server)

@@ -24,7 +24,6 @@ fetch bytes from peers into the buffers given.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
@@ -33,6 +32,7 @@ from functools import cached_property
 from typing import Any
 
 import numpy as np
+from isal.isal_zlib import crc32
 from pyeclib.ec_iface import ECDriver
 
 ALIGN = 4096
@@ -134,7 +134,10 @@ class Codec:
       from it and the other k - 1, is a numpy XOR at memory speed. With ``k = 1`` (replication) every parity
       fragment is the data piece itself.
     * Otherwise pyeclib computes: parity with ``reconstruct`` of the parity indexes from the k data fragments
-      (the same bytes as ``encode``, about 8 x faster here), a lost piece with ``reconstruct`` from any k.
+      (the same bytes as ``encode``, about 8 x faster here), a lost piece with ``reconstruct`` from any k. It
+      allocates its fragments on every call and holds the GIL throughout: a keeper keeps those blocks in its
+      heap (:mod:`ftrun.snapshot.heap`), and its fetches receive whole pieces without the GIL
+      (:mod:`ftrun.snapshot.transport`).
     * Fragment headers (80 bytes each, which pyeclib needs) depend on the piece length only, never on the data
       (checked when the codec is made): :meth:`headers` makes them here, so no header that came over the network
       ever reaches pyeclib, and every payload handed to it has been checked to be ``length`` bytes: its C
@@ -313,7 +316,7 @@ def encode_parity(codec: Codec, layout: StripeLayout, stripe: int, t: int, chunk
                 xor_into(out[offset:offset + length], _payload(buffers[i], length))
         else:
             out[offset:offset + length] = codec.parity([b[:HEADER_BYTES + length] for b in buffers], t, length)
-        crcs.append(zlib.crc32(out[offset:offset + length]))
+        crcs.append(crc32(out[offset:offset + length]))
 
     _pipelined(pool, pieces, start, finish)
     return crcs
@@ -396,7 +399,7 @@ class _PieceCheck:
         crc, got = self.running.get((fragment, piece), (0, 0))
         if offset != start + got:
             return  # not the next bytes of the piece (a part past the blob was skipped): left to the image's check
-        crc, got = zlib.crc32(data, crc), got + len(data)
+        crc, got = crc32(data, crc), got + len(data)
         self.running[fragment, piece] = crc, got
         if got == length and piece < len(expected) and crc != expected[piece]:
             raise CorruptFragment(f"parity fragment {fragment}, piece {piece} (bytes {start}..{start + length}) "

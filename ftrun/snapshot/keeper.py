@@ -51,6 +51,7 @@ from typing import Any
 from ftrun.events import EventLog
 from ftrun.control.faults import Fault, parse_faults
 from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir
+from ftrun.snapshot.heap import reuse_large_blocks
 from ftrun.snapshot.priority import lower_priority, lower_to_background
 from ftrun.snapshot.protocol import PEER_LOST, LineSocket, listen, same_user, socket_name
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
@@ -215,11 +216,19 @@ class Keeper:
                              f"{'; dropped ' + '; '.join(dropped) if dropped else ''}",
                              node=self.node, kept=kept, dropped=dropped)
 
-    def ensure_slot(self, local: int, index: int, payload: int) -> SlotFile:
-        """The slot file with room for ``payload`` bytes; allocated (all pages) here, after a capacity check."""
+    def ensure_slot(self, local: int, index: int, payload: int, allocate: bool = True) -> SlotFile:
+        """The slot file with room for ``payload`` bytes; allocated (all pages) here, after a capacity check.
+        ``allocate=False``: a new file gets its header page only, for a caller that allocates as it writes (a
+        rebuild); a file left so is completed the next time it is asked for with ``allocate``."""
         rank = self.ranks[local]
         slot = rank.files[index]
         if slot is not None and slot.capacity >= payload:
+            if allocate and not slot.allocated:
+                try:
+                    slot.allocate(0, slot.size)
+                except OSError as err:
+                    raise MemoryError(capacity_problem(self.node, local, len(self.ranks), slot.size, slot.size, 0,
+                                                       self.dir) + f" ({err.strerror})") from err
             return slot
         size = HEADER_SIZE + payload
         missing = size - (slot.size if slot else 0)
@@ -232,7 +241,7 @@ class Keeper:
         if slot is not None:
             slot.close()
         try:
-            slot = SlotFile(self.path(local, index), size)
+            slot = SlotFile(self.path(local, index), size, allocate=allocate)
         except OSError as err:
             raise MemoryError(capacity_problem(self.node, local, len(self.ranks), size, missing_both, 0,
                                                self.dir) + f" ({err.strerror})") from err
@@ -241,14 +250,15 @@ class Keeper:
                          node=self.node, local_rank=local, slot=index, bytes=size)
         return slot
 
-    def claim_vacant(self, local: int, image: int) -> tuple[int, SlotFile]:
+    def claim_vacant(self, local: int, image: int, allocate: bool = True) -> tuple[int, SlotFile]:
         """A slot of ``local`` to restore a step of ``image`` bytes (header included) into, from disk or parity:
-        :meth:`RankSlots.vacant`, emptied, with a trainer's headroom, marked WRITING until it is verified."""
+        :meth:`RankSlots.vacant`, emptied, with a trainer's headroom, marked WRITING until it is verified;
+        ``allocate``: as for :meth:`ensure_slot`."""
         with self.cond:
             rank = self.ranks[local]
             index = rank.vacant(self._pinned(local))
             rank.steps[index] = None
-        slot = self.ensure_slot(local, index, image - HEADER_SIZE + META_HEADROOM)
+        slot = self.ensure_slot(local, index, image - HEADER_SIZE + META_HEADROOM, allocate)
         slot.set_state(WRITING)
         return index, slot
 
@@ -668,6 +678,7 @@ def unlink_segments(job: str, node: int | str = "*") -> list[str]:
 
 
 def main() -> None:
+    reuse_large_blocks()  # before any thread starts: pyeclib's fragments then cost no page faults
     spec = NodeSpec.from_env()
     faults = [f for f in os.environ.get(ENV_KEEPER_FAULTS, "").split(";") if f]
     keeper = Keeper(spec, faults)

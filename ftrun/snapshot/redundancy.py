@@ -17,7 +17,10 @@ images as when the encoding started.
 
 Data moves without extra copies: an encoder receives (``recv_into``) the first data fragment of an XOR stripe
 straight into its parity file and XORs the others into it; a rebuild receives the parity fragment straight into
-the new slot files and XORs the surviving data fragments into them (:mod:`ftrun.snapshot.erasure`).
+the new slot files and XORs the surviving data fragments into them (:mod:`ftrun.snapshot.erasure`). The new
+slots' memory is allocated by a thread of its own ahead of the transfer
+(:class:`ftrun.snapshot.slot.AheadAllocator`): allocating /dev/shm pages costs about as much as receiving their
+bytes, and the two overlap.
 
 Encoding follows the job: when the newest globally committed step (told by the supervisor's link) has no
 parity here, the encoder fetches the data fragments of this node's stripes from the other nodes of the group,
@@ -32,25 +35,24 @@ Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths a
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import mmap
 import os
 import socket
 import struct
 import threading
 import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from isal.isal_zlib import crc32
+
 from ftrun.events import EventLog
 from ftrun.snapshot.priority import lower_to_background
 from ftrun.snapshot.erasure import Buffer, Codec, Scratch, Segment, StripeLayout, encode_parity, rebuild_chunk
-from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, Header, SlotFile
+from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header, SlotFile
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
 
 
@@ -72,10 +74,11 @@ class SlotHolder(Protocol):
     events: EventLog
     ranks: Sequence[HeldSlots]
 
+    def claim_vacant(self, local: int, image: int, allocate: bool = True) -> tuple[int, SlotFile]: ...
+
     def hold_restored(self, local: int, index: int, step: int) -> None: ...
 
 PARITY_FILES = 2
-MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
 META_ROOM = 64 << 10
 
 
@@ -377,12 +380,15 @@ class Redundancy:
                                   f"{len(self.keeper.ranks)}")
         chunk_len = int(first["chunk_len"])
         piece_layout = StripeLayout(place.group, place.parity, int(first["piece"]))
+        blob = sum(images)
         t1 = time.perf_counter()
         writer = _BlobWriter(self.keeper, step, images)
         t2 = time.perf_counter()
         try:
             for chunk, stripe in enumerate(stripes):
-                def fetch_into(index: int, offset: int, length: int, into: memoryview, stripe: int = stripe) -> None:
+                def fetch_into(index: int, offset: int, length: int, into: memoryview, stripe: int = stripe,
+                               base: int = chunk * chunk_len) -> None:
+                    writer.ready(min(base + offset + length, blob))  # ``into`` may be the slots' memory
                     holder = self._node(piece_layout.position(stripe, index))
                     if index < piece_layout.k:
                         self._fetch_into(holder, "chunk", into, step=step, chunk=index, offset=offset, length=length,
@@ -405,15 +411,16 @@ class Redundancy:
             writer.abandon()
             raise
         t4 = time.perf_counter()
-        self.phases = {"meta": t1 - t0, "allocate": t2 - t1, "transfer": t3 - t2, "verify": t4 - t3}
-        return sum(images), t4 - t0
+        self.phases = {"meta": t1 - t0, "claim": t2 - t1, "transfer": t3 - t2, "verify": t4 - t3,
+                       "waited_for_memory": writer.memory.waited}
+        return blob, t4 - t0
 
 
 def parity_checksum(header: Header, piece_crcs: list[int], meta: bytes) -> int:
     """The seal of a parity file: the CRC-32 of every parity piece (in order), folded with the header's identity
     and the metadata, which records them: each piece can be checked alone (a rebuild checks what it fetches)."""
     identity = struct.pack("<qqQQQ", header.step, header.generation, header.digest, header.data_len, header.meta_len)
-    return zlib.crc32(struct.pack(f"<{len(piece_crcs)}I", *piece_crcs), zlib.crc32(meta, zlib.crc32(identity)))
+    return crc32(struct.pack(f"<{len(piece_crcs)}I", *piece_crcs), crc32(meta, crc32(identity)))
 
 
 def parity_problem(file: SlotFile) -> str | None:
@@ -432,7 +439,7 @@ def parity_problem(file: SlotFile) -> str | None:
         return f"{header.data_len} bytes of parity for chunks of {chunk_len}"
     payload = file.payload()
     for t, crcs in enumerate(recorded):
-        found = [zlib.crc32(payload[t * chunk_len + o:t * chunk_len + o + n]) for o, n in layout.pieces(chunk_len)]
+        found = [crc32(payload[t * chunk_len + o:t * chunk_len + o + n]) for o, n in layout.pieces(chunk_len)]
         if found != crcs:
             return f"parity of stripe {stripes[t]} fails its checksum"
     if not header.sealed or parity_checksum(header, [c for t in recorded for c in t], meta) != header.checksum:
@@ -441,7 +448,10 @@ def parity_problem(file: SlotFile) -> str | None:
 
 
 class _BlobWriter:
-    """Writes a rebuilt blob into one slot per local rank (the one not holding the newest step), then verifies."""
+    """Writes a rebuilt blob into one slot per local rank (the one not holding the newest step), then verifies.
+
+    The slots' memory is allocated in blob order ahead of the transfer (:class:`AheadAllocator`): :meth:`ready`
+    waits until the bytes up to a blob offset may be written; a full /dev/shm fails the rebuild there."""
 
     def __init__(self, keeper: SlotHolder, step: int, images: list[int]) -> None:
         self.keeper = keeper
@@ -449,11 +459,17 @@ class _BlobWriter:
         self.targets: list[tuple[int, int, SlotFile, int, int]] = []  # (local, index, file, blob start, length)
         start = 0
         for local, length in enumerate(images):
-            index, file = keeper.claim_vacant(local, length)
-            with contextlib.suppress(OSError, ValueError):  # page tables in one go, not a fault per page received
-                file.map.madvise(MADV_POPULATE_WRITE, 0, length)
+            index, file = keeper.claim_vacant(local, length, allocate=False)
             self.targets.append((local, index, file, start, length))
             start += length
+        self.memory = AheadAllocator([(file, length) for _, _, file, _, length in self.targets])
+
+    def ready(self, end: int) -> None:
+        """Wait until blob bytes ``[0, end)`` may be written; raises if their memory could not be allocated."""
+        try:
+            self.memory.ready(end)
+        except OSError as err:
+            raise RedundancyError(f"no room for the rebuilt slots in {self.keeper.dir}: {err}") from err
 
     def segments(self, start: int, length: int, piece: int) -> list[Segment]:
         """Bytes ``[start, start + length)`` of the blob as segments, each within one coding piece (``piece``
@@ -480,9 +496,11 @@ class _BlobWriter:
         for _, _, file, begin, length in self.targets:
             lo, hi = max(offset, begin), min(end, begin + length)
             if lo < hi:
+                self.ready(hi)
                 file.map[lo - begin:hi - begin] = view[lo - offset:hi - offset]
 
     def finish(self) -> None:
+        self.ready(self.memory.total)  # and the trainers' headroom, allocated last
         for local, index, file, _, _ in self.targets:
             problem = file.verify()
             if problem is None and file.header().step != self.step:
@@ -493,6 +511,6 @@ class _BlobWriter:
             self.keeper.hold_restored(local, index, self.step)
 
     def abandon(self) -> None:
+        self.memory.stop()
         for _, _, file, _, _ in self.targets:
             file.set_state(EMPTY)
-

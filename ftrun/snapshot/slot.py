@@ -13,8 +13,8 @@ File ``ftrun-<job>-node<N>-rank<L>-slot<I>`` in the shared-memory directory, mod
 States: EMPTY (never written, or discarded), WRITING (reserved by the keeper for a trainer's copy; a crash
 leaves it so, and it is never loaded), COMMITTED (the trainer finished the copy and wrote every other field
 first). ``sealed`` is set by the keeper once it has computed ``checksum`` of a committed slot; a committed
-slot is loaded only after its checksum matches. The checksum is a CRC-32 over 64 MiB chunks (computed in
-parallel threads: zlib releases the GIL) folded with the header fields, so it covers bytes and identity.
+slot is loaded only after its checksum matches. The checksum is a CRC-32 (zlib's) over 64 MiB chunks, computed
+by ISA-L in parallel threads (it releases the GIL), folded with the header fields: it covers bytes and identity.
 
 Only this module knows the byte format; it works on raw memory and never imports torch.
 """
@@ -24,9 +24,13 @@ from __future__ import annotations
 import mmap
 import os
 import struct
-import zlib
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+
+from isal.isal_zlib import crc32
 
 MAGIC = b"FTRUNSN1"
 VERSION = 1
@@ -35,6 +39,8 @@ EMPTY, WRITING, COMMITTED = 0, 1, 2
 STATE_NAMES = {EMPTY: "empty", WRITING: "writing", COMMITTED: "committed"}
 SLOTS_PER_RANK = 2
 SPARE_SLOT = 2  # a third slot, allocated only when persistence pins a slot a trainer would need
+MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Python 3.11 lacks the name
+ALLOCATE_STEP = 8 << 20  # AheadAllocator's unit
 RESTORED = -1  # the generation a keeper records for a slot loaded from disk or rebuilt: older than any
 CHUNK = 64 << 20
 # Spare room a slot is allocated with beyond its payload: the JSON section varies by a few bytes between saves
@@ -82,22 +88,30 @@ def checksum(buf: memoryview | mmap.mmap, header: Header, threads: int | None = 
     workers = threads or min(4, os.cpu_count() or 1)
     if len(starts) > 1 and workers > 1:
         with ThreadPoolExecutor(workers) as pool:
-            crcs = list(pool.map(lambda s: zlib.crc32(view[s:s + CHUNK]), starts))
+            crcs = list(pool.map(lambda s: crc32(view[s:s + CHUNK]), starts))
     else:
-        crcs = [zlib.crc32(view[s:s + CHUNK]) for s in starts]
+        crcs = [crc32(view[s:s + CHUNK]) for s in starts]
     identity = _IDENTITY.pack(header.step, header.generation, header.digest, header.data_len, header.meta_len)
     view.release()
-    return zlib.crc32(struct.pack(f"<{len(crcs)}I", *crcs), zlib.crc32(identity))
+    return crc32(struct.pack(f"<{len(crcs)}I", *crcs), crc32(identity))
+
+
+def _allocated(fd: int) -> bool:
+    """Whether every page of the open file is allocated (tmpfs counts allocated pages in ``st_blocks``)."""
+    stat = os.fstat(fd)
+    return stat.st_blocks * 512 >= stat.st_size
 
 
 class SlotFile:
     """One slot file mapped read-write. The keeper creates and owns it; trainers map it for copying."""
 
-    def __init__(self, path: str, size: int | None = None, *, populate: bool = False) -> None:
+    def __init__(self, path: str, size: int | None = None, *, populate: bool = False, allocate: bool = True) -> None:
         """Map ``path``; with ``size``, create it (or grow it) with every page allocated up front.
 
         Allocation uses ``posix_fallocate``, so a full tmpfs is an ``OSError(ENOSPC)`` here, never a
-        SIGBUS later; ``populate`` pre-faults the mapping (trainers about to copy the whole slot).
+        SIGBUS later; ``populate`` pre-faults the mapping (trainers about to copy the whole slot). With
+        ``allocate=False`` only the header page is allocated: the caller allocates the rest with
+        :meth:`allocate` before it touches it, and :attr:`allocated` says whether every page is.
         """
         flags = os.O_RDWR | (os.O_CREAT if size is not None else 0)
         fd = os.open(path, flags, 0o600)
@@ -107,8 +121,13 @@ class SlotFile:
                 os.fchmod(fd, 0o600)
                 fresh = os.fstat(fd).st_size == 0
                 if os.fstat(fd).st_size < size:
-                    os.posix_fallocate(fd, 0, size)
+                    if allocate:
+                        os.posix_fallocate(fd, 0, size)
+                    else:
+                        os.ftruncate(fd, size)
+                        os.posix_fallocate(fd, 0, HEADER_SIZE)
             self.size = os.fstat(fd).st_size
+            self.allocated = _allocated(fd)
             if self.size < HEADER_SIZE:
                 raise ValueError(f"{path}: {self.size} bytes, smaller than a slot header")
             map_flags = mmap.MAP_SHARED | (mmap.MAP_POPULATE if populate else 0)
@@ -118,6 +137,20 @@ class SlotFile:
         self.path = path
         if fresh:
             _HEADER.pack_into(self.map, 0, MAGIC, VERSION, EMPTY, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def allocate(self, offset: int, length: int) -> None:
+        """Allocate the pages of bytes ``[offset, offset + length)`` (``offset`` a multiple of the page size) and
+        map them into this mapping: ``OSError(ENOSPC)`` when the shared-memory directory is full, never a SIGBUS."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            os.posix_fallocate(fd, offset, length)
+            self.allocated = _allocated(fd)
+        finally:
+            os.close(fd)
+        try:
+            self.map.madvise(MADV_POPULATE_WRITE, offset, length)  # page tables in one go, not a fault per page
+        except (OSError, ValueError):
+            pass  # a kernel without it: the pages are faulted in as they are written
 
     @property
     def capacity(self) -> int:
@@ -173,3 +206,62 @@ class SlotFile:
             self.map.close()
         except BufferError:  # a view is still exported (a trainer's tensor); the mapping goes with the process
             pass
+
+
+class AheadAllocator:
+    """Allocates and maps the pages of slot files (made with ``allocate=False``) in order, in a thread of its
+    own, ahead of a writer that fills them: allocating /dev/shm pages costs about as much as receiving their
+    bytes over TCP, and this way the two overlap.
+
+    ``files``: (file, bytes of it the writer fills from its start), in the order it fills them; positions count
+    those bytes end to end. Each file is allocated whole (what follows its bytes too), :data:`ALLOCATE_STEP`
+    at a time. Invariant: a writer touches a byte only after :meth:`ready` for a position past it returned.
+    """
+
+    def __init__(self, files: Sequence[tuple[SlotFile, int]]) -> None:
+        self.files = list(files)
+        self.total = sum(length for _, length in self.files)
+        self.waited = 0.0  # seconds spent in ready()
+        self._prepared = 0
+        self._failure: OSError | None = None
+        self._done = self._stopping = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="ftrun-allocate-ahead", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        begin = 0
+        try:
+            for file, length in self.files:
+                for offset in range(0, file.size, ALLOCATE_STEP):
+                    if self._stopping:
+                        return
+                    file.allocate(offset, min(ALLOCATE_STEP, file.size - offset))
+                    with self._cond:
+                        self._prepared = begin + min(offset + ALLOCATE_STEP, length)
+                        self._cond.notify_all()
+                begin += length
+        except OSError as err:
+            self._failure = err
+        finally:
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+
+    def ready(self, end: int) -> None:
+        """Wait until positions ``[0, end)`` may be written (``end`` = :attr:`total`: every file is allocated
+        whole); re-raises the allocation's ``OSError`` (ENOSPC: the directory is full)."""
+        t0 = time.perf_counter()
+        with self._cond:
+            self._cond.wait_for(lambda: self._done or self._covers(end))
+        self.waited += time.perf_counter() - t0
+        if self._failure is not None and not self._covers(end):
+            raise self._failure
+
+    def _covers(self, end: int) -> bool:
+        return self._prepared >= end and end < self.total
+
+    def stop(self) -> None:
+        """Stop allocating (what is allocated stays); returns once the thread has ended."""
+        self._stopping = True
+        self._thread.join()

@@ -106,12 +106,15 @@ def _check_secret(secret: bytes) -> None:
 
 
 def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = None) -> int:
-    """Fills ``view``; returns the bytes received, fewer than ``len(view)`` only if the peer closed first."""
+    """Fills ``view``; returns the bytes received, fewer than ``len(view)`` only if the peer closed first.
+
+    On a blocking socket each call waits for the whole rest (``MSG_WAITALL``): a payload of megabytes arrives in
+    one system call, without taking the GIL back per socket buffer (pyeclib holds it while it codes a piece)."""
     got = 0
     while got < len(view):
         if deadline is not None:
             sock.settimeout(max(deadline - time.monotonic(), 1e-3))
-        n = sock.recv_into(view[got:])
+        n = sock.recv_into(view[got:], 0, socket.MSG_WAITALL if sock.gettimeout() is None else 0)
         if n == 0:
             break
         got += n
@@ -409,6 +412,12 @@ class PeerClient:
             got = _recv_exact(sock, memoryview(proof))
             if got < MAC_LEN or not hmac.compare_digest(proof, _mac(self.secret, b"server", nonce_c, nonce_s)):
                 raise _Violation("authentication failed (the job secrets differ)")
+            # blocking from now on, so payloads arrive whole (_recv_exact); the kernel bounds each operation
+            sock.settimeout(None)
+            seconds = max(self.timeout, 1e-3)  # a zero timeval would mean no limit
+            limit = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
         except BaseException:
             sock.close()
             raise
