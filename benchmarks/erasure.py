@@ -516,7 +516,7 @@ def training_ratio(args: argparse.Namespace, workdir: str) -> tuple[list[float],
 
 # -- report ----------------------------------------------------------------------------------------------------
 def row(label: str, *cells: str) -> None:
-    print(f"  {label:<44}" + "".join(f"{c:>22}" for c in cells).rstrip())
+    print(f"  {label:<44}" + "".join(f"{c:>31}" for c in cells).rstrip())
 
 
 def verdict(ok: bool) -> str:
