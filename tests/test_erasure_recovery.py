@@ -53,6 +53,7 @@ def test_two_nodes_replication_rebuilds_a_lost_node_bitwise(start_job, tmp_path,
     assert "(RAM +" in job.output  # the summary: step 20 (RAM + parity), wrapped in its column
 
 
+@pytest.mark.extended  # make test: the parity-loss test below (3 nodes, k=2: the same rebuild from XOR parity)
 @pytest.mark.timeout(240)
 def test_three_nodes_one_parity_lose_one_bitwise(start_job, tmp_path, gpt_baselines):
     job = run_bitwise(start_job, tmp_path, gpt_baselines(3, 1), "g3m1", "--ec-group", "3", "--ec-parity", "1",
