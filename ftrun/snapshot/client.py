@@ -151,16 +151,20 @@ class Snapshotter:
         # script returns is stopped where it stands (pthread_exit at its next GIL take) with the snapshot, the
         # loader and its workers referenced from its frame; with a StatefulDataLoader's workers that ended
         # in SIGABRT at exit ("terminate called without an active exception") under ftrun only.
-        self._job = threading.Thread(target=self._copy, args=(step, taken, meta, ready),
-                                     name="ftrun-snapshot")
-        self._job.start()
+        # Started before it is published: another thread's wait() (DCP's async save in thread mode saves in its
+        # own thread while the optimizer pre-hook waits in the training thread) must never join an unstarted one.
+        job = threading.Thread(target=self._copy, args=(step, taken, meta, ready), name="ftrun-snapshot")
+        job.start()
+        self._job = job
 
     def wait(self) -> None:
         """Block until the snapshot being copied is committed (the optimizer pre-hook calls this)."""
-        if not self.active or self._job is None:
+        job = self._job
+        if not self.active or job is None:
             return
-        self._job.join()
-        self._job = None
+        job.join()
+        if self._job is job:
+            self._job = None
         if self._error is not None:
             error, self._error = self._error, None
             raise RuntimeError(f"ftrun snapshot failed: {error}") from error
