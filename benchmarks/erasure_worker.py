@@ -1,8 +1,10 @@
 """Worker of benchmarks/erasure.py (method there): one trainer per node of an ftrun job with erasure coding.
 
-The state is :data:`TENSORS` float32 tensors of about ``--size-mib`` MiB in all, random from a seed per rank;
-step s adds s + 1 to one element, so the state at any step can be recomputed. Every step waits for the previous
-snapshot's copy, changes the state, saves the next step (a snapshot every step) and sleeps ``--step-time``.
+The state is :data:`TENSORS` float32 tensors of about ``--size-mib`` MiB in all, random from a seed per rank,
+held as the parameters of a module, as a model's: a snapshot takes them by reference and copies them in the
+background (a plain dict's tensors would be cloned in the training thread at every save). Step s adds s + 1 to
+one element, so the state at any step can be recomputed. Every step waits for the previous snapshot's copy,
+changes the state, saves the next step (a snapshot every step) and sleeps ``--step-time``.
 The worker writes ``rank<R>-gen<G>.json`` into ``--out-dir`` after ``restore()`` (restored step, state bytes)
 and again at the end, with ``exact``: whether the final state is bit for bit the one recomputed from step 0
 (so the restore was exact; checked at the end not to compete with a rebuild for the CPU). In generation 0 it stops
@@ -82,7 +84,11 @@ def main() -> None:
     args = parser.parse_args()
     rank, generation = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     state = build(args.size_mib)
-    snap = Snapshotter(state, every=args.every, rng=False)
+    model = torch.nn.Module()
+    for name, tensor in state.items():
+        model.register_parameter(name, torch.nn.Parameter(tensor, requires_grad=False))
+    state = dict(model.named_parameters())
+    snap = Snapshotter({"model": model}, every=args.every, rng=False)
     a, b = torch.randn(256, 256), torch.randn(256, 256)
     start = snap.restore()
     if start == 0:
