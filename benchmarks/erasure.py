@@ -18,8 +18,10 @@ of its ranks (the worker reports its state bytes). Times are medians.
   sends a file in /dev/shm with ``socket.sendfile``, the client receives it with ``recv_into`` into a faulted
   buffer; the target; for context also into a new /dev/shm file, whose pages are allocated as they arrive, as a
   new node's must be) and against :func:`~ftrun.snapshot.erasure.rebuild_chunk` alone of the lost node's k
-  chunks; ``--reps`` runs of each. The rebuilt event's phases (seconds): metadata, slots claimed, transfer,
-  verification, and the part of the transfer spent waiting for the slots' memory.
+  chunks, into new slots allocated during the transfer, and into slots allocated before it (what a replacement's
+  keeper has when told the step early enough: ``prepare``); ``--reps`` runs of each. The rebuilt event's phases
+  (seconds): metadata, slots claimed, transfer, verification, and the part of the transfer spent waiting for the
+  slots' memory; and how much of that memory was allocated before the rebuild began.
   For context, the job's recovery (``recovered``: failure seen to every rank beating again), which includes
   starting the replacement node.
 - Memory: the worker stops after saving step ``--hold-at`` until this script has seen that step's parity on
@@ -172,10 +174,11 @@ def rebuild_sources(shape: Shape, chunk: int) -> list[int]:
 
 
 # -- one keeper alone over loopback TCP ----------------------------------------------------------------------------
-def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], list[float]]:
+def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], list[float], list[float]]:
     """Seconds, per rep, of one keeper's encode and of one lost node's rebuild through the real path (keeper
     transport, ``recv_into``, XOR or pyeclib, parity CRCs; the rebuild into a new /dev/shm slot file allocated
-    ahead of the transfer as a keeper's, then its CRC-32) with only that keeper working: each peer is a transport
+    ahead of the transfer as a keeper's, then its CRC-32; and the same rebuild into a slot file allocated before
+    it began, as a replacement's keeper allocates it when told the step early) with only that keeper working: each peer is a transport
     server sending from a /dev/shm file, as a keeper does. What a node with cores of its own sees; the job above shares 2 cores among all its
     simulated nodes."""
     layout, codec, k = StripeLayout(shape.group, shape.parity), Codec(shape.k, shape.parity), shape.k
@@ -204,7 +207,9 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
             assert got == length
 
         out = mmap.mmap(-1, chunk_len)
-        encode, rebuild = [], []
+        encode: list[float] = []
+        rebuild: list[float] = []
+        prepared: list[float] = []
         with ThreadPoolExecutor(2 * shape.group) as pool:
             scratch = Scratch()
             for _ in range(reps):
@@ -212,23 +217,27 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
                 for t in range(shape.parity):  # a keeper's m parity stripes, each from k data fragments
                     encode_parity(codec, layout, 0, t, chunk_len, fetch_into, memoryview(out), pool, scratch)
                 encode.append(time.perf_counter() - t0)
-                path = os.path.join(shm_dir(), f"ftrun-bench-erasure-slot-{os.getpid()}")
-                try:
-                    t0 = time.perf_counter()
-                    slot = SlotFile(path, HEADER_SIZE + k * chunk_len, allocate=False)  # as a rebuild's slots
-                    memory = AheadAllocator([(slot, slot.size)])
-                    for chunk in range(k):  # the lost node's k chunks, each from k other fragments
-                        _rebuild_into(codec, layout, chunk, chunk_len, rebuild_sources(shape, chunk), fetch_into,
-                                      slot.payload(), lambda end: memory.ready(HEADER_SIZE + end), pool, scratch)
-                    memory.ready(memory.total)
-                    crc32(slot.payload())
-                    rebuild.append(time.perf_counter() - t0)
-                    slot.close()
-                finally:
-                    os.unlink(path)
+                for ahead, times in ((False, rebuild), (True, prepared)):
+                    path = os.path.join(shm_dir(), f"ftrun-bench-erasure-slot-{os.getpid()}")
+                    try:
+                        slot = SlotFile(path, HEADER_SIZE + k * chunk_len, allocate=False)  # as a rebuild's slots
+                        if ahead:  # a replacement whose keeper was told the step early enough (prepare)
+                            AheadAllocator([(slot, slot.size)]).ready(slot.size)
+                        t0 = time.perf_counter()
+                        memory = AheadAllocator([(slot, slot.size)])
+                        for chunk in range(k):  # the lost node's k chunks, each from k other fragments
+                            _rebuild_into(codec, layout, chunk, chunk_len, rebuild_sources(shape, chunk),
+                                          fetch_into, slot.payload(), lambda end: memory.ready(HEADER_SIZE + end),
+                                          pool, scratch)
+                        memory.ready(memory.total)
+                        crc32(slot.payload())
+                        times.append(time.perf_counter() - t0)
+                        slot.close()
+                    finally:
+                        os.unlink(path)
         for client in clients.values():
             client.close()
-        return encode, rebuild
+        return encode, rebuild, prepared
     finally:
         for server in servers:
             server.close()
@@ -419,6 +428,7 @@ class Result:
     rebuild_alone: float  # seconds, the codec alone
     encode_tcp: float  # seconds, one keeper alone over loopback TCP
     rebuild_tcp: float  # seconds, one rebuild alone over loopback TCP
+    rebuild_prepared: float  # the same into slots allocated before it began
     keepers: dict[int, float]  # node -> median seconds of its steady encodes
     allocating: float  # median seconds of the keepers' first two encodes
     parity_bytes: int
@@ -474,11 +484,12 @@ def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
     job = run_job(shape, args, workdir)
     steady, first = steady_encodes(job)
     encode, rebuild = codec_seconds(shape, job.state_bytes, args.reps)
-    encode_tcp, rebuild_tcp = pipeline_alone(shape, job.state_bytes, args.reps)
+    encode_tcp, rebuild_tcp, rebuild_prepared = pipeline_alone(shape, job.state_bytes, args.reps)
     rebuilt = max(job.of("rebuilt"), key=lambda e: e["seconds"])
     tcp = tcp_copy_seconds(rebuilt["bytes"], args.reps)
     tcp_fresh = tcp_copy_seconds(rebuilt["bytes"], args.reps, fresh=True)
-    return Result(shape, job.state_bytes, med(encode), med(rebuild), med(encode_tcp), med(rebuild_tcp), steady,
+    return Result(shape, job.state_bytes, med(encode), med(rebuild), med(encode_tcp), med(rebuild_tcp),
+                  med(rebuild_prepared), steady,
                   med(first), job.of("parity")[0]["parity_bytes"], rebuilt, med(tcp), med(tcp_fresh),
                   job.of("recovered")[0]["seconds"], job.memory, job.records)
 
@@ -516,7 +527,7 @@ def training_ratio(args: argparse.Namespace, workdir: str) -> tuple[list[float],
 
 # -- report ----------------------------------------------------------------------------------------------------
 def row(label: str, *cells: str) -> None:
-    print(f"  {label:<44}" + "".join(f"{c:>31}" for c in cells).rstrip())
+    print(f"  {label:<44}" + "".join(f"{c:>37}" for c in cells).rstrip())
 
 
 def verdict(ok: bool) -> str:
@@ -543,11 +554,15 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     row("  bytes rebuilt", *(f"{r.rebuilt['bytes'] / MIB:.1f} MiB" for r in results))
     row("  bytes read from the survivors (k x)", *(sources(r) for r in results))
     row("  its phases in the job (s)", *(phases(r.rebuilt) for r in results))
+    row("  its slots allocated before it began", *(f"{r.rebuilt.get('allocated_ahead', 0) / (r.rebuilt['bytes']):.0%}"
+                                                   for r in results))
     row("  codec alone", *(f"{r.rebuild_alone:.3f} s" for r in results))
     row("  one rebuild alone over TCP (allocation, CRC)", *(f"{r.rebuild_tcp:.3f} s" for r in results))
+    row("  the same into slots allocated before", *(f"{r.rebuild_prepared:.3f} s" for r in results))
     row("plain TCP copy of the bytes rebuilt", *(f"{r.tcp:.3f} s" for r in results))
     row("  rebuild / TCP copy", *(f"{r.rebuilt['seconds'] / r.tcp:.2f}" for r in results))
     row("  one rebuild alone / TCP copy", *(f"{r.rebuild_tcp / r.tcp:.2f}" for r in results))
+    row("  the same into slots allocated before / TCP", *(f"{r.rebuild_prepared / r.tcp:.2f}" for r in results))
     row("  (TCP copy into new /dev/shm memory: the pages", *(f"{r.tcp_fresh:.3f} s" for r in results))
     row("   a new node allocates / into faulted memory)", *(f"{r.tcp_fresh / r.tcp:.2f}" for r in results))
     row("recovery: failure seen to every rank beating", *(f"{r.recovery:.2f} s" for r in results))
@@ -564,10 +579,11 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             print(f"  {s.name}: encode end to end {rate:.2f} GB/s per keeper in the job, {alone:.2f} alone, target "
                   f">= {s.encode_target}: {verdict(rate >= s.encode_target)} in the job, "
                   f"{verdict(alone >= s.encode_target)} alone")
-        ratio, alone = r.rebuilt["seconds"] / r.tcp, r.rebuild_tcp / r.tcp
-        print(f"  {s.name}: rebuild / TCP copy {ratio:.2f} in the job, {alone:.2f} alone, target <= "
-              f"{s.rebuild_target}: {verdict(ratio <= s.rebuild_target)} in the job, "
-              f"{verdict(alone <= s.rebuild_target)} alone")
+        ratio, alone, ahead = r.rebuilt["seconds"] / r.tcp, r.rebuild_tcp / r.tcp, r.rebuild_prepared / r.tcp
+        print(f"  {s.name}: rebuild / TCP copy {ratio:.2f} in the job, {alone:.2f} alone, {ahead:.2f} alone into "
+              f"slots allocated before, target <= {s.rebuild_target}: {verdict(ratio <= s.rebuild_target)} in the "
+              f"job, {verdict(alone <= s.rebuild_target)} alone, {verdict(ahead <= s.rebuild_target)} allocated "
+              "before")
         most = max(r.memory_ratio())
         print(f"  {s.name}: memory per node {most:.2f} x the state, target <= {s.expected_memory:.2f}: "
               f"{verdict(most <= s.expected_memory + 0.02)}")
@@ -582,7 +598,11 @@ def report_training(training: tuple[list[float], list[float]], args: argparse.Na
 
 
 def sources(r: Result) -> str:
-    return f"{r.shape.k} x {r.rebuilt['bytes'] / MIB:.0f} MiB from {','.join(map(str, r.rebuilt['sources']))}"
+    """What the rebuild read, from which nodes, and how many of the group were lost at once (the injected
+    losses may fall in two generations: then one at a time)."""
+    lost = r.shape.group - len(r.rebuilt["sources"])
+    return (f"{r.shape.k} x {r.rebuilt['bytes'] / MIB:.0f} MiB from {','.join(map(str, r.rebuilt['sources']))} "
+            f"({lost} lost)")
 
 
 def parts(r: Result) -> str:

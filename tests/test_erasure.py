@@ -16,7 +16,7 @@ from pyeclib.ec_iface import ECDriver
 
 from ftrun.snapshot.erasure import (ALIGN, BACKENDS, PIECE, Codec, CorruptFragment, Segment, StripeLayout,
                                     default_group, encode_parity, group_problem, rebuild_chunk)
-from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore
+from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore, rebuild_candidate
 from ftrun.snapshot.redundancy import _BlobWriter
 
 
@@ -195,6 +195,14 @@ def test_restore_plan_prefers_ram_and_parity_and_falls_back_to_disk_skipping_cor
     assert plan_restore(lost, 1, 0, frozenset({20})) == RestorePlan(10, {}, "disk")
     newer = {0: Holdings({0: {20}}, set(), disk={30}), 1: Holdings({1: {20}}, set(), disk={30})}
     assert plan_restore(newer, 1, 0) == RestorePlan(30, {}, "disk")  # a job resumed: disk is newer
+
+
+def test_a_replacement_prepares_for_the_newest_step_enough_of_its_group_is_complete_for():
+    complete = {0: {10, 20}, 2: {10}, 3: {10, 20}}
+    assert rebuild_candidate(complete, 2) == (20, [0, 3])
+    assert rebuild_candidate(complete, 3) == (10, [0, 2, 3])
+    assert rebuild_candidate(complete, 4) == (0, [])
+    assert rebuild_candidate({}, 1) == (0, [])
 
 
 def test_holdings_round_trip_through_json():

@@ -40,6 +40,8 @@ def assert_rebuilt(job, lost: set[int], at: int) -> dict:
     assert {f["kind"] for f in primary_failures(job)} == {"node-lost"}, job.output
     events = [e for e in job.events() if e["event"] == "rebuilt"]
     assert {e["node"] for e in events} == lost
+    # each replacement's keeper was told the step as it started, and allocated its slots ahead of the rebuild
+    assert {e["node"] for e in job.events() if e["event"] == "rebuild_prepared"} == lost, job.output
     assert "rebuilt from the parity of nodes" in job.output
     return plan
 

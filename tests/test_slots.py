@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
+import socket
 import stat
 import struct
 import threading
@@ -13,8 +15,9 @@ import pytest
 
 from ftrun.control.spec import ENV_SHM_DIR, NodeSpec
 from ftrun.snapshot.keeper import Keeper, capacity_problem
-from ftrun.snapshot.link import newest_common
-from ftrun.snapshot.slot import ALLOCATE_STEP, COMMITTED, HEADER_SIZE, WRITING, AheadAllocator, Header, SlotFile
+from ftrun.snapshot.link import newest_common, rebuild_candidate
+from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header,
+                                 SlotFile, checksum)
 
 
 @pytest.fixture
@@ -196,3 +199,61 @@ def test_a_slot_a_failed_rebuild_left_sparse_is_allocated_before_a_trainer_gets_
     assert not slot.allocated  # the rebuild stopped before its allocation ran: then a trainer reserves it
     assert keeper.ensure_slot(0, index, 4 << 20) is slot and slot.allocated
     keeper.unlink_all()
+
+
+def replica_keeper(node: int, secret: bytes) -> tuple[Keeper, str]:
+    """A keeper of node ``node`` of a 2-node job with replication (G = 2, m = 1), serving peers on loopback."""
+    keeper = Keeper(dataclasses.replace(spec(1), nnodes=2, node_rank=node, ec_group=2, ec_parity=1), [])
+    keeper.enable_redundancy(secret, socket.create_server(("127.0.0.1", 0)))
+    assert keeper.redundancy is not None
+    keeper.redundancy.server.start()
+    host, port = keeper.redundancy.server.address
+    return keeper, f"{host}:{port}"
+
+
+def test_a_replacement_allocates_its_slots_before_the_rebuild_and_the_rebuild_takes_them(shm):
+    """Told the likely step as its node starts (``prepare``), a replacement's keeper allocates the slots while
+    the job agrees its plan; the rebuild fills those very slots, bit for bit. Prepared slots that no rebuild
+    takes are given up when the plan comes: emptied, their allocation stopped."""
+    secret = os.urandom(32)
+    survivor, lost = (replica_keeper(node, secret) for node in (0, 1))
+    peers = {"0": survivor[1], "1": lost[1]}
+    payload = os.urandom(3 * ALLOCATE_STEP + 5000)
+    for keeper, _ in (survivor, lost):
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0, "peers": peers})
+        reply = keeper.handle({"op": "reserve", "rank": 0, "step": 10, "generation": 0, "size": len(payload)})
+        slot = keeper.ranks[0].files[reply["slot"]]
+        write_snapshot(slot, 10, payload)
+        keeper.handle({"op": "commit", "rank": 0, "slot": reply["slot"], "step": 10})
+        slot.seal(checksum(slot.map, slot.header()))
+    for keeper, _ in (survivor, lost):
+        keeper.redundancy.encode(10, 0, 0, lambda: None)
+    lost[0].stop()
+    lost[0].unlink_all()
+
+    for planned in (True, False):
+        replacement, address = replica_keeper(1, secret)
+        peers["1"] = address
+        # the first holder named is lost too (a second node lost at once): the next one answers
+        prepared = replacement.handle({"op": "prepare", "step": 10, "holders": [7, 0],
+                                       "peers": {**peers, "7": "127.0.0.1:1"}})
+        assert prepared["bytes"] == HEADER_SIZE + len(payload)
+        writer = replacement.redundancy._prepared
+        files = [file for _, _, file, _, _ in writer.targets]
+        if planned:
+            writer.memory.ready(writer.memory.total)  # the job took its time agreeing the plan
+            reply = replacement.handle({"op": "rebuild", "generation": 1, "step": 10, "complete": [0],
+                                        "peers": peers})
+            assert reply["bytes"] == HEADER_SIZE + len(payload), reply
+            assert replacement.redundancy.allocated_ahead == HEADER_SIZE + len(payload)
+            index = replacement.ranks[0].index_of(10)
+            assert replacement.ranks[0].files[index] is files[0]
+            assert bytes(files[0].payload()[:len(payload)]) == payload and files[0].verify() is None
+        else:
+            replacement.handle({"op": "poll", "generation": 1, "plan": 0, "restorable": 0})
+            assert replacement.redundancy._prepared is None and not writer.memory._thread.is_alive()
+            assert files[0].header().state == EMPTY and replacement.ranks[0].held() == set()
+        replacement.stop()
+        replacement.unlink_all()
+    survivor[0].stop()
+    survivor[0].unlink_all()

@@ -159,8 +159,7 @@ class Snapshotter:
 
     def wait(self) -> None:
         """Block until the snapshot being copied is committed (the optimizer pre-hook calls this)."""
-        job = self._job
-        if not self.active or job is None:
+        if not self.active or (job := self._job) is None:
             return
         job.join()
         if self._job is job:

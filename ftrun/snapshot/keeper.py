@@ -22,7 +22,8 @@ With erasure coding (``--ec-parity`` > 0) the keeper also holds parity for its E
 step (``committed``, told by the supervisor), and ``restorable`` is then the job's *protected* step (held by
 every rank, with complete parity on every node), so a slot is only overwritten once the newer one is
 protected. A replacement node's keeper rebuilds its ranks' slots of the agreed step from its group's parity
-(``rebuild``) before the plan is told. The sealer (checksums of new snapshots) and the encoder run below the
+(``rebuild``) before the plan is told; told the likely step as soon as its node starts (``prepare``), it
+allocates their memory meanwhile. The sealer (checksums of new snapshots) and the encoder run below the
 trainers' priority (:mod:`ftrun.snapshot.priority`); a rebuild, which trainers wait for, does not.
 
 With a checkpoint directory (``--ckpt-dir``) a persister thread writes the step the job asks for (``persist``
@@ -323,6 +324,8 @@ class Keeper:
         self.generation = max(self.generation, generation)
         if generation in self.plans:
             return
+        if self.redundancy is not None:
+            self.redundancy.drop_prepared()  # a rebuild took its slots, or none came
         for rank in self.ranks:
             for index, held in enumerate(rank.steps):
                 if held is not None and held > step and rank.generations[index] < generation:
@@ -391,14 +394,43 @@ class Keeper:
                          f"nodes {sources} in {seconds * 1000:.0f} ms ({human(nbytes)}, "
                          f"{nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), checksums verified", node=self.node,
                          step=step, sources=sources, bytes=nbytes, seconds=seconds,
-                         phases=self.redundancy.phases)
+                         phases=self.redundancy.phases, allocated_ahead=self.redundancy.allocated_ahead)
         return {"bytes": nbytes, "seconds": seconds}
+
+    def op_prepare(self, step: int, holders: list[int], peers: dict[str, str]) -> dict[str, Any]:
+        """Allocate, ahead of a likely rebuild of ``step``, the slots it would fill, sized from the parity metadata
+        of the first of ``holders`` that answers (nodes holding parity of it; another may be lost too); a hint:
+        :meth:`op_rebuild` takes them if the sizes agree, a plan or a load without a rebuild gives them up.
+        Only a keeper that holds no snapshot at all (a replacement's) does it: claiming slots evicts nothing then."""
+        if self.redundancy is None:
+            return {"bytes": 0}
+        problems = []
+        with self.coding:
+            with self.cond:
+                if any(rank.held() for rank in self.ranks):
+                    return {"bytes": 0}
+                self._set_peers(peers)
+            for holder in holders:
+                try:
+                    nbytes = self.redundancy.prepare(step, int(holder))
+                    break
+                except (PeerError, RedundancyError, LookupError, KeyError, TypeError, ValueError, OSError) as err:
+                    problems.append(f"node {holder}: {err}")
+            else:
+                self.events.emit("rebuild_prepared", f"not allocating ahead for a rebuild of step {step}: "
+                                 f"{'; '.join(problems)}", console=False, node=self.node, step=step, bytes=0)
+                return {"bytes": 0}
+        self.events.emit("rebuild_prepared", f"allocating {human(nbytes)} of slots for a likely rebuild of step "
+                         f"{step}", console=False, node=self.node, step=step, bytes=nbytes)
+        return {"bytes": nbytes}
 
     def op_load(self, generation: int, step: int) -> dict[str, Any]:
         """Load every local rank's persisted snapshot of ``step`` from the checkpoint directory into a slot, verified."""
         root = self.spec.ckpt_dir
         if root is None:
             return {"error": "no checkpoint directory"}
+        if self.redundancy is not None:
+            self.redundancy.drop_prepared()
         t0 = time.perf_counter()
         loaded = 0
         for local, rank in enumerate(self.ranks):

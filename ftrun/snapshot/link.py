@@ -20,6 +20,12 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
 
 ``group/<X>/protected`` (job-wide key): group X's protected step, for the status view.
 
+When the link starts with erasure coding on, it reads what the other nodes of its group published in the
+current generation, else in the one before (a replacement starts while the others wait for it to begin the
+new one): if they can rebuild a step for this node (:func:`rebuild_candidate`), it tells the keeper
+(``prepare``), which allocates the slots that rebuild would fill while the generation is agreed (a hint; a keeper
+that holds any snapshot ignores it).
+
 With a checkpoint directory, each ``held`` document also lists the complete steps of the job on disk.
 Persisting itself is coordinated by :mod:`ftrun.snapshot.durability`.
 """
@@ -122,6 +128,17 @@ def plan_restore(held: dict[int, Holdings], group: int, parity: int, bad: frozen
     return RestorePlan(step, rebuild, "parity" if rebuild else "ram" if step else "none")
 
 
+def rebuild_candidate(complete: dict[int, set[int]], k: int) -> tuple[int, list[int]]:
+    """(step, the nodes complete for it): the newest step that at least ``k`` nodes are *complete* for (every rank
+    holds it and the keeper its parity; ``complete``: node -> those steps, other nodes of one group), as
+    :func:`plan_restore` needs to rebuild it; (0, []) if none."""
+    steps = [s for s in set().union(*complete.values()) if sum(s in c for c in complete.values()) >= k]
+    if not steps:
+        return 0, []
+    step = max(steps)
+    return step, sorted(node for node, c in complete.items() if step in c)
+
+
 class KeeperLink(threading.Thread):
     """Agrees the restore step of each generation and relays what every node holds; see the module doc."""
 
@@ -177,6 +194,7 @@ class KeeperLink(threading.Thread):
         return self._final
 
     def run(self) -> None:
+        self._prepare_rebuild()
         while not self._halt.is_set():
             gen = self._generation
             try:
@@ -195,6 +213,27 @@ class KeeperLink(threading.Thread):
             self._halt.wait(self._interval)
         if self.durability is not None and self.durability.copies is not None:
             self.durability.copies.stop()
+
+    def _prepare_rebuild(self) -> None:
+        """Have the keeper allocate ahead the slots of a rebuild the group could make now (see the module doc)."""
+        if not self.parity:
+            return
+        group = set(group_of(self.node, self.group)) - {self.node}
+        try:
+            current = self.coord.current().gen
+            for gen in range(current, max(current - 2, -1), -1):  # this generation's documents, else the last's
+                held = {n: Holdings.decode(raw) for n, raw in self.coord.marks(gen, "held").items() if n in group}
+                published = [self.coord.marks(gen, what) for what in ("commit", "parity")]
+                complete = {n: (set(json.loads(published[0][n])) if n in published[0] else h.steps)
+                            & (set(json.loads(published[1][n])) if n in published[1] else h.parity)
+                            for n, h in held.items()}
+                step, holders = rebuild_candidate(complete, self.group - self.parity)
+                if step:
+                    self.keeper.request("prepare", step=step, holders=holders,
+                                        peers={str(n): h.address for n, h in held.items()})
+                    return
+        except (KeeperUnavailable, KeeperError, DistError, ValueError, KeyError, TypeError):
+            pass  # only a head start: the rebuild allocates what it needs itself
 
     def _agree(self, gen: int) -> None:
         reply = self.keeper.request("held", generation=gen)

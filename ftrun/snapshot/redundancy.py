@@ -137,6 +137,9 @@ class Redundancy:
                                                initializer=lower_to_background)
         self._scratch, self._encode_scratch = Scratch(), Scratch()
         self.phases: dict[str, float] = {}  # seconds of the parts of the last encode or rebuild (events)
+        self.allocated_ahead = 0  # bytes of the last rebuild's slots allocated before it began (prepare)
+        self._prepared: _BlobWriter | None = None  # slots being allocated for a rebuild not asked for yet
+        self._prepared_lock = threading.Lock()
         self.serving_rebuild: Callable[[int], None] = lambda step: None  # told each piece served to a rebuild
         self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected, max_payload=0)
 
@@ -172,6 +175,7 @@ class Redundancy:
             return sorted(s for s in self.steps if s is not None)
 
     def close(self) -> None:
+        self.drop_prepared()
         self._pool.shutdown(wait=False)
         self._encode_pool.shutdown(wait=False)
         self.server.close()
@@ -349,6 +353,54 @@ class Redundancy:
         return file
 
     # -- rebuilding -------------------------------------------------------------------------------------------
+    def prepare(self, step: int, holder: int) -> int:
+        """Start allocating this node's slots for a rebuild of ``step`` before it is asked for, sized by the
+        parity metadata of ``holder`` (a node of the group holding parity of ``step``): a replacement node's
+        memory is then allocated while the job still agrees its plan. :meth:`rebuild` takes these slots when its
+        sizes agree; :meth:`drop_prepared` gives them up. Returns the bytes being allocated."""
+        images = self._my_images(self._parity_meta(holder, step))
+        self.drop_prepared()
+        writer = _BlobWriter(self.keeper, step, images)
+        with self._prepared_lock:
+            self._prepared = writer
+        return writer.memory.total
+
+    def drop_prepared(self) -> None:
+        """Give up the slots :meth:`prepare` claimed (emptied; what is allocated of them stays, as any slot's)."""
+        with self._prepared_lock:
+            writer, self._prepared = self._prepared, None
+        if writer is not None:
+            writer.abandon()
+
+    def _take_prepared(self, step: int, images: list[int]) -> _BlobWriter | None:
+        """The prepared writer if it is for these image lengths (then for ``step``); else None, dropped."""
+        with self._prepared_lock:
+            writer, self._prepared = self._prepared, None
+        if writer is not None and writer.images != images:
+            writer.abandon()
+            return None
+        if writer is not None:
+            writer.step = step
+        return writer
+
+    def _parity_meta(self, node: int, step: int) -> dict[str, Any]:
+        _, raw = self._client(node).request("parity_meta", step=step)
+        meta = json.loads(raw)
+        if not isinstance(meta, dict):
+            raise RedundancyError(f"node {node} sent parity metadata that is not a JSON object")
+        return meta
+
+    def _my_images(self, meta: dict[str, Any]) -> list[int]:
+        """This node's image lengths, one per local rank, as a group's parity metadata records them."""
+        place = self.place
+        if (meta["group"], meta["parity"], meta["backend"]) != (place.group, place.parity, place.backend):
+            raise RedundancyError("parity was computed for another group shape")
+        images = [int(n) for n in meta["images"][str(place.position)]]
+        if len(images) != len(self.keeper.ranks) or any(n < HEADER_SIZE for n in images):
+            raise RedundancyError(f"parity records images {images} for node {place.node}, which has "
+                                  f"{len(self.keeper.ranks)} local ranks")
+        return images
+
     def rebuild(self, step: int, complete: list[int]) -> tuple[int, float]:
         """Rebuild every local rank's slot of ``step`` from the nodes in ``complete`` (they hold the step and its
         parity); the slots are verified and held afterwards. Returns (bytes rebuilt, seconds)."""
@@ -358,9 +410,7 @@ class Redundancy:
 
         def meta_of(position: int) -> dict[str, Any]:
             if position not in metas:
-                node = self._node(position)
-                _, raw = self._client(node).request("parity_meta", step=step)
-                metas[position] = json.loads(raw)
+                metas[position] = self._parity_meta(self._node(position), step)
             return metas[position]
 
         stripes = [layout.chunk_stripe(place.position, c) for c in range(layout.k)]
@@ -372,17 +422,13 @@ class Redundancy:
                 raise RedundancyError(f"no surviving holder of parity of stripe {stripe} of step {step}")
             holders[stripe] = holder
         first = meta_of(holders[stripes[0]])
-        if (first["group"], first["parity"], first["backend"]) != (place.group, place.parity, place.backend):
-            raise RedundancyError("parity was computed for another group shape")
-        images = [int(n) for n in first["images"][str(place.position)]]
-        if len(images) != len(self.keeper.ranks):
-            raise RedundancyError(f"parity holds {len(images)} ranks of node {place.node}, expected "
-                                  f"{len(self.keeper.ranks)}")
+        images = self._my_images(first)
         chunk_len = int(first["chunk_len"])
         piece_layout = StripeLayout(place.group, place.parity, int(first["piece"]))
         blob = sum(images)
         t1 = time.perf_counter()
-        writer = _BlobWriter(self.keeper, step, images)
+        writer = self._take_prepared(step, images) or _BlobWriter(self.keeper, step, images)
+        self.allocated_ahead = writer.memory.allocated
         t2 = time.perf_counter()
         try:
             for chunk, stripe in enumerate(stripes):
@@ -456,6 +502,7 @@ class _BlobWriter:
     def __init__(self, keeper: SlotHolder, step: int, images: list[int]) -> None:
         self.keeper = keeper
         self.step = step
+        self.images = images
         self.targets: list[tuple[int, int, SlotFile, int, int]] = []  # (local, index, file, blob start, length)
         start = 0
         for local, length in enumerate(images):

@@ -248,6 +248,11 @@ class AheadAllocator:
                 self._done = True
                 self._cond.notify_all()
 
+    @property
+    def allocated(self) -> int:
+        """Positions ``[0, allocated)`` may be written now."""
+        return self._prepared
+
     def ready(self, end: int) -> None:
         """Wait until positions ``[0, end)`` may be written (``end`` = :attr:`total`: every file is allocated
         whole); re-raises the allocation's ``OSError`` (ENOSPC: the directory is full)."""
