@@ -211,7 +211,7 @@ def replica_keeper(node: int, secret: bytes) -> tuple[Keeper, str]:
     return keeper, f"{host}:{port}"
 
 
-def test_a_replacement_allocates_its_slots_before_the_rebuild_and_the_rebuild_takes_them(shm):
+def test_a_replacement_allocates_its_slots_before_the_rebuild_and_the_rebuild_takes_them(shm, monkeypatch):
     """Told the likely step as its node starts (``prepare``), a replacement's keeper allocates the slots while
     the job agrees its plan; the rebuild fills those very slots, bit for bit. Prepared slots that no rebuild
     takes are given up when the plan comes: emptied, their allocation stopped."""
@@ -234,6 +234,10 @@ def test_a_replacement_allocates_its_slots_before_the_rebuild_and_the_rebuild_ta
     for planned in (True, False):
         replacement, address = replica_keeper(1, secret)
         peers["1"] = address
+        with monkeypatch.context() as patched:  # no room now: a hint that fails is never fatal to the job
+            patched.setattr("ftrun.snapshot.keeper.free_bytes", lambda directory: 1 << 20)
+            assert replacement.handle({"op": "prepare", "step": 10, "holders": [0], "peers": peers})["bytes"] == 0
+            assert replacement.fatal is None and replacement.redundancy._prepared is None
         # the first holder named is lost too (a second node lost at once): the next one answers
         prepared = replacement.handle({"op": "prepare", "step": 10, "holders": [7, 0],
                                        "peers": {**peers, "7": "127.0.0.1:1"}})

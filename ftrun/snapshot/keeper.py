@@ -414,7 +414,8 @@ class Keeper:
                 try:
                     nbytes = self.redundancy.prepare(step, int(holder))
                     break
-                except (PeerError, RedundancyError, LookupError, KeyError, TypeError, ValueError, OSError) as err:
+                except (PeerError, RedundancyError, LookupError, KeyError, TypeError, ValueError, OSError,
+                        MemoryError) as err:  # no room: the rebuild, if it comes, says so; a hint is never fatal
                     problems.append(f"node {holder}: {err}")
             else:
                 self.events.emit("rebuild_prepared", f"not allocating ahead for a rebuild of step {step}: "
