@@ -21,8 +21,8 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
 ``group/<X>/protected`` (job-wide key): group X's protected step, for the status view.
 
 When the link starts with erasure coding on, it reads what the other nodes of its group published in the
-current generation, else in the one before (a replacement starts while the others wait for it to begin the
-new one): if they can rebuild a step for this node (:func:`rebuild_candidate`), it tells the keeper
+current generation, else in the newest one before it where they published (a replacement starts while the
+others wait for it to begin the new one): if they can rebuild a step for this node (:func:`rebuild_candidate`), it tells the keeper
 (``prepare``), which allocates the slots that rebuild would fill while the generation is agreed (a hint; a keeper
 that holds any snapshot ignores it).
 
@@ -48,6 +48,7 @@ from ftrun.snapshot.durability import Durability
 from ftrun.snapshot.protocol import PEER_LOST, KeeperClient, KeeperError, KeeperUnavailable, socket_name
 
 LINK_INTERVAL = 0.01
+PREPARE_LOOKBACK = 8  # generations looked back for the group's documents when the link starts (prepare)
 
 
 def newest_common(sets: list[set[int]]) -> int:
@@ -221,7 +222,9 @@ class KeeperLink(threading.Thread):
         group = set(group_of(self.node, self.group)) - {self.node}
         try:
             current = self.coord.current().gen
-            for gen in range(current, max(current - 2, -1), -1):  # this generation's documents, else the last's
+            # this generation's documents, else the last ones published: several nodes lost at once bump the
+            # generation once each, and the survivors publish nothing until every replacement has joined
+            for gen in range(current, max(current - PREPARE_LOOKBACK, -1), -1):
                 held = {n: Holdings.decode(raw) for n, raw in self.coord.marks(gen, "held").items() if n in group}
                 published = [self.coord.marks(gen, what) for what in ("commit", "parity")]
                 complete = {n: (set(json.loads(published[0][n])) if n in published[0] else h.steps)
