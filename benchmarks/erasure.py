@@ -178,9 +178,9 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
     """Seconds, per rep, of one keeper's encode and of one lost node's rebuild through the real path (keeper
     transport, ``recv_into``, XOR or pyeclib, parity CRCs; the rebuild into a new /dev/shm slot file allocated
     ahead of the transfer as a keeper's, then its CRC-32; and the same rebuild into a slot file allocated before
-    it began, as a replacement's keeper allocates it when told the step early) with only that keeper working: each peer is a transport
-    server sending from a /dev/shm file, as a keeper does. What a node with cores of its own sees; the job above shares 2 cores among all its
-    simulated nodes."""
+    it began, as a replacement's keeper allocates it when told the step early) with only that keeper working:
+    each peer is a transport server sending from a /dev/shm file, as a keeper does. What a node with cores of its
+    own sees; the job above shares 2 cores among all its simulated nodes."""
     layout, codec, k = StripeLayout(shape.group, shape.parity), Codec(shape.k, shape.parity), shape.k
     chunk_len = layout.chunk_len([blob])
     secret = os.urandom(32)

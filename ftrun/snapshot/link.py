@@ -22,9 +22,9 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
 
 When the link starts with erasure coding on, it reads what the other nodes of its group published in the
 current generation, else in the newest one before it where they published (a replacement starts while the
-others wait for it to begin the new one): if they can rebuild a step for this node (:func:`rebuild_candidate`), it tells the keeper
-(``prepare``), which allocates the slots that rebuild would fill while the generation is agreed (a hint; a keeper
-that holds any snapshot ignores it).
+others wait for it to begin the new one): if they can rebuild a step for this node (:func:`rebuild_candidate`),
+it tells the keeper (``prepare``), which allocates the slots that rebuild would fill while the generation is
+agreed (a hint; a keeper that holds any snapshot ignores it).
 
 With a checkpoint directory, each ``held`` document also lists the complete steps of the job on disk.
 Persisting itself is coordinated by :mod:`ftrun.snapshot.durability`.
@@ -226,9 +226,10 @@ class KeeperLink(threading.Thread):
             # generation once each, and the survivors publish nothing until every replacement has joined
             for gen in range(current, max(current - PREPARE_LOOKBACK, -1), -1):
                 held = {n: Holdings.decode(raw) for n, raw in self.coord.marks(gen, "held").items() if n in group}
-                published = [self.coord.marks(gen, what) for what in ("commit", "parity")]
-                complete = {n: (set(json.loads(published[0][n])) if n in published[0] else h.steps)
-                            & (set(json.loads(published[1][n])) if n in published[1] else h.parity)
+                # what each holds now (published while the generation ran), else what it held at its start
+                commits, parities = (self.coord.marks(gen, what) for what in ("commit", "parity"))
+                complete = {n: (set(json.loads(commits[n])) if n in commits else h.steps)
+                            & (set(json.loads(parities[n])) if n in parities else h.parity)
                             for n, h in held.items()}
                 step, holders = rebuild_candidate(complete, self.group - self.parity)
                 if step:
