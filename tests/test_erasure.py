@@ -14,8 +14,9 @@ from hypothesis import strategies as st
 
 from pyeclib.ec_iface import ECDriver
 
-from ftrun.snapshot.erasure import (ALIGN, BACKENDS, PIECE, Codec, CorruptFragment, Segment, StripeLayout,
-                                    default_group, encode_parity, group_problem, rebuild_chunk)
+from ftrun.snapshot.erasure import (ALIGN, BACKENDS, CODE_PART, DEFAULT_BACKEND, PIECE, Codec, CorruptFragment,
+                                    Segment, StripeLayout, default_group, encode_parity, group_problem,
+                                    rebuild_chunk)
 from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore, rebuild_candidate
 from ftrun.snapshot.redundancy import _BlobWriter
 
@@ -122,14 +123,31 @@ def test_parity_is_pyeclibs_own_bytes(backend, k, m):
 def test_malformed_pieces_never_reach_pyeclib():
     codec = Codec(2, 1, "isa_l_rs_cauchy")  # no XOR path: pyeclib computes
 
-    def frames(*lengths: int) -> list[memoryview]:
-        return [memoryview(bytearray(80 + n)) for n in lengths]
+    def pieces(*lengths: int) -> list[memoryview]:
+        return [memoryview(bytearray(n)) for n in lengths]
 
-    for pieces, length in ((frames(ALIGN), ALIGN), (frames(ALIGN, 100), ALIGN), (frames(10, 10), 10)):
+    for data, length in ((pieces(ALIGN), ALIGN), (pieces(ALIGN, 100), ALIGN), (pieces(10, 10), 10)):
         with pytest.raises(ValueError, match="need 2 pieces"):
-            codec.parity(pieces, 0, length)
+            codec.parity(data, 0, memoryview(bytearray(length)))
     with pytest.raises(ValueError, match="need 2 pieces"):
-        codec.reconstruct(dict(zip((0, 2), frames(ALIGN, ALIGN - 1))), 1, ALIGN)
+        codec.reconstruct(dict(zip((0, 2), pieces(ALIGN, ALIGN - 1))), 1, memoryview(bytearray(ALIGN)))
+
+
+@pytest.mark.parametrize("length", [ALIGN, CODE_PART, 3 * CODE_PART + 5 * ALIGN])
+def test_a_piece_coded_in_parts_is_pyeclibs_own_bytes(length):
+    """Parity and a rebuilt fragment of a piece coded part by part (the last part shorter) are exactly what
+    pyeclib gives for the whole piece at once."""
+    k, m = 4, 2
+    codec, driver = Codec(k, m), ECDriver(k=k, m=m, ec_type=DEFAULT_BACKEND)
+    data = os.urandom(k * length)
+    whole = [bytes(f[80:]) for f in driver.encode(data)]
+    for t in range(m):
+        out = bytearray(length)
+        codec.parity([whole[i] for i in range(k)], t, memoryview(out))
+        assert bytes(out) == whole[k + t]
+    out = bytearray(length)
+    codec.reconstruct({i: whole[i] for i in (2, 3, 4, 5)}, 0, memoryview(out))  # two lost: 0 and 1
+    assert bytes(out) == whole[0]
 
 
 @pytest.mark.parametrize("group,parity", [(2, 1), (3, 1), (4, 2), (5, 3), (6, 1)])
@@ -250,18 +268,18 @@ def test_rebuild_segments_never_cross_a_coding_piece():
 
 HEAP_PROBE = """
 import resource, sys, threading
-from ftrun.snapshot.erasure import HEADER_BYTES, PIECE, Codec
+from ftrun.snapshot.erasure import PIECE, Codec
 from ftrun.snapshot.heap import reuse_large_blocks
 keep = sys.argv[1] == "keep"
 if keep:
     assert reuse_large_blocks()
 codec, length = Codec(4, 2), PIECE
-frames = {i: memoryview(bytearray(HEADER_BYTES + length)) for i in (1, 3, 4, 5)}
+pieces, into = {i: memoryview(bytearray(length)) for i in (1, 3, 4, 5)}, memoryview(bytearray(length))
 faults = []
 def code():
     for n in range(6):
         before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        codec.reconstruct(frames, 0, length)
+        codec.reconstruct(pieces, 0, into)
         if n >= 2:
             faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 thread = threading.Thread(target=code)

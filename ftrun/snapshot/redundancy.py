@@ -122,9 +122,6 @@ class Redundancy:
         self.place = place
         self.layout = StripeLayout(place.group, place.parity)
         self.codec = Codec(self.layout.k, place.parity, place.backend)
-        if place.parity > 1 or not self.codec.xor_first:  # pyeclib will need the headers of a whole piece
-            threading.Thread(target=self.codec.headers, args=(self.layout.piece,), name="ftrun-ec-headers",
-                             daemon=True).start()
         self.secret = secret
         self.files: list[SlotFile | None] = [None] * PARITY_FILES
         self.steps: list[int | None] = [None] * PARITY_FILES  # complete parity held per file
