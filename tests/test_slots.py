@@ -261,3 +261,45 @@ def test_a_replacement_allocates_its_slots_before_the_rebuild_and_the_rebuild_ta
         replacement.unlink_all()
     survivor[0].stop()
     survivor[0].unlink_all()
+
+
+def test_a_spares_reserve_is_allocated_handed_over_as_slot_0_and_given_back_when_room_runs_short(shm, monkeypatch):
+    """A reserve allocates its files (mode 0600) in the background, never takes more than half of the free room,
+    hands them over as slot 0 of a node's ranks (never over a file there), and is given back whole when less
+    than half its size is left free."""
+    from ftrun.snapshot import reserve as reserve_module
+    from ftrun.snapshot.reserve import SlotReserve, reserve_path, unlink_reserves
+    from ftrun.snapshot.slot import slot_name
+
+    free = {"bytes": 1 << 40}
+    monkeypatch.setattr(reserve_module, "free_bytes", lambda directory: free["bytes"])
+    size = HEADER_SIZE + (3 << 20)
+    reserve = SlotReserve("job/x", "spare 1", 2)
+    free["bytes"] = 2 * 2 * size - 1  # short of twice what it would take
+    assert not reserve.want([size, size]) and not os.listdir(shm)
+    free["bytes"] = 1 << 40
+    assert reserve.want([size, size])
+    paths = [reserve_path("job/x", "spare 1", local) for local in (0, 1)]
+    assert all(os.path.dirname(p) == shm and "-reserve-spare_1-rank" in p for p in paths)
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths)
+    assert not reserve.want([size, size])  # nothing to grow
+    occupied = os.path.join(shm, slot_name("job_x", 3, 1, 0))
+    SlotFile(occupied, 2 * HEADER_SIZE).close()  # node 3's rank 1 has a slot 0 already: kept as it is
+    deadline = time.monotonic() + 10
+    while reserve.allocated < 2 * size and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert reserve.hand_over(3) == size  # rank 0's file, allocated whole
+    taken = SlotFile(os.path.join(shm, slot_name("job_x", 3, 0, 0)))
+    assert taken.size == size and taken.allocated and taken.header().state == EMPTY
+    taken.close()
+    assert os.path.getsize(occupied) == 2 * HEADER_SIZE and not any(os.path.exists(p) for p in paths)
+
+    again = SlotReserve("job/x", "spare 2", 1)
+    assert again.want([size])
+    free["bytes"] = size // 2 - 1  # the nodes need the room: the reserve goes
+    assert not again.want([2 * size]) and not os.path.exists(reserve_path("job/x", "spare 2", 0))
+    free["bytes"] = 1 << 40
+    assert again.want([size])
+    unlink_reserves("job/x")  # what the launcher does for a spare killed while it held one
+    again.release()
+    assert sorted(os.listdir(shm)) == sorted(os.path.basename(p) for p in (occupied, taken.path))

@@ -4,6 +4,7 @@ the loss; node-rank ownership and claims on a real store."""
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,9 @@ from conftest import assert_job_left_nothing, primary_failures, run_bitwise
 from ftrun.control.coordination import Coordinator, use_job
 from ftrun.control.ownership import claim, enlist, owner, spare_doc, spares, take
 from ftrun.control.store import C10dStore, host_store
+from ftrun.snapshot.slot import META_HEADROOM
+
+WORKER = Path(__file__).parents[1] / "benchmarks" / "erasure_worker.py"
 
 
 def test_two_spares_racing_for_a_lost_rank_one_claims_it():
@@ -74,4 +78,26 @@ def test_a_spare_takes_lost_node_0_and_the_job_ends_bitwise_equal(start_job, tmp
     assert f"spare {claims[0]['spare']} (" in job.output and "took node rank 0 in generation 1" in job.output
     [restore] = [e for e in events if e["event"] == "restore" and e["generation"] == 1][:1]
     assert "parity" in restore["message"], restore
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(180)
+def test_a_spare_allocates_the_slots_it_would_rebuild_while_it_waits(start_job, tmp_path):
+    """A spare sizes its reserve from the nodes' status and allocates it while the job trains; the node rank it
+    takes gets it as slot 0 of its ranks, so the rebuild writes into memory allocated before."""
+    go = tmp_path / "go"
+    job = start_job("--nnodes", "2", "--spares", "1", "--nproc-per-node", "2", "--inject", "node-loss@node=1,step=6",
+                    str(WORKER), "--size-mib", "8", "--steps", "9", "--hold-at", "4", "--go", str(go),
+                    "--out-dir", str(tmp_path))
+    reserved = job.wait_for_event(lambda e: e["event"] == "spare_reserve")
+    go.touch()  # generation 0 trains on past step 4, and node 1 is lost at step 6
+    assert job.wait() == 0, job.output
+    events = job.events()
+    [claimed] = [e for e in events if e["event"] == "spare_claimed"]
+    [rebuilt] = [e for e in events if e["event"] == "rebuilt"]
+    assert claimed["spare"] == reserved["spare"] and claimed["node"] == rebuilt["node"] == 1
+    # sized as the keeper sizes a slot for the images rebuilt (header and payload) with the trainers' headroom
+    assert claimed["reserve_bytes"] >= rebuilt["bytes"] == reserved["bytes"] - 2 * META_HEADROOM, (
+        reserved, claimed, rebuilt)
+    assert "of its slots allocated before" in job.output
     assert_job_left_nothing(job)

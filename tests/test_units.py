@@ -206,7 +206,8 @@ def test_clean_tells_each_jobs_shared_memory_files_apart():
 
     for name, job in [("ftrun-slurm-7-node1-rank0-slot1", "slurm-7"), ("ftrun-a-b-node0-parity0", "a-b"),
                       ("ftrun-t1-node12-heartbeat", "t1"), ("ftrun-x.y-launcher", "x.y"), ("ftrun-j_1-secret", "j_1"),
-                      ("ftrun-j-secret.4242", "j"), ("ftrun-slurm-7-host-n3", "slurm-7")]:
+                      ("ftrun-j-secret.4242", "j"), ("ftrun-slurm-7-host-n3", "slurm-7"),
+                      ("ftrun-j-reserve-spare-0-rank1", "j")]:
         assert job_of(name) == job, name
     assert job_of("ftrun-keeper-x-node0") is None and job_of("other-file") is None and job_of("ftrun-x") is None
 

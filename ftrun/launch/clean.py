@@ -4,7 +4,8 @@ A job removes its files when it ends, but ``kill -9`` of the top-level ``ftrun``
 keepers and trainers die with it (``PR_SET_PDEATHSIG``), and its files stay in the shm dir (``/dev/shm`` or
 ``$FTRUN_SHM_DIR``) until the same ``--rdzv-id`` runs again. A job's files there, all named ``ftrun-<job>-...``:
 snapshot slots, parity and the heartbeat table (``-node<N>-...``), the launcher's announce file (``-launcher``),
-the job secret (``-secret``) and SLURM host claims (``-host-<node>``). Only the current user's files count.
+the job secret (``-secret``), SLURM host claims (``-host-<node>``) and hot spares' reserves (``-reserve-<spare>-...``).
+Only the current user's files count.
 
 A job is live when its launcher's announce file names a running ftrun process (one that started before the
 file was written, so a reused pid does not count), or when any process carries the job in its environment:
@@ -31,6 +32,7 @@ _NAMES = [re.compile(pattern) for pattern in (
     r"ftrun-(?P<job>.+)-secret(\.\d+)?",
     r"ftrun-(?P<job>.+)-node\d+-[A-Za-z0-9_.-]+",
     r"ftrun-(?P<job>.+)-host-[A-Za-z0-9_.-]+",
+    r"ftrun-(?P<job>.+)-reserve-[A-Za-z0-9_.-]+",
 )]
 
 

@@ -57,6 +57,7 @@ from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bi
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
 from ftrun.snapshot.persist import complete_steps, job_dir, manifest, move_aside, step_name
+from ftrun.snapshot.reserve import unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
@@ -314,6 +315,7 @@ class Launcher:
             kill_descendants()
             for node in nodes:  # what supervisors killed before they could clean up left behind
                 unlink_node_files(self.job_id, node)
+            unlink_reserves(self.job_id)  # and spares killed while they held a reserve
             if self.slurm is not None:  # nothing left to claim
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(claim_path(self.job_id, self.slurm.node_name))
