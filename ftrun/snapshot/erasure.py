@@ -14,9 +14,10 @@ and is a data node of the other ``k``; chunk ``c`` of position ``p`` is data fra
 
 Fragments are coded in *pieces* of at most :data:`PIECE` bytes, pipelined: the fetches of piece i + 1 run
 (in the caller's thread pool, one connection per thread) while piece i is coded, into two sets of reusable
-buffers (:class:`Scratch`), so memory stays bounded and no Python object is made per byte. pyeclib's
-Reed-Solomon codes are systematic: a data fragment's payload is the data piece itself. XOR parity (m = 1 with
-the ``*_rs_vand`` backends) and replication never call pyeclib (:class:`Codec`).
+buffers (:class:`Scratch`), so memory stays bounded and no Python object is made per byte (pyeclib codes a
+piece in cache-sized parts: :class:`Codec`). pyeclib's Reed-Solomon codes are systematic: a data fragment's
+payload is the data piece itself. XOR parity (m = 1 with the ``*_rs_vand`` backends) and replication never call
+pyeclib (:class:`Codec`).
 
 This module is computation and its schedule (no sockets, no files, no torch): the keeper passes callbacks that
 fetch bytes from peers into the buffers given.
@@ -170,7 +171,7 @@ class Codec:
         return ECDriver(k=self.k, m=self.m, ec_type=self.backend)
 
     def headers(self, length: int) -> list[bytes]:
-        """The k + m fragment headers of a piece of ``length`` bytes (a multiple of :data:`ALIGN`)."""
+        """The k + m fragment headers of ``length`` bytes coded in one call (a multiple of :data:`ALIGN`)."""
         if length <= 0 or length % ALIGN:
             raise ValueError(f"piece length {length} is not a positive multiple of {ALIGN}")
         if length not in self._headers:
