@@ -138,14 +138,16 @@ class Spare:
 
     def _grow_reserve(self) -> None:
         """Size the reserve from the nodes' status: per local rank, the largest snapshot of the sampled nodes'
-        ranks, in a slot with the trainers' headroom; nothing until each of them published one of every rank."""
+        ranks, in a slot with the trainers' headroom; no growth until each of them published one of every rank
+        (the reserve is still given back if room runs short)."""
         nproc, nnodes = self.spec.nproc_per_node, self.spec.nnodes
         sizes = [0] * nproc
         for node in range(0, nnodes, max(1, nnodes // RESERVE_SAMPLE)):
             raw = self.coord.get("status", "node", node)
             ranks = NodeStatus.decode(raw).ranks if raw is not None else []
             if len(ranks) != nproc or not all(rank.snapshot_bytes for rank in ranks):
-                return
+                sizes = [0] * nproc
+                break
             sizes = [max(size, HEADER_SIZE + rank.snapshot_bytes + META_HEADROOM) for size, rank in zip(sizes, ranks)]
         if self.reserve.want(sizes):
             self.events.emit("spare_reserve", f"spare {self.spec.spare} allocates {human(sum(self.reserve.sizes))} "
