@@ -29,7 +29,7 @@ from ftrun.events import EventLog
 from ftrun.launch.zygote import ZygoteClient
 from ftrun.snapshot.keeper import human
 from ftrun.snapshot.reserve import SlotReserve
-from ftrun.snapshot.slot import HEADER_SIZE, META_HEADROOM
+from ftrun.snapshot.slot import HEADER_SIZE, slot_capacity
 from ftrun.ui.status import NodeStatus
 
 SPARE_POLL = 0.02
@@ -148,7 +148,7 @@ class Spare:
             if len(ranks) != nproc or not all(rank.snapshot_bytes for rank in ranks):
                 sizes = [0] * nproc
                 break
-            sizes = [max(size, HEADER_SIZE + rank.snapshot_bytes + META_HEADROOM) for size, rank in zip(sizes, ranks)]
+            sizes = [max(size, HEADER_SIZE + slot_capacity(rank.snapshot_bytes)) for size, rank in zip(sizes, ranks)]
         if self.reserve.want(sizes):
             self.events.emit("spare_reserve", f"spare {self.spec.spare} allocates {human(sum(self.reserve.sizes))} "
                              f"of shared memory for the slots of a node it may take", console=False,

@@ -41,7 +41,7 @@ from ftrun.snapshot.ddp_buckets import BucketWarmup
 from ftrun.snapshot.layout import Capture, Entry, LayoutChanged, capture, decode_meta, encode_meta, restore
 from ftrun.snapshot.loader_seed import LoaderSeedGuard
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
-from ftrun.snapshot.slot import HEADER_SIZE, META_HEADROOM, Header, SlotFile
+from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile, slot_capacity
 
 
 
@@ -185,7 +185,7 @@ class Snapshotter:
             t0 = time.perf_counter()
             layout = taken.layout
             reply = self._keeper.request("reserve", rank=self._rank, step=step, generation=self._generation,
-                                         size=layout.nbytes + len(meta) + META_HEADROOM)
+                                         size=slot_capacity(layout.nbytes + len(meta)))
             slot = self._map(reply["path"])
             half = len(layout.entries) // 2
             stream = torch.cuda.Stream() if ready is not None else None

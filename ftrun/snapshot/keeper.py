@@ -57,8 +57,8 @@ from ftrun.snapshot.priority import lower_priority, lower_to_background
 from ftrun.snapshot.protocol import PEER_LOST, LineSocket, listen, same_user, socket_name
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank
-from ftrun.snapshot.slot import (COMMITTED, EMPTY, HEADER_SIZE, META_HEADROOM, RESTORED, SLOTS_PER_RANK, SPARE_SLOT, WRITING,
-                                 SlotFile, checksum, slot_name)
+from ftrun.snapshot.slot import (COMMITTED, EMPTY, HEADER_SIZE, RESTORED, SLOTS_PER_RANK, SPARE_SLOT, WRITING,
+                                 SlotFile, checksum, slot_capacity, slot_name)
 from ftrun.snapshot.transport import PeerError, PeerUnavailable
 
 ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
@@ -259,7 +259,7 @@ class Keeper:
             rank = self.ranks[local]
             index = rank.vacant(self._pinned(local))
             rank.steps[index] = None
-        slot = self.ensure_slot(local, index, image - HEADER_SIZE + META_HEADROOM, allocate)
+        slot = self.ensure_slot(local, index, slot_capacity(image - HEADER_SIZE), allocate)
         slot.set_state(WRITING)
         return index, slot
 

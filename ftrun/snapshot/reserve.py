@@ -2,7 +2,7 @@
 
 A replacement's rebuild writes its node's snapshots into new slot files whose pages must be allocated first,
 which costs about as much as receiving the bytes (:mod:`benchmarks.erasure`: a TCP copy into new /dev/shm
-memory takes 2.0-2.6 x as long as one into allocated memory), and a replacement's keeper starts allocating
+memory takes 1.2-2.6 x as long as one into allocated memory), and a replacement's keeper starts allocating
 (``prepare``) only a fraction of a second before its rebuild. A spare has nothing else to do: once it knows
 how large the job's snapshots are (the spare reads the nodes' status), it allocates one file per local rank,
 ``ftrun-<job>-reserve-<spare>-rank<L>`` (mode 0600), each the size of slot 0 of the largest rank of that local

@@ -81,6 +81,11 @@ def slot_name(job: str, node: int | str, local_rank: int | str, index: int | str
     return f"ftrun-{job}-node{node}-rank{local_rank}-slot{index}"
 
 
+def slot_capacity(payload_len: int) -> int:
+    """The capacity a slot is made with for a snapshot of ``payload_len`` bytes: :data:`META_HEADROOM` more."""
+    return payload_len + META_HEADROOM
+
+
 def checksum(buf: memoryview | mmap.mmap, header: Header, threads: int | None = None) -> int:
     """CRC-32 of the payload (in parallel 64 MiB chunks) folded with the header's identity fields."""
     view = memoryview(buf)[HEADER_SIZE:HEADER_SIZE + header.payload_len]
