@@ -113,6 +113,35 @@ def test_keeper_never_overwrites_the_newest_step_every_rank_holds(shm):
     keeper.stop()
 
 
+def test_a_ranks_other_slot_is_allocated_after_its_first_commit_and_a_held_step_is_never_touched(shm):
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    assert commit_via_keeper(keeper, 0, 10) == 0
+    keeper.allocate_other(*keeper.allocations.get_nowait())
+    ahead = keeper.ranks[0].files[1]
+    assert ahead is not None and ahead.allocated and ahead.capacity >= 4096
+    assert os.stat(ahead.path).st_mode & 0o777 == 0o600
+    assert keeper.ranks[1].files == [None, None, None]  # rank 1 committed nothing yet
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10})
+    assert commit_via_keeper(keeper, 0, 20) == 1 and keeper.ranks[0].files[1] is ahead  # taken as it was
+    inode = os.stat(keeper.ranks[0].files[0].path).st_ino
+    keeper.allocate_other(*keeper.allocations.get_nowait())  # slot 0 holds step 10: left alone
+    assert keeper.ranks[0].held() == {10, 20} and os.stat(keeper.ranks[0].files[0].path).st_ino == inode
+    keeper.unlink_all()
+
+
+def test_allocating_ahead_without_room_leaves_the_error_to_the_trainers_reserve(shm, monkeypatch):
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    commit_via_keeper(keeper, 0, 10)
+    monkeypatch.setattr("ftrun.snapshot.keeper.free_bytes", lambda directory: 0)
+    keeper.allocate_other(0, 0, 10 << 20)  # a snapshot grown to 10 MiB: no room for it
+    assert keeper.ranks[0].files[1] is None and keeper.fatal is None
+    reply = keeper.handle({"op": "reserve", "rank": 0, "step": 20, "generation": 0, "size": 10 << 20})
+    assert "too small for snapshots" in reply["error"]
+    keeper.unlink_all()
+
+
 def keeper_with_rank_0_ahead() -> Keeper:
     """A keeper in generation 0 whose ranks both committed step 10, and rank 0 also step 20."""
     keeper = Keeper(spec(), [])

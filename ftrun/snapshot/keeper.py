@@ -11,6 +11,8 @@ committed step is the newest step every rank of the job holds (``restorable``, t
 gathers every node's holdings from the control store). So a slot holding the newest globally
 restorable step is never overwritten, and a crash at any point (mid-copy: the slot stays WRITING; between
 one rank's commit and another's: the older step is still held by all) leaves a consistent step.
+A rank's first commit (or restored slot) has its other slot allocated, below the trainers' priority, before the
+trainer asks for it (``allocate_other``): only a rank's first snapshot waits for /dev/shm pages.
 
 Per generation: the supervisor asks which steps every local rank holds (``held``: every committed slot's
 checksum is verified, bad ones are discarded and logged), agrees the restore step with the other nodes, and
@@ -112,6 +114,7 @@ class RankSlots:
     steps: list[int | None] = field(default_factory=lambda: [None] * (SPARE_SLOT + 1))  # committed step held
     generations: list[int] = field(default_factory=lambda: [0] * (SPARE_SLOT + 1))
     last: dict[str, Any] = field(default_factory=dict)  # the last commit: step, time, bytes, copy_gbs (status)
+    sizing: threading.Lock = field(default_factory=threading.Lock)  # held while one of its files is made or grown
 
     def held(self) -> set[int]:
         return {s for s in self.steps if s is not None}
@@ -165,6 +168,7 @@ class Keeper:
         self.committed = 0
         self.fatal: str | None = None
         self.seals: queue.Queue[tuple[int, int, int]] = queue.Queue()
+        self.allocations: queue.Queue[tuple[int, int, int]] = queue.Queue()  # (rank, slot now holding a step, payload)
         self.redundancy: Redundancy | None = None
         self.coding = threading.Lock()  # one encoding or rebuild at a time
         self.persist_request: tuple[int, int] = (0, 0)  # (round, step) the job asks to persist (the link tells it)
@@ -221,6 +225,10 @@ class Keeper:
         """The slot file with room for ``payload`` bytes; allocated (all pages) here, after a capacity check.
         ``allocate=False``: a new file gets its header page only, for a caller that allocates as it writes (a
         rebuild); a file left so is completed the next time it is asked for with ``allocate``."""
+        with self.ranks[local].sizing:  # the trainer's reserve and the allocation ahead may race for a file
+            return self._ensure_slot(local, index, payload, allocate)
+
+    def _ensure_slot(self, local: int, index: int, payload: int, allocate: bool) -> SlotFile:
         rank = self.ranks[local]
         slot = rank.files[index]
         if slot is not None and slot.capacity >= payload:
@@ -264,11 +272,14 @@ class Keeper:
         return index, slot
 
     def hold_restored(self, local: int, index: int, step: int) -> None:
-        """Slot ``index`` of ``local`` now holds the verified, restored ``step``."""
+        """Slot ``index`` of ``local`` now holds the verified, restored ``step`` (its other slot is allocated ahead)."""
         with self.cond:
             self.ranks[local].steps[index] = step
             self.ranks[local].generations[index] = RESTORED
             self.cond.notify_all()
+        file = self.ranks[local].files[index]
+        if file is not None:
+            self.allocations.put((local, index, file.header().payload_len))
 
     def unlink_all(self) -> None:
         for rank in self.ranks:
@@ -493,6 +504,7 @@ class Keeper:
                           "copy_gbs": header.payload_len / seconds / 1e9 if seconds > 0 else None}
             self.cond.notify_all()
         self.seals.put((rank, slot, step))
+        self.allocations.put((rank, slot, header.payload_len))
         for fault in self.crash_faults:
             if step >= fault.step and header.generation == fault.gen:
                 self.events.emit("inject", f"injected {fault.spec}: keeper killing itself at step {step}",
@@ -545,6 +557,30 @@ class Keeper:
                 if self.ranks[local].steps[index] == step and slot.header() == header and header.state == COMMITTED:
                     slot.seal(crc)
                     self.cond.notify_all()  # the encoder waits for the committed step to be sealed
+
+    # -- allocation ahead -----------------------------------------------------------------------------------
+    def allocate_forever(self) -> None:
+        """After each commit or restore, make the rank's other slot ready for a snapshot of the size it holds."""
+        lower_to_background()
+        while True:
+            self.allocate_other(*self.allocations.get())
+
+    def allocate_other(self, local: int, committed: int, payload: int) -> None:
+        """Slot ``1 - committed`` of ``local`` sized for a ``payload`` of bytes, with every page allocated, unless
+        it holds a step or is so already. Allocating /dev/shm costs about as much as copying into it: done here,
+        below the trainers' priority, a rank's second snapshot does not wait for it, only the first. No room is
+        left for the trainer's next ``reserve`` to report (it names what is missing)."""
+        if committed >= SLOTS_PER_RANK:
+            return
+        rank, other, capacity = self.ranks[local], 1 - committed, slot_capacity(payload)
+        with self.cond:
+            file = rank.files[other]
+            if rank.steps[other] is not None or (file is not None and file.allocated and file.capacity >= capacity):
+                return
+        try:
+            self.ensure_slot(local, other, capacity)
+        except MemoryError:
+            pass
 
     # -- background parity ----------------------------------------------------------------------------------
     def encode_forever(self) -> None:
@@ -654,6 +690,7 @@ class Keeper:
     # -- serving --------------------------------------------------------------------------------------------
     def serve(self, server: socket.socket) -> None:
         threading.Thread(target=self.seal_forever, name="ftrun-seal", daemon=True).start()
+        threading.Thread(target=self.allocate_forever, name="ftrun-allocate", daemon=True).start()
         if self.spec.ckpt_dir is not None:
             threading.Thread(target=self.persist_forever, name="ftrun-persist", daemon=True).start()
         if self.redundancy is not None:
