@@ -240,6 +240,31 @@ def replica_keeper(node: int, secret: bytes) -> tuple[Keeper, str]:
     return keeper, f"{host}:{port}"
 
 
+def test_the_first_encode_allocates_the_other_parity_file_and_the_next_encode_takes_it(shm):
+    secret = os.urandom(32)
+    keepers = [replica_keeper(node, secret) for node in (0, 1)]
+    peers = {str(node): address for node, (_, address) in enumerate(keepers)}
+    for step in (10, 20):
+        for keeper, _ in keepers:
+            keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": step - 10, "peers": peers})
+            commit_via_keeper(keeper, 0, step)
+            slot = keeper.ranks[0].files[keeper.ranks[0].index_of(step)]
+            slot.seal(checksum(slot.map, slot.header()))
+        for keeper, _ in keepers:
+            keeper.redundancy.encode(step, 0, step - 10, lambda: None)
+        parity = keepers[0][0].redundancy
+        if step == 10:
+            assert parity.steps == [10, None]
+            ahead = parity.files[1]
+            assert ahead is not None and ahead.allocated and ahead.capacity == parity.files[0].capacity
+        else:  # step 20 went into the file allocated ahead; the parity of step 10 was left alone
+            assert parity.steps == [10, 20] and parity.files[1] is ahead
+    for keeper, _ in keepers:
+        keeper.stop()
+        keeper.redundancy.close()
+        keeper.unlink_all()
+
+
 def test_a_replacement_allocates_its_slots_before_the_rebuild_and_the_rebuild_takes_them(shm, monkeypatch):
     """Told the likely step as its node starts (``prepare``), a replacement's keeper allocates the slots while
     the job agrees its plan; the rebuild fills those very slots, bit for bit. Prepared slots that no rebuild

@@ -25,7 +25,8 @@ bytes, and the two overlap.
 Encoding follows the job: when the newest globally committed step (told by the supervisor's link) has no
 parity here, the encoder fetches the data fragments of this node's stripes from the other nodes of the group,
 piece by piece, and writes parity into the parity file that does not hold the job's protected step (the
-newest step every rank holds with complete parity everywhere; the link tells it too). Since trainers only
+newest step every rank holds with complete parity everywhere; the link tells it too), then allocates the other
+parity file if it is empty, so that only the first encode waits for parity pages. Since trainers only
 overwrite a slot once the newer one is protected, the data of the step being encoded stays in place.
 
 Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths and checksums;
@@ -331,6 +332,7 @@ class Redundancy:
         self.keeper.events.emit("parity", f"parity of step {step} for group {place.index} in {took * 1000:.0f} ms "
                                 f"({data_len} bytes of parity for blobs of {blob} bytes)", console=False,
                                 node=place.node, step=step, seconds=took, parity_bytes=data_len, phases=self.phases)
+        self._allocate_other(index, place.parity * chunk_len + META_ROOM)
 
     def _local_info(self, step: int) -> tuple[list[int], list[int]]:
         images = self._images(step)
@@ -348,6 +350,19 @@ class Redundancy:
             file.close()
         file = self.files[index] = SlotFile(self.path(index), HEADER_SIZE + payload, populate=True)
         return file
+
+    def _allocate_other(self, index: int, payload: int) -> None:
+        """The other parity file sized like this one and allocated, unless it holds parity: the encoder does it
+        while it waits for the next step, so only the first encode waits for parity pages. A full /dev/shm is
+        left to the next encode to report."""
+        other = 1 - index
+        with self.keeper.cond:
+            if self.steps[other] is not None:
+                return
+        try:
+            self._ensure(other, payload)
+        except OSError:
+            pass
 
     # -- rebuilding -------------------------------------------------------------------------------------------
     def prepare(self, step: int, holder: int) -> int:
