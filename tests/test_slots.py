@@ -127,6 +127,14 @@ def test_a_ranks_other_slot_is_allocated_after_its_first_commit_and_a_held_step_
     inode = os.stat(keeper.ranks[0].files[0].path).st_ino
     keeper.allocate_other(*keeper.allocations.get_nowait())  # slot 0 holds step 10: left alone
     assert keeper.ranks[0].held() == {10, 20} and os.stat(keeper.ranks[0].files[0].path).st_ino == inode
+    # the allocation ahead yields to anyone asking for a file of the rank, who then allocates the rest
+    commit_via_keeper(keeper, 1, 10)
+    keeper.ranks[1].asking = 1
+    keeper.allocate_other(*keeper.allocations.get_nowait())
+    keeper.ranks[1].asking = 0
+    sparse = keeper.ranks[1].files[1]
+    assert sparse is not None and not sparse.allocated
+    assert commit_via_keeper(keeper, 1, 20) == 1 and keeper.ranks[1].files[1] is sparse and sparse.allocated
     keeper.unlink_all()
 
 

@@ -59,8 +59,8 @@ from ftrun.snapshot.priority import lower_priority, lower_to_background
 from ftrun.snapshot.protocol import PEER_LOST, LineSocket, listen, same_user, socket_name
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank
-from ftrun.snapshot.slot import (COMMITTED, EMPTY, HEADER_SIZE, RESTORED, SLOTS_PER_RANK, SPARE_SLOT, WRITING,
-                                 SlotFile, checksum, slot_capacity, slot_name)
+from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, RESTORED, SLOTS_PER_RANK, SPARE_SLOT,
+                                 WRITING, SlotFile, checksum, slot_capacity, slot_name)
 from ftrun.snapshot.transport import PeerError, PeerUnavailable
 
 ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
@@ -115,6 +115,7 @@ class RankSlots:
     generations: list[int] = field(default_factory=lambda: [0] * (SPARE_SLOT + 1))
     last: dict[str, Any] = field(default_factory=dict)  # the last commit: step, time, bytes, copy_gbs (status)
     sizing: threading.Lock = field(default_factory=threading.Lock)  # held while one of its files is made or grown
+    asking: int = 0  # callers of ensure_slot waiting for or holding ``sizing`` (the allocation ahead yields to them)
 
     def held(self) -> set[int]:
         return {s for s in self.steps if s is not None}
@@ -225,8 +226,15 @@ class Keeper:
         """The slot file with room for ``payload`` bytes; allocated (all pages) here, after a capacity check.
         ``allocate=False``: a new file gets its header page only, for a caller that allocates as it writes (a
         rebuild); a file left so is completed the next time it is asked for with ``allocate``."""
-        with self.ranks[local].sizing:  # the trainer's reserve and the allocation ahead may race for a file
-            return self._ensure_slot(local, index, payload, allocate)
+        rank = self.ranks[local]
+        with self.cond:
+            rank.asking += 1
+        try:
+            with rank.sizing:  # the trainer's reserve and the allocation ahead may race for a file
+                return self._ensure_slot(local, index, payload, allocate)
+        finally:
+            with self.cond:
+                rank.asking -= 1
 
     def _ensure_slot(self, local: int, index: int, payload: int, allocate: bool) -> SlotFile:
         rank = self.ranks[local]
@@ -568,8 +576,10 @@ class Keeper:
     def allocate_other(self, local: int, committed: int, payload: int) -> None:
         """Slot ``1 - committed`` of ``local`` sized for a ``payload`` of bytes, with every page allocated, unless
         it holds a step or is so already. Allocating /dev/shm costs about as much as copying into it: done here,
-        below the trainers' priority, a rank's second snapshot does not wait for it, only the first. No room is
-        left for the trainer's next ``reserve`` to report (it names what is missing)."""
+        below the trainers' priority, a rank's second snapshot does not wait for it, only the first. It goes
+        :data:`ALLOCATE_STEP` at a time and stops when anyone asks for a file of the rank (:meth:`ensure_slot`):
+        a trainer's ``reserve`` waits for one step at most and allocates the rest itself, at its own priority.
+        No room is left for that ``reserve`` to report (it names what is missing)."""
         if committed >= SLOTS_PER_RANK:
             return
         rank, other, capacity = self.ranks[local], 1 - committed, slot_capacity(payload)
@@ -577,10 +587,21 @@ class Keeper:
             file = rank.files[other]
             if rank.steps[other] is not None or (file is not None and file.allocated and file.capacity >= capacity):
                 return
-        try:
-            self.ensure_slot(local, other, capacity)
-        except MemoryError:
-            pass
+        with rank.sizing:
+            try:
+                file = self._ensure_slot(local, other, capacity, allocate=False)
+            except MemoryError:
+                return
+        for offset in range(0, file.size, ALLOCATE_STEP):
+            if rank.asking:
+                return
+            with rank.sizing:
+                if rank.files[other] is not file or file.allocated:
+                    return
+                try:
+                    file.allocate(offset, min(ALLOCATE_STEP, file.size - offset))
+                except OSError:
+                    return
 
     # -- background parity ----------------------------------------------------------------------------------
     def encode_forever(self) -> None:
