@@ -584,10 +584,9 @@ class Keeper:
             return
         rank, other, capacity = self.ranks[local], 1 - committed, slot_capacity(payload)
         with self.cond:
-            file = rank.files[other]
-            if rank.steps[other] is not None or (file is not None and file.allocated and file.capacity >= capacity):
+            if rank.steps[other] is not None:
                 return
-        with rank.sizing:
+        with rank.sizing:  # a file already big enough is returned as it is, and the loop ends at once if allocated
             try:
                 file = self._ensure_slot(local, other, capacity, allocate=False)
             except MemoryError:
