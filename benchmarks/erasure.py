@@ -12,7 +12,10 @@ of its ranks (the worker reports its state bytes). Times are medians.
   ``parity`` events (fetch of the data fragments from
   the other keepers over TCP, encoding, writing the parity file, checks), blob / seconds per keeper, median over
   the steps before the node loss except each keeper's first two (they allocate the two parity files, shown
-  apart); the trainers run meanwhile, as in training.
+  apart); the trainers run meanwhile, as in training. With m >= 2, the share of the fragments k + 1.. that their
+  stripes' own positions pushed (the rest the holders computed from the data themselves). Encode, one keeper
+  alone: as a keeper, over loopback TCP from peer servers (with m >= 2: its own stripe, the other fragments
+  pushed to a peer).
 - Rebuild: the slowest ``rebuilt`` event of the lost nodes' replacement keepers (bytes, seconds; each reads k x
   those bytes from k survivors), against a plain loopback TCP copy of as many bytes by this script (a thread
   sends a file in /dev/shm with ``socket.sendfile``, the client receives it with ``recv_into`` into a faulted
@@ -175,7 +178,8 @@ def rebuild_sources(shape: Shape, chunk: int) -> list[int]:
 
 # -- one keeper alone over loopback TCP ----------------------------------------------------------------------------
 def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], list[float], list[float]]:
-    """Seconds, per rep, of one keeper's encode and of one lost node's rebuild through the real path (keeper
+    """Seconds, per rep, of one keeper's encode (with m >= 2, its own stripe's m parity fragments from one
+    fetch of the data, m - 1 of them pushed to a peer) and of one lost node's rebuild through the real path (keeper
     transport, ``recv_into``, XOR or pyeclib, parity CRCs; the rebuild into a new /dev/shm slot file allocated
     ahead of the transfer as a keeper's, then its CRC-32; and the same rebuild into a slot file allocated before
     it began, as a replacement's keeper allocates it when told the step early) with only that keeper working:
@@ -206,6 +210,15 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
             _, got = clients[key].request("piece", into=into, offset=offset, length=length)
             assert got == length
 
+        pushing = shape.parity > 1 and k > 1  # as a keeper: its stripe's other parity pushed to their holders
+        pushed = memoryview(bytearray(chunk_len))
+        receiver = PeerServer(secret, lambda r: Reply({}), max_payload=layout.piece_len,
+                              sink=lambda r, n: (pushed[int(r["offset"]):int(r["offset"]) + n], lambda ok: None))
+        receiver.start()
+        servers.append(receiver)
+        push = PeerClient(*receiver.address, secret)
+        also = {u: lambda offset, piece, crc, u=u: push.request("parity_put", payload=piece, t=u, offset=offset)
+                for u in range(1, shape.parity)} if pushing else {}
         out = mmap.mmap(-1, chunk_len)
         encode: list[float] = []
         rebuild: list[float] = []
@@ -214,8 +227,8 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
             scratch = Scratch()
             for _ in range(reps):
                 t0 = time.perf_counter()
-                for t in range(shape.parity):  # a keeper's m parity stripes, each from k data fragments
-                    encode_parity(codec, layout, 0, t, chunk_len, fetch_into, memoryview(out), pool, scratch)
+                for t in range(1 if pushing else shape.parity):  # each of its stripes from k data fragments
+                    encode_parity(codec, layout, 0, t, chunk_len, fetch_into, memoryview(out), pool, scratch, also)
                 encode.append(time.perf_counter() - t0)
                 for ahead, times in ((False, rebuild), (True, prepared)):
                     path = os.path.join(shm_dir(), f"ftrun-bench-erasure-slot-{os.getpid()}")
@@ -235,7 +248,7 @@ def pipeline_alone(shape: Shape, blob: int, reps: int) -> tuple[list[float], lis
                         slot.close()
                     finally:
                         os.unlink(path)
-        for client in clients.values():
+        for client in [*clients.values(), push]:
             client.close()
         return encode, rebuild, prepared
     finally:
@@ -430,6 +443,7 @@ class Result:
     rebuild_tcp: float  # seconds, one rebuild alone over loopback TCP
     rebuild_prepared: float  # the same into slots allocated before it began
     keepers: dict[int, float]  # node -> median seconds of its steady encodes
+    pushed: float | None  # share of the parity fragments k + t (t >= 1) pushed by their stripe's position
     allocating: float  # median seconds of the keepers' first two encodes
     parity_bytes: int
     rebuilt: Event  # the slowest rebuild of the lost nodes
@@ -480,6 +494,16 @@ def steady_encodes(job: Job) -> tuple[dict[int, float], list[float]]:
     return steady, first
 
 
+def pushed_share(job: Job, parity: int) -> float | None:
+    """Of the parity fragments k + t, t >= 1, that the keepers committed before the node loss, the share their
+    stripes' own positions pushed (None with m = 1)."""
+    loss = min(e["time"] for e in job.of("inject"))
+    events = [e for e in job.of("parity") if e["time"] < loss]
+    if parity < 2 or not events:
+        return None
+    return sum(len(e.get("pushed", [])) for e in events) / (len(events) * (parity - 1))
+
+
 def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
     job = run_job(shape, args, workdir)
     steady, first = steady_encodes(job)
@@ -489,7 +513,7 @@ def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
     tcp = tcp_copy_seconds(rebuilt["bytes"], args.reps)
     tcp_fresh = tcp_copy_seconds(rebuilt["bytes"], args.reps, fresh=True)
     return Result(shape, job.state_bytes, med(encode), med(rebuild), med(encode_tcp), med(rebuild_tcp),
-                  med(rebuild_prepared), steady,
+                  med(rebuild_prepared), steady, pushed_share(job, shape.parity),
                   med(first), job.of("parity")[0]["parity_bytes"], rebuilt, med(tcp), med(tcp_fresh),
                   job.of("recovered")[0]["seconds"], job.memory, job.records)
 
@@ -550,6 +574,8 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     row("  each keeper, node 0, 1, ... (GB/s)", *(spread([r.state / t / GB for t in r.keepers.values()])
                                                   for r in results))
     row("  first two encodes (parity files allocated)", *(r.gbs(r.allocating) for r in results))
+    row("  parity k+1.. pushed by the stripe's position", *("-" if r.pushed is None else f"{r.pushed:.0%}"
+                                                            for r in results))
     row("rebuild of a lost node (slowest rebuilt event)", *(f"{r.rebuilt['seconds']:.3f} s" for r in results))
     row("  bytes rebuilt", *(f"{r.rebuilt['bytes'] / MIB:.1f} MiB" for r in results))
     row("  bytes read from the survivors (k x)", *(sources(r) for r in results))

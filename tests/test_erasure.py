@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pyeclib.ec_iface import ECDriver
+from isal.isal_zlib import crc32
 
 from ftrun.snapshot.erasure import (ALIGN, BACKENDS, CODE_PART, DEFAULT_BACKEND, PIECE, Codec, CorruptFragment,
                                     Segment, StripeLayout, default_group, encode_parity, group_problem,
@@ -102,21 +103,37 @@ def test_any_m_lost_positions_are_rebuilt_byte_for_byte(case):
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("k,m", [(1, 1), (2, 1), (3, 1), (4, 2), (2, 3)])
 def test_parity_is_pyeclibs_own_bytes(backend, k, m):
-    """The XOR fast path and parity by reconstruction give exactly the parity payloads of pyeclib's encode."""
+    """The XOR fast path and parity by reconstruction give exactly the parity payloads of pyeclib's encode, alone
+    and with the stripe's other parity fragments computed from the same data pieces and handed on (``also``,
+    as a keeper pushes them to their holders), each with its CRC-32."""
     layout = StripeLayout(k + m, m, 2 * ALIGN)
     codec = Codec(k, m, backend)
     chunk_len = 5 * ALIGN  # three pieces, the last shorter
     data = os.urandom(k * chunk_len)
+
+    def fetch(i: int, offset: int, length: int, into: memoryview) -> None:
+        into[:] = data[i * chunk_len + offset:i * chunk_len + offset + length]
+
+    def expected(t: int, offset: int, length: int) -> bytes:
+        piece = b"".join(data[i * chunk_len + offset:i * chunk_len + offset + length] for i in range(k))
+        return piece[:length] if k == 1 else ECDriver(k=k, m=m, ec_type=backend).encode(piece)[k + t][80:]
+
     for t in range(m):
         out = bytearray(chunk_len)
-        encode_parity(codec, layout, 0, t, chunk_len,
-                      lambda i, offset, length, into: into.__setitem__(slice(None), data[i * chunk_len + offset:
-                                                                                        i * chunk_len + offset + length]),
-                      memoryview(out))
+        crcs = encode_parity(codec, layout, 0, t, chunk_len, fetch, memoryview(out))
         for offset, length in layout.pieces(chunk_len):
-            piece = b"".join(data[i * chunk_len + offset:i * chunk_len + offset + length] for i in range(k))
-            expected = piece[:length] if k == 1 else ECDriver(k=k, m=m, ec_type=backend).encode(piece)[k + t][80:]
-            assert bytes(out[offset:offset + length]) == expected, (t, offset)
+            assert bytes(out[offset:offset + length]) == expected(t, offset, length), (t, offset)
+        assert crcs == [crc32(out[o:o + n]) for o, n in layout.pieces(chunk_len)]
+    handed: dict[tuple[int, int], tuple[bytes, int]] = {}
+    out = bytearray(chunk_len)
+    also = {u: lambda offset, piece, crc, u=u: handed.__setitem__((u, offset), (bytes(piece), crc))
+            for u in range(1, m)}
+    encode_parity(codec, layout, 0, 0, chunk_len, fetch, memoryview(out), also=also)
+    for offset, length in layout.pieces(chunk_len):
+        assert bytes(out[offset:offset + length]) == expected(0, offset, length), offset
+        for u in range(1, m):
+            assert handed[u, offset] == (expected(u, offset, length), crc32(expected(u, offset, length))), (u, offset)
+    assert len(handed) == (m - 1) * len(layout.pieces(chunk_len))
     assert codec.xor_first == (k == 1 or backend != "isa_l_rs_cauchy")
 
 

@@ -89,20 +89,33 @@ def test_a_survivor_lost_during_a_rebuild_is_one_more_lost_node(start_job, tmp_p
     last = decided[max(decided)]
     assert last["restored_from"] == "parity" and last["step"] == 20, last
     assert set(last["rebuilt"]) == {"1", "2"}, last
+    # m = 2: each position computed both parity fragments of its own stripe and pushed the second to its holder
+    assert any(e["event"] == "parity" and e.get("pushed") == [1] for e in job.events()), job.output
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("nnodes,flags", [(3, ()), (4, ("--ec-group", "4", "--ec-parity", "2"))],
+                         ids=["m1", "m2-pushed"])
 def test_node_lost_while_parity_of_a_newer_step_is_computed_restores_a_protected_step(start_job, tmp_path,
-                                                                                       gpt_baselines):
-    job = run_bitwise(start_job, tmp_path, gpt_baselines(3, 1), "mid-parity", "--inject",
-                      "parity-loss@node=1,step=30", nodes=shape(3, 1))
+                                                                                       gpt_baselines, nnodes, flags):
+    """Node 1 is lost while it computes parity of step 30. With m = 2 it has pushed the second parity fragment of
+    its stripe to node 2 by then, but not said that the data it read was unchanged: node 2 never uses those
+    pieces. The job restores a step whose parity every survivor completed and ends with the failure-free state."""
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(nnodes, 1), f"mid-parity-{nnodes}", *flags, "--inject",
+                      "parity-loss@node=1,step=30", nodes=shape(nnodes, 1))
     assert any(e["event"] == "inject" and "while it computes parity of step 30" in e["message"]
                for e in job.events()), job.output
     plan = assert_rebuilt(job, {1}, 30)
-    # step 30 only if the other two nodes had finished its parity (then any 2 of 3 fragments rebuild it)
+    # step 30 only if the other nodes had finished its parity (then enough fragments rebuild it)
     assert plan["step"] in (20, 30)
-    protected = {e["step"] for e in job.events() if e["event"] == "parity" and e["node"] != 1}
-    assert plan["step"] in protected
+    parity = [e for e in job.events() if e["event"] == "parity"]
+    assert plan["step"] in {e["step"] for e in parity if e["node"] != 1}
+    if nnodes == 4:
+        rebuilt = min(e["time"] for e in job.events() if e["event"] == "rebuilt")  # generation 1 reaches 30 again
+        assert not any(e["node"] == 2 and e["step"] == 30 and e["pushed"] and e["time"] < rebuilt for e in parity)
+        # the replacement's parity of the restored step, which the others hold already: none pushed or awaited
+        assert all(e["phases"]["pushes"] == 0 and not e["pushed"] for e in parity
+                   if e["node"] == 1 and e["time"] > rebuilt and e["step"] <= plan["step"]), job.output
 
 
 @pytest.mark.extended  # make test: test_durable's more-nodes-lost-than-parity (to disk)

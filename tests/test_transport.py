@@ -377,3 +377,45 @@ def test_short_secret_is_rejected() -> None:
 def test_module_does_not_import_torch() -> None:
     code = "import sys, ftrun.snapshot.transport; sys.exit('torch' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], timeout=20).returncode == 0
+
+
+class Sink:
+    """A server's sink into one buffer: payloads of ``put`` land at their ``offset``; ``done`` calls recorded."""
+
+    def __init__(self, size: int) -> None:
+        self.memory = bytearray(size)
+        self.done: list[tuple[int, bool]] = []
+        self.called = threading.Event()
+
+    def __call__(self, request: dict[str, Any], length: int) -> tuple[memoryview, Callable[[bool], None]]:
+        if request["op"] != "put":
+            raise LookupError(f"no place for {request['op']}")
+        offset = int(request["offset"])
+
+        def done(received: bool) -> None:
+            self.done.append((offset, received))
+            self.called.set()
+
+        return memoryview(self.memory)[offset:offset + length], done
+
+
+def test_a_request_payload_is_received_where_the_sink_says(make_server, make_client) -> None:
+    sink = Sink(1 << 20)
+    server, _ = make_server(max_payload=1 << 20, sink=sink,
+                            handler=lambda r: Reply({"got": r.get("offset")}, r.get("text", "").encode()))
+    client = make_client(server)
+    data = os.urandom(300_000)
+    assert client.request("put", payload=data, offset=4096)[0] == {"got": 4096}
+    assert bytes(sink.memory[4096:4096 + len(data)]) == data and sink.done == [(4096, True)]
+    # a sink that has no place: an error reply, the payload dropped, the connection still in step
+    with pytest.raises(PeerError, match="LookupError: no place for echo"):
+        client.request("echo", payload=b"x" * 5000, text="hi")
+    assert client.request("echo", text="still here")[1] == b"still here"
+    # a payload cut off by the client's end: ``done(False)``, and the connection is closed
+    sock = raw_connection(server, True)
+    body = json.dumps({"op": "put", "offset": 0}).encode()
+    sock.sendall(FRAME.pack(b"FTRF", len(body), 1000) + body + b"y" * 10)
+    sink.called.clear()
+    sock.shutdown(socket.SHUT_WR)
+    assert sink.called.wait(CLOSE_WITHIN) and sink.done[-1] == (0, False)
+    assert_closed_by_server(sock)

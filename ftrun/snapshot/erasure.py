@@ -46,6 +46,7 @@ MAX_DEFAULT_GROUP = 4
 
 Buffer = bytes | bytearray | memoryview
 FetchInto = Callable[[int, int, int, memoryview], None]  # (fragment index, offset, length, into): fill into
+SendPiece = Callable[[int, memoryview, int], None]  # (offset, piece, its CRC-32): hand a computed piece on
 
 
 def default_group(nnodes: int) -> tuple[int, int]:
@@ -289,35 +290,49 @@ def _submit(pool: Executor | None, fn: Callable[..., Any], *args: Any) -> Future
 
 
 def encode_parity(codec: Codec, layout: StripeLayout, stripe: int, t: int, chunk_len: int, fetch_into: FetchInto,
-                  out: memoryview, pool: Executor | None = None, scratch: Scratch | None = None) -> list[int]:
+                  out: memoryview, pool: Executor | None = None, scratch: Scratch | None = None,
+                  also: Mapping[int, SendPiece] | None = None) -> list[int]:
     """Parity fragment ``k + t`` of ``stripe`` into ``out`` (``chunk_len`` bytes), piece by piece, pipelined;
     returns the CRC-32 of each parity piece (computed while the piece is still in cache).
 
     ``fetch_into(i, offset, length, into)`` fills ``into`` with bytes ``[offset, offset + length)`` of data
     fragment ``i`` of the stripe (zeros past its position's blob). XOR parity: data fragment 0 lands in ``out``
     itself and the others are XORed into it; else pyeclib computes each piece from the k data pieces.
+
+    ``also``: for another parity index ``u`` of the same stripe, ``send(offset, piece, crc)``, called with each
+    piece of fragment ``k + u`` computed from the same data pieces (a buffer reused once it returns).
     """
     crcs: list[int] = []
     scratch = scratch or Scratch()
+    also = also or {}
     xor, k = codec.xor_parity(t), layout.k
+    direct = xor and not also  # data fragment 0 straight into ``out`` (the data pieces are not needed after)
     pieces = layout.pieces(chunk_len)
     size = max((n for _, n in pieces), default=0)
 
     def start(piece: tuple[int, int], depth: int) -> list[Future[Any]]:
         offset, length = piece
-        buffers = scratch.get(depth, k, size)
-        targets = [out[offset:offset + length] if xor and i == 0 else buffers[i][:length] for i in range(k)]
+        buffers = scratch.get(depth, k + len(also), size)
+        targets = [out[offset:offset + length] if direct and i == 0 else buffers[i][:length] for i in range(k)]
         return [_submit(pool, fetch_into, i, offset, length, targets[i]) for i in range(k)]
 
     def finish(piece: tuple[int, int], depth: int) -> None:
         offset, length = piece
-        buffers = scratch.get(depth, k, size)
+        buffers = scratch.get(depth, k + len(also), size)
+        data = [b[:length] for b in buffers[:k]]
+        target = out[offset:offset + length]
         if xor:
+            if not direct:
+                target[:] = data[0]
             for i in range(1, k):
-                xor_into(out[offset:offset + length], buffers[i][:length])
+                xor_into(target, data[i])
         else:
-            codec.parity([b[:length] for b in buffers], t, out[offset:offset + length])
-        crcs.append(crc32(out[offset:offset + length]))
+            codec.parity(data, t, target)
+        crcs.append(crc32(target))
+        for n, (u, send) in enumerate(also.items()):
+            extra = buffers[k + n][:length]
+            codec.parity(data, u, extra)
+            send(offset, extra, crc32(extra))
 
     _pipelined(pool, pieces, start, finish)
     return crcs

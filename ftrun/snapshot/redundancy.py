@@ -29,9 +29,19 @@ newest step every rank holds with complete parity everywhere; the link tells it 
 parity file if it is empty, so that only the first encode waits for parity pages. Since trainers only
 overwrite a slot once the newer one is protected, the data of the step being encoded stays in place.
 
+With m >= 2 (and k >= 2) a stripe's data is fetched once, not m times: position p computes every parity
+fragment of its stripe p from the same data pieces, keeps fragment k, and *pushes* each piece of fragment
+k + t to the stripe's holder of it, position p + t (``parity_put``, the piece's CRC-32 with it), which receives
+it straight into its parity file. Once p has checked that the data did not change while it read it, it tells
+each holder so (``parity_put_end``, with the image checksums it read). The holder uses pushed parity only if
+every piece arrived with its CRC and the sender read the same images as it did; else (a sender lost, late,
+still on another step, or no push within :data:`PUSH_IDLE` seconds) it fetches that stripe's data and computes
+the fragment itself, as with m = 1. An encode moves (1 + (m - 1)/k) x the node's state instead of m x.
+
 Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths and checksums;
 ``chunk {step, chunk, offset, length, chunk_len}`` -> bytes of a chunk of the blob (zeros past its end);
-``parity_meta {step}`` -> the parity file's JSON; ``parity {step, t, offset, length}`` -> parity bytes.
+``parity_meta {step}`` -> the parity file's JSON; ``parity {step, t, offset, length}`` -> parity bytes;
+``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece; ``parity_put_end {step, t, infos}``.
 """
 
 from __future__ import annotations
@@ -54,7 +64,7 @@ from ftrun.events import EventLog
 from ftrun.snapshot.priority import lower_to_background
 from ftrun.snapshot.erasure import Buffer, Codec, Scratch, Segment, StripeLayout, encode_parity, rebuild_chunk
 from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header, SlotFile
-from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, PeerUnavailable, Reply
+from ftrun.snapshot.transport import FileRange, PeerClient, PeerError, PeerServer, PeerUnavailable, Reply
 
 
 class HeldSlots(Protocol):
@@ -71,6 +81,7 @@ class SlotHolder(Protocol):
 
     dir: str
     job: str
+    generation: int
     cond: threading.Condition
     events: EventLog
     ranks: Sequence[HeldSlots]
@@ -81,6 +92,9 @@ class SlotHolder(Protocol):
 
 PARITY_FILES = 2
 META_ROOM = 64 << 10
+PUSH_WAIT = 1.0  # seconds a pushed piece waits for this keeper to start encoding its step
+PUSH_IDLE = 3.0  # seconds without a pushed piece or end before a holder computes the missing parity itself
+PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are awaited
 
 
 class RedundancyError(RuntimeError):
@@ -115,6 +129,25 @@ class GroupPlace:
         return self.node // self.group
 
 
+@dataclass
+class _Incoming:
+    """Parity fragments of one step that the other positions push to this keeper while it encodes (module doc):
+    for each pushed t, the CRC-32 of every piece received whole and checked, and the images the sender read."""
+
+    step: int
+    chunk_len: int
+    payload: memoryview  # the parity file's payload: fragment k + t at t * chunk_len
+    pieces: list[tuple[int, int]]
+    crcs: dict[int, dict[int, int]]  # t -> piece offset -> CRC-32
+    ended: dict[int, Any]  # t -> the images the sender read (its ``infos``)
+    receiving: int = 0  # pieces being received now
+    last: float = 0.0  # monotonic time of the last piece or end
+    closed: bool = False
+
+    def complete(self, t: int, infos: Any) -> bool:
+        return len(self.crcs[t]) == len(self.pieces) and self.ended.get(t) == infos
+
+
 class Redundancy:
     """Parity encoding, peer serving and rebuilds of one keeper; see the module doc."""
 
@@ -139,7 +172,11 @@ class Redundancy:
         self._prepared: _BlobWriter | None = None  # slots being allocated for a rebuild not asked for yet
         self._prepared_lock = threading.Lock()
         self.serving_rebuild: Callable[[int], None] = lambda step: None  # told each piece served to a rebuild
-        self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected, max_payload=0)
+        self.pushing = place.parity > 1 and self.layout.k > 1  # stripes' other parity pushed (module doc)
+        self._incoming: _Incoming | None = None
+        self._pushes = threading.Condition()
+        self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected,
+                                 max_payload=self.layout.piece_len if self.pushing else 0, sink=self._receive_push)
 
     # -- files ------------------------------------------------------------------------------------------------
     def path(self, index: int) -> str:
@@ -190,9 +227,14 @@ class Redundancy:
     def serve(self, request: dict[str, Any]) -> Reply:
         op = request.get("op")
         step = int(request["step"])
+        if op in ("parity_put", "parity_put_end"):
+            return self._pushed(op, step, request)
         if op == "info":
             images = self._images(step)
-            return Reply({"images": [len_ for _, len_, _ in images], "crcs": [crc for _, _, crc in images]})
+            with self.keeper.cond:
+                held = step in self.steps  # parity of it already here: this keeper will not push any of it
+            return Reply({"images": [len_ for _, len_, _ in images], "crcs": [crc for _, _, crc in images],
+                          "parity": held})
         if request.get("rebuild"):
             self.serving_rebuild(step)
         elif op == "chunk":
@@ -251,6 +293,103 @@ class Redundancy:
                     return index
         raise LookupError(f"no parity of step {step} on node {self.place.node}")
 
+    # -- parity pushed by the group (module doc) ----------------------------------------------------------------
+    def _receive_push(self, request: dict[str, Any], length: int) -> tuple[memoryview, Callable[[bool], None]]:
+        """The transport's sink: where a pushed parity piece goes (this encode's parity file), and what checks
+        it once it is in; raises if it has no place."""
+        if request.get("op") != "parity_put":
+            raise ValueError(f"op {request.get('op')!r} takes no payload")
+        step, t, offset = int(request["step"]), int(request["t"]), int(request["offset"])
+        crc, chunk_len = int(request["crc"]), int(request["chunk_len"])
+        deadline = time.monotonic() + PUSH_WAIT
+        with self._pushes:
+            while (self._incoming is None or self._incoming.step != step) and step not in self.steps:
+                if not self._pushes.wait(max(deadline - time.monotonic(), 0)):
+                    break
+            incoming = self._incoming
+            if incoming is None or incoming.step != step or incoming.closed:
+                raise LookupError(f"node {self.place.node} is not encoding step {step}")
+            if t not in incoming.crcs or chunk_len != incoming.chunk_len \
+                    or (offset, length) not in incoming.pieces or offset in incoming.crcs[t]:
+                raise ValueError(f"no place for parity {t} bytes {offset}..{offset + length} of step {step}")
+            incoming.receiving += 1
+            base = t * chunk_len + offset
+            view = incoming.payload[base:base + length]
+
+        def done(received: bool) -> None:
+            good = received and crc32(incoming.payload[base:base + length]) == crc
+            with self._pushes:
+                incoming.receiving -= 1
+                if good and not incoming.closed:
+                    incoming.crcs[t][offset] = crc
+                incoming.last = time.monotonic()
+                self._pushes.notify_all()
+
+        return view, done
+
+    def _pushed(self, op: str, step: int, request: dict[str, Any]) -> Reply:
+        """The reply to a pushed piece (whether it was kept) or to a sender's end of a fragment."""
+        t = int(request["t"])
+        with self._pushes:
+            incoming = self._incoming
+            if incoming is None or incoming.step != step or incoming.closed or t not in incoming.crcs:
+                raise LookupError(f"node {self.place.node} is not encoding step {step}")
+            if op == "parity_put_end":
+                incoming.ended[t] = request["infos"]
+                incoming.last = time.monotonic()
+                self._pushes.notify_all()
+            elif int(request["offset"]) not in incoming.crcs[t]:
+                raise ValueError(f"parity {t} piece at {request['offset']} of step {step} failed its checksum")
+        return Reply({})
+
+    def _open_incoming(self, step: int, chunk_len: int, payload: memoryview, expected: list[int]) -> _Incoming:
+        """Take pushed pieces of the parity fragments k + t, t in ``expected``, of ``step`` into ``payload``."""
+        incoming = _Incoming(step, chunk_len, payload, self.layout.pieces(chunk_len), {t: {} for t in expected}, {},
+                             last=time.monotonic())
+        with self._pushes:
+            self._incoming = incoming
+            self._pushes.notify_all()
+        return incoming
+
+    def _await_pushes(self, incoming: _Incoming, infos: Any, generation: int) -> list[int]:
+        """Wait until every pushed fragment is complete, no piece came for :data:`PUSH_IDLE` seconds, or the job
+        moved to another generation (a node lost: this step's encode is moot); then take no more. Returns the t
+        whose fragment is complete (the rest are computed here)."""
+        with self._pushes:
+            while not all(incoming.complete(t, infos) for t in incoming.crcs):
+                idle = time.monotonic() - incoming.last
+                if idle >= PUSH_IDLE and not incoming.receiving or self.keeper.generation != generation:
+                    break
+                self._pushes.wait(min(max(PUSH_IDLE - idle, 0.01), PUSH_POLL))
+            return self._close_incoming(incoming, infos)
+
+    def _close_incoming(self, incoming: _Incoming, infos: Any = None) -> list[int]:
+        """No more pushes into ``incoming`` (waits for those being received); the complete t (called under
+        ``_pushes``)."""
+        incoming.closed = True
+        while incoming.receiving:
+            self._pushes.wait()
+        if self._incoming is incoming:
+            self._incoming = None
+        incoming.payload = memoryview(b"")  # the file's memory is not exported past the encode
+        return [t for t in incoming.crcs if incoming.complete(t, infos)]
+
+    def _push(self, step: int, t: int, chunk_len: int, failed: dict[int, Exception]) -> Callable[..., None]:
+        """Sends pieces of parity fragment k + t of this position's own stripe to its holder; after the first
+        failure, none more of this step (the holder computes the fragment itself)."""
+        node = self._node(self.layout.parity_position(self.place.position, t))
+
+        def send(offset: int, piece: memoryview, crc: int) -> None:
+            if t in failed:
+                return
+            try:
+                self._client(node).request("parity_put", payload=piece, step=step, t=t, offset=offset,
+                                           chunk_len=chunk_len, crc=crc)
+            except (PeerUnavailable, PeerError) as err:
+                failed[t] = err
+
+        return send
+
     # -- talking to peers -------------------------------------------------------------------------------------
     def _client(self, node: int) -> PeerClient:
         """The connection to ``node``'s keeper of this thread (connections carry one request at a time)."""
@@ -271,8 +410,12 @@ class Redundancy:
         if got != len(into):
             raise RedundancyError(f"node {node} sent {got} bytes of {op}, expected {len(into)}")
 
-    def _info(self, node: int, step: int) -> tuple[list[int], list[int]]:
+    def _info(self, node: int, step: int, parity_held: set[int] | None = None) -> tuple[list[int], list[int]]:
+        """``node``'s image lengths and checksums of ``step``; adds it to ``parity_held`` if it holds parity of
+        ``step`` already."""
         reply, _ = self._client(node).request("info", step=step)
+        if parity_held is not None and reply.get("parity") is True:
+            parity_held.add(node)
         return [int(n) for n in reply["images"]], [int(c) for c in reply["crcs"]]
 
     def _node(self, position: int) -> int:
@@ -283,7 +426,8 @@ class Redundancy:
         """Compute and commit this node's parity of ``step``; raises on a peer failure or changed data."""
         place, layout = self.place, self.layout
         t0 = time.perf_counter()
-        infos = {p: (self._local_info(step) if p == place.position else self._info(self._node(p), step))
+        done: set[int] = set()  # nodes that hold parity of ``step`` already (and will push none of it)
+        infos = {p: (self._local_info(step) if p == place.position else self._info(self._node(p), step, done))
                  for p in range(place.group)}
         chunk_len = layout.chunk_len([sum(images) for images, _ in infos.values()])
         with self.keeper.cond:
@@ -294,20 +438,10 @@ class Redundancy:
         file.set_state(WRITING)
         t1 = time.perf_counter()
         payload = file.payload()
-        crcs: dict[str, list[int]] = {}
-        for t, stripe in enumerate(layout.parity_stripes(place.position)):
-            def fetch_into(i: int, offset: int, length: int, into: memoryview, stripe: int = stripe) -> None:
-                self._fetch_into(self._node(layout.data_position(stripe, i)), "chunk", into, step=step, chunk=i,
-                                 offset=offset, length=length, chunk_len=chunk_len)
-
-            crcs[str(stripe)] = encode_parity(self.codec, layout, stripe, t, chunk_len, fetch_into,
-                                              payload[t * chunk_len:(t + 1) * chunk_len], self._encode_pool,
-                                              self._encode_scratch)
-            fire()
-        for position, info in infos.items():  # the data did not change while it was read
-            now = self._local_info(step) if position == place.position else self._info(self._node(position), step)
-            if now != info:
-                raise RedundancyError(f"step {step} of node {self._node(position)} changed while encoding")
+        by_t, received, waited = self._code(step, generation, chunk_len, payload, infos, done, fire)
+        self._check_unchanged(step, infos)
+        stripes = layout.parity_stripes(place.position)
+        crcs = {str(stripes[t]): by_t[t] for t in range(place.parity)}
         meta = json.dumps({"step": step, "group": place.group, "parity": place.parity, "backend": place.backend,
                            "position": place.position,
                            "chunk_len": chunk_len, "piece": layout.piece,
@@ -327,12 +461,88 @@ class Redundancy:
             self.steps[index] = step
             self.keeper.cond.notify_all()
         took = time.perf_counter() - t0
-        self.phases = {"prepare": t1 - t0, "code": t2 - t1, "seal": time.perf_counter() - t2}
+        self.phases = {"prepare": t1 - t0, "code": t2 - t1, "seal": time.perf_counter() - t2, "pushes": waited}
         blob = sum(infos[place.position][0])
         self.keeper.events.emit("parity", f"parity of step {step} for group {place.index} in {took * 1000:.0f} ms "
                                 f"({data_len} bytes of parity for blobs of {blob} bytes)", console=False,
-                                node=place.node, step=step, seconds=took, parity_bytes=data_len, phases=self.phases)
+                                node=place.node, step=step, seconds=took, parity_bytes=data_len, phases=self.phases,
+                                pushed=received)
         self._allocate_other(index, place.parity * chunk_len + META_ROOM)
+
+    def _code(self, step: int, generation: int, chunk_len: int, payload: memoryview,
+              infos: dict[int, tuple[list[int], list[int]]], done: set[int],
+              fire: Callable[[], None]) -> tuple[dict[int, list[int]], list[int], float]:
+        """This node's m parity fragments of ``step`` into ``payload``: fragment k of its own stripe computed
+        (with m >= 2 the stripe's other fragments pushed to their holders), the others taken as pushed by their
+        stripes' positions (not those in ``done``, which hold them already) or else computed here. Returns the
+        CRC-32 of each piece by t, the t received by push, and the seconds spent waiting for pushes."""
+        place, layout = self.place, self.layout
+        by_t: dict[int, list[int]] = {}  # the CRC-32 of each piece of parity fragment k + t
+        received: list[int] = []  # the t pushed by their stripes' own positions
+        waited = 0.0  # seconds waiting for pushes after this keeper's own stripe was done
+        read = _infos_doc(infos)
+        stripes = layout.parity_stripes(place.position)  # stripes[t]: also the position that pushes k + t of it
+        expected = [t for t in range(1, place.parity) if self._node(stripes[t]) not in done] if self.pushing else []
+        incoming = self._open_incoming(step, chunk_len, payload, expected) if expected else None
+        try:
+            failed: dict[int, Exception] = {}
+            also = {u: self._push(step, u, chunk_len, failed) for u in range(1, place.parity)} if self.pushing else {}
+            by_t[0] = self._encode_stripe(step, 0, chunk_len, payload, also)
+            fire()
+            if also:
+                self._check_unchanged(step, infos)
+                for u in also:
+                    if u not in failed:
+                        self._tell_end(step, u, read)
+            if incoming is not None:
+                waited = time.perf_counter()
+                complete = self._await_pushes(incoming, read, generation)
+                waited = time.perf_counter() - waited
+                for t in complete:
+                    by_t[t] = [incoming.crcs[t][o] for o, _ in incoming.pieces]
+                    received.append(t)
+                incoming = None
+            for t in range(1, place.parity):
+                if t not in by_t:
+                    by_t[t] = self._encode_stripe(step, t, chunk_len, payload)
+                    fire()
+        finally:
+            if incoming is not None:
+                with self._pushes:
+                    self._close_incoming(incoming)
+        return by_t, received, waited
+
+    def _encode_stripe(self, step: int, t: int, chunk_len: int, payload: memoryview,
+                       also: dict[int, Callable[..., None]] | None = None) -> list[int]:
+        """Parity fragment k + t of this position's stripe t into the parity file, from data fetched from the
+        group; ``also``: other fragments of the same stripe handed on (:meth:`_push`). Returns its piece CRCs."""
+        layout = self.layout
+        stripe = layout.parity_stripes(self.place.position)[t]
+
+        def fetch_into(i: int, offset: int, length: int, into: memoryview) -> None:
+            self._fetch_into(self._node(layout.data_position(stripe, i)), "chunk", into, step=step, chunk=i,
+                             offset=offset, length=length, chunk_len=chunk_len)
+
+        return encode_parity(self.codec, layout, stripe, t, chunk_len, fetch_into,
+                             payload[t * chunk_len:(t + 1) * chunk_len], self._encode_pool, self._encode_scratch,
+                             also)
+
+    def _check_unchanged(self, step: int, infos: dict[int, tuple[list[int], list[int]]]) -> None:
+        """Raises unless every position still holds the images of ``step`` it held when the encode began."""
+        for position, info in infos.items():
+            now = self._local_info(step) if position == self.place.position else self._info(self._node(position),
+                                                                                            step)
+            if now != info:
+                raise RedundancyError(f"step {step} of node {self._node(position)} changed while encoding")
+
+    def _tell_end(self, step: int, t: int, read: Any) -> None:
+        """Tells the holder of parity k + t of this position's stripe that every piece was sent, from the data
+        ``read`` (unchanged since): it may use them. A holder gone or not listening computes its own."""
+        node = self._node(self.layout.parity_position(self.place.position, t))
+        try:
+            self._client(node).request("parity_put_end", step=step, t=t, infos=read)
+        except (PeerUnavailable, PeerError):
+            pass
 
     def _local_info(self, step: int) -> tuple[list[int], list[int]]:
         images = self._images(step)
@@ -472,6 +682,11 @@ class Redundancy:
         self.phases = {"meta": t1 - t0, "claim": t2 - t1, "transfer": t3 - t2, "verify": t4 - t3,
                        "waited_for_memory": writer.memory.waited}
         return blob, t4 - t0
+
+
+def _infos_doc(infos: dict[int, tuple[list[int], list[int]]]) -> dict[str, list[list[int]]]:
+    """The images of every position that an encode read, as JSON keeps them (pushes compare them)."""
+    return {str(p): [list(images), list(crcs)] for p, (images, crcs) in sorted(infos.items())}
 
 
 def parity_checksum(header: Header, piece_crcs: list[int], meta: bytes) -> int:

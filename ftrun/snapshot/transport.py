@@ -18,10 +18,11 @@ Protocol (version 1; all integers big-endian):
    json_len <= :data:`MAX_JSON`; payload_len <= the receiver's ``max_payload`` (at most :data:`MAX_PAYLOAD`).
    A frame that breaks a rule closes its connection and nothing of it is acted on.
 
-3. The client sends a request ``{"op": str, ...}`` without payload (the server accepts one up to its
-   ``max_payload`` and ignores it); the server answers one reply per request, in order: the handler's fields
-   and payload, or ``{"error": "<type>: <message>"}`` when the handler failed. A connection carries one
-   request at a time, so a reply always belongs to the last request sent on it.
+3. The client sends a request ``{"op": str, ...}``, with a payload up to the server's ``max_payload``: the
+   server's ``sink`` names the memory it is received into (without a sink it is read and dropped). The server
+   answers one reply per request, in order: the handler's fields and payload, or ``{"error": "<type>:
+   <message>"}`` when the sink or the handler failed. A connection carries one request at a time, so a reply
+   always belongs to the last request sent on it.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class FileRange:
 
 
 Piece = FileRange | bytes | bytearray | memoryview
+Buffer = bytes | bytearray | memoryview
 
 
 @dataclass
@@ -93,6 +95,9 @@ class Reply:
 
 
 Handler = Callable[[dict[str, Any]], Reply]
+# (request fields, payload length) -> (writable view of exactly that length, done(received whole))
+Sink = Callable[[dict[str, Any], int], tuple[memoryview, Callable[[bool], None]]]
+DISCARD_CHUNK = 1 << 20
 _Outgoing = list[tuple[BinaryIO, int, int] | memoryview]
 
 
@@ -128,10 +133,9 @@ def _recv_all(sock: socket.socket, size: int, what: str, deadline: float | None 
     return buf
 
 
-def _recv_frame(
-    sock: socket.socket, max_payload: int, into: memoryview | None = None
-) -> tuple[dict[str, Any], bytes | int] | None:
-    """The next frame's JSON object and payload (its length when received ``into``); None on a clean close."""
+def _recv_head(sock: socket.socket, max_payload: int) -> tuple[dict[str, Any], int] | None:
+    """The next frame's JSON object and payload length (its payload is still to be read); None on a clean
+    close."""
     header = bytearray(FRAME.size)
     got = _recv_exact(sock, memoryview(header))
     if got == 0:
@@ -145,19 +149,40 @@ def _recv_frame(
         raise _Violation(f"frame JSON of {json_len} bytes exceeds {MAX_JSON}")
     if payload_len > max_payload:
         raise _Violation(f"frame payload of {payload_len} bytes exceeds {max_payload}")
-    if into is not None and payload_len > len(into):
-        raise _Violation(f"frame payload of {payload_len} bytes exceeds the {len(into)}-byte buffer")
     try:
         fields = json.loads(_recv_all(sock, json_len, "frame JSON").decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _Violation(f"frame JSON does not parse: {exc}") from exc
     if not isinstance(fields, dict):
         raise _Violation(f"frame JSON is a {type(fields).__name__}, not an object")
+    return fields, payload_len
+
+
+def _recv_frame(
+    sock: socket.socket, max_payload: int, into: memoryview | None = None
+) -> tuple[dict[str, Any], bytes | int] | None:
+    """The next frame's JSON object and payload (its length when received ``into``); None on a clean close."""
+    head = _recv_head(sock, max_payload)
+    if head is None:
+        return None
+    fields, payload_len = head
     if into is None:
         return fields, bytes(_recv_all(sock, payload_len, "frame payload"))
+    if payload_len > len(into):
+        raise _Violation(f"frame payload of {payload_len} bytes exceeds the {len(into)}-byte buffer")
     if _recv_exact(sock, into[:payload_len]) < payload_len:
         raise _Violation("connection closed during the frame payload")
     return fields, payload_len
+
+
+def _discard(sock: socket.socket, length: int) -> None:
+    """Read and drop ``length`` payload bytes (a request whose payload has no place)."""
+    buffer = memoryview(bytearray(min(length, DISCARD_CHUNK)))
+    while length > 0:
+        n = min(length, len(buffer))
+        if _recv_exact(sock, buffer[:n]) < n:
+            raise _Violation("connection closed during the frame payload")
+        length -= n
 
 
 def _prepare(fields: dict[str, Any], payload: Piece | list[Piece], files: ExitStack) -> tuple[bytes, _Outgoing]:
@@ -219,6 +244,10 @@ class PeerServer:
     new one is closed at once; one that has not completed the handshake after ``handshake_timeout`` seconds is
     dropped. The socket is bound at construction (``address``), served from :meth:`start`. ``on_event`` runs on
     server threads; an exception from it is ignored.
+
+    ``sink(fields, length)`` gives the memory a request's payload is received into and a ``done`` callback,
+    called once the payload is in (True) or the connection failed during it (False); ``done`` is called
+    whenever ``sink`` returned. A sink that raises makes the request an error reply (its payload is dropped).
     """
 
     def __init__(
@@ -232,10 +261,12 @@ class PeerServer:
         max_connections: int = 64,
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         listener: socket.socket | None = None,
+        sink: Sink | None = None,
     ) -> None:
         _check_secret(secret)
         self.secret = secret
         self.handler = handler
+        self.sink = sink
         self.on_event = on_event
         self.max_payload = min(max_payload, MAX_PAYLOAD)
         self.max_connections = max_connections
@@ -304,8 +335,8 @@ class PeerServer:
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             for option, value in KEEPALIVE.items():
                 conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-            while (request := _recv_frame(conn, self.max_payload)) is not None:
-                self._answer(conn, request[0])
+            while (head := _recv_head(conn, self.max_payload)) is not None:
+                self._answer(conn, head[0], self._take_payload(conn, *head))
         except _Violation as exc:
             self._report(f"peer {peer}: {exc}; connection closed")
         except TimeoutError:
@@ -330,12 +361,40 @@ class PeerServer:
         conn.settimeout(max(deadline - time.monotonic(), 1e-3))
         conn.sendall(_mac(self.secret, b"server", nonce_c, nonce_s))
 
-    def _answer(self, conn: socket.socket, request: dict[str, Any]) -> None:
+    def _take_payload(self, conn: socket.socket, fields: dict[str, Any], length: int) -> str | None:
+        """Receives a request's payload where the sink says (else drops it); returns why it has no place."""
+        if length == 0:
+            return None
+        if self.sink is None:
+            _discard(conn, length)
+            return None
+        try:
+            view, done = self.sink(fields, length)
+        except Exception as exc:
+            _discard(conn, length)
+            return _describe(exc)
+        received = False
+        try:
+            if len(view) != length:
+                _discard(conn, length)
+                return f"ValueError: the sink gave {len(view)} bytes for a payload of {length}"
+            if _recv_exact(conn, view) < length:
+                raise _Violation("connection closed during the frame payload")
+            received = True
+            return None
+        finally:
+            view.release()
+            done(received)
+
+    def _answer(self, conn: socket.socket, request: dict[str, Any], refused: str | None = None) -> None:
         with ExitStack() as files:
             try:
-                if not isinstance(request.get("op"), str):
+                if refused is not None:
+                    reply = Reply({"error": refused})
+                elif not isinstance(request.get("op"), str):
                     raise ValueError("the request has no op")
-                reply = self.handler(request)
+                else:
+                    reply = self.handler(request)
                 head, pieces = _prepare(reply.fields, reply.payload, files)
             except Exception as exc:
                 head, pieces = _prepare({"error": _describe(exc)}, b"", files)
@@ -362,8 +421,9 @@ class PeerClient:
         self._sock: socket.socket | None = None
         self._lock = threading.Lock()
 
-    def request(self, op: str, into: memoryview | None = None, **fields: Any) -> tuple[dict[str, Any], bytes | int]:
-        """Sends one request; returns (reply fields, payload).
+    def request(self, op: str, into: memoryview | None = None, payload: Buffer | None = None,
+                **fields: Any) -> tuple[dict[str, Any], bytes | int]:
+        """Sends one request, with ``payload`` bytes after it if given; returns (reply fields, payload).
 
         With ``into`` (a writable buffer), the payload is received straight into it with ``recv_into`` (no extra
         copy) and the second item is the number of bytes received; a payload longer than ``into`` is a
@@ -372,12 +432,15 @@ class PeerClient:
         view = None if into is None else memoryview(into).cast("B")
         if view is not None and view.readonly:
             raise ValueError("into must be a writable buffer")
-        head = _head({"op": op, **fields}, 0)
+        body = memoryview(payload if payload is not None else b"").cast("B")
+        head = _head({"op": op, **fields}, body.nbytes)
         with self._lock:
             try:
                 if self._sock is None:
                     self._sock = self._connect()
                 self._sock.sendall(head)
+                if body.nbytes:
+                    self._sock.sendall(body)
                 reply = _recv_frame(self._sock, self.max_payload, view)
                 if reply is None:
                     raise _Violation("connection closed by the peer")
