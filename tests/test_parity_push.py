@@ -1,0 +1,115 @@
+"""Parity pushed between keepers (m >= 2): what a holder takes into its parity file, what it refuses, and when it
+stops waiting. One keeper's :class:`Redundancy` with its real peer server, driven by a real :class:`PeerClient`;
+no job (the job-level cases are in test_erasure_recovery)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+from isal.isal_zlib import crc32
+
+from ftrun.events import EventLog
+from ftrun.snapshot import redundancy
+from ftrun.snapshot.erasure import ALIGN
+from ftrun.snapshot.redundancy import GroupPlace, Redundancy
+from ftrun.snapshot.transport import PeerClient, PeerError, PeerUnavailable
+
+pytestmark = pytest.mark.timeout(60)
+
+SECRET = b"push-secret-0123456789abcdef"
+STEP = 7
+PIECE = redundancy.StripeLayout(4, 2).piece_len  # a fragment of CHUNK bytes is two pieces: PIECE, then ALIGN
+CHUNK = PIECE + ALIGN
+INFOS = {"0": [[4096], [1]], "1": [[4096], [2]], "2": [[4096], [3]], "3": [[4096], [4]]}
+
+
+@pytest.fixture
+def holder(tmp_path) -> Iterator[tuple[Redundancy, bytearray, PeerClient]]:
+    """Position 1 of a group of 4 with m = 2, taking pushes of fragment k + 1 of ``STEP`` into ``payload``."""
+    keeper = SimpleNamespace(dir=str(tmp_path), job="push", generation=0, cond=threading.Condition(),
+                             events=EventLog("keeper 1", None, stream=None), ranks=[])
+    listener = socket.create_server(("127.0.0.1", 0))
+    red = Redundancy(keeper, GroupPlace(node=1, group=4, parity=2, backend="isa_l_rs_vand"), SECRET, listener)
+    red.server.start()
+    payload = bytearray(2 * CHUNK)
+    red._open_incoming(STEP, CHUNK, memoryview(payload), [1])
+    client = PeerClient(*red.server.address, SECRET, timeout=10)
+    yield red, payload, client
+    client.close()
+    red.close()
+
+
+def put(client: PeerClient, data: bytes, **fields: Any) -> None:
+    request = {"step": STEP, "t": 1, "offset": 0, "chunk_len": CHUNK, "crc": crc32(data), **fields}
+    client.request("parity_put", payload=data, **request)
+
+
+def test_pushed_pieces_land_in_the_parity_file_and_count_once_the_sender_ends(holder):
+    red, payload, client = holder
+    pieces = [(0, PIECE), (PIECE, ALIGN)]
+    data = os.urandom(CHUNK)
+    for offset, length in pieces:
+        put(client, data[offset:offset + length], offset=offset)
+    assert bytes(payload[CHUNK:]) == data and bytes(payload[:CHUNK]) == bytes(CHUNK)  # fragment k + 1 at t * L
+    client.request("parity_put_end", step=STEP, t=1, infos=INFOS)
+    incoming = red._incoming
+    assert red._await_pushes(incoming, INFOS, generation=0) == [1]
+    assert incoming.crcs[1] == {o: crc32(data[o:o + n]) for o, n in pieces}
+    with pytest.raises(PeerError, match="not encoding step"):  # closed: nothing more is taken
+        put(client, data[:PIECE])
+
+
+@pytest.mark.parametrize("fields,why", [
+    ({"step": STEP + 1}, "not encoding step 8"),
+    ({"t": 0}, "no place for parity 0"),
+    ({"t": 2}, "no place for parity 2"),
+    ({"chunk_len": CHUNK + ALIGN}, "no place"),
+    ({"offset": ALIGN}, "no place"),  # not where a piece starts
+    ({"crc": 12345}, "failed its checksum"),
+    ({"offset": "zero"}, "ValueError"),
+    ({"step": None}, "TypeError"),
+])
+def test_a_push_with_no_place_is_refused_and_the_holder_keeps_serving(holder, fields, why):
+    red, payload, client = holder
+    data = os.urandom(PIECE)
+    with pytest.raises(PeerError, match=why):
+        put(client, data, **fields)
+    assert red._incoming is not None and red._incoming.crcs[1] == {}
+    put(client, data)  # the same connection, in step
+    assert bytes(payload[CHUNK:CHUNK + PIECE]) == data and list(red._incoming.crcs[1]) == [0]
+    with pytest.raises(PeerError, match="no place"):  # a piece comes once
+        put(client, data)
+
+
+def test_a_payload_longer_than_a_piece_closes_the_connection(holder):
+    red, _, client = holder
+    with pytest.raises(PeerUnavailable):
+        put(client, bytes(PIECE + ALIGN))
+    put(client, os.urandom(PIECE))  # a new connection
+    assert list(red._incoming.crcs[1]) == [0]
+
+
+def test_the_holder_computes_itself_when_pushes_stop_or_the_sender_read_other_data(holder, monkeypatch):
+    red, _, client = holder
+    monkeypatch.setattr(redundancy, "PUSH_IDLE", 0.2)
+    data = os.urandom(CHUNK)
+    for offset, length in ((0, PIECE), (PIECE, ALIGN)):
+        put(client, data[offset:offset + length], offset=offset)
+    other = {**INFOS, "2": [[4096], [99]]}  # the sender read another image of position 2
+    client.request("parity_put_end", step=STEP, t=1, infos=other)
+    assert red._await_pushes(red._incoming, INFOS, generation=0) == []
+    # pieces missing: no end comes, the wait ends after PUSH_IDLE without a piece
+    red._open_incoming(STEP, CHUNK, memoryview(bytearray(2 * CHUNK)), [1])
+    put(client, data[:PIECE])
+    assert red._await_pushes(red._incoming, INFOS, generation=0) == []
+    # a new generation ends the wait at once (the job lost a node: this step's encode is moot)
+    red._open_incoming(STEP, CHUNK, memoryview(bytearray(2 * CHUNK)), [1])
+    monkeypatch.setattr(redundancy, "PUSH_IDLE", 60.0)
+    red.keeper.generation = 1
+    assert red._await_pushes(red._incoming, INFOS, generation=0) == []
