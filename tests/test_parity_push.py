@@ -38,11 +38,16 @@ def holder(tmp_path) -> Iterator[tuple[Redundancy, bytearray, PeerClient]]:
     red = Redundancy(keeper, GroupPlace(node=1, group=4, parity=2, backend="isa_l_rs_vand"), SECRET, listener)
     red.server.start()
     payload = bytearray(2 * CHUNK)
-    red._open_incoming(STEP, CHUNK, memoryview(payload), [1])
+    expect(red, payload)
     client = PeerClient(*red.server.address, SECRET, timeout=10)
     yield red, payload, client
     client.close()
     red.close()
+
+
+def expect(red: Redundancy, payload: bytearray) -> None:
+    """The holder encodes ``STEP`` into ``payload`` and expects fragment k + 1 pushed."""
+    red._fill_incoming(red._open_incoming(STEP, CHUNK, [1]), memoryview(payload))
 
 
 def put(client: PeerClient, data: bytes, **fields: Any) -> None:
@@ -105,11 +110,50 @@ def test_the_holder_computes_itself_when_pushes_stop_or_the_sender_read_other_da
     client.request("parity_put_end", step=STEP, t=1, infos=other)
     assert red._await_pushes(red._incoming, INFOS, generation=0) == []
     # pieces missing: no end comes, the wait ends after PUSH_IDLE without a piece
-    red._open_incoming(STEP, CHUNK, memoryview(bytearray(2 * CHUNK)), [1])
+    expect(red, bytearray(2 * CHUNK))
     put(client, data[:PIECE])
     assert red._await_pushes(red._incoming, INFOS, generation=0) == []
     # a new generation ends the wait at once (the job lost a node: this step's encode is moot)
-    red._open_incoming(STEP, CHUNK, memoryview(bytearray(2 * CHUNK)), [1])
+    expect(red, bytearray(2 * CHUNK))
     monkeypatch.setattr(redundancy, "PUSH_IDLE", 60.0)
     red.keeper.generation = 1
     assert red._await_pushes(red._incoming, INFOS, generation=0) == []
+
+
+def test_a_push_waits_while_the_holder_allocates_its_parity_file(holder, monkeypatch):
+    """The holder expects pushes before its parity file is allocated (a first encode allocates it): a piece
+    that comes meanwhile waits past PUSH_WAIT and lands once the memory is named; if the encode ends instead,
+    it is refused."""
+    red, _, client = holder
+    monkeypatch.setattr(redundancy, "PUSH_WAIT", 0.05)
+    with red._pushes:
+        red._close_incoming(red._incoming)
+    data = os.urandom(PIECE)
+    for fill in (True, False):
+        incoming = red._open_incoming(STEP, CHUNK, [1])
+        payload = bytearray(2 * CHUNK)
+        outcome: list[Exception | None] = []
+        pusher = threading.Thread(target=lambda: outcome.append(_try(put, client, data)))
+        pusher.start()
+        pusher.join(0.3)
+        assert pusher.is_alive()  # waiting for the memory, past PUSH_WAIT
+        if fill:
+            red._fill_incoming(incoming, memoryview(payload))
+        else:
+            with red._pushes:
+                red._close_incoming(incoming)
+        pusher.join(10)
+        if fill:
+            assert outcome == [None] and bytes(payload[CHUNK:CHUNK + PIECE]) == data
+            with red._pushes:
+                red._close_incoming(incoming)
+        else:
+            assert isinstance(outcome[0], PeerError) and "not encoding step" in str(outcome[0])
+
+
+def _try(fn: Any, *args: Any) -> Exception | None:
+    try:
+        fn(*args)
+    except Exception as err:  # handed to the test thread
+        return err
+    return None

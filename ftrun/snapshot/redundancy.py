@@ -136,10 +136,10 @@ class _Incoming:
 
     step: int
     chunk_len: int
-    payload: memoryview  # the parity file's payload: fragment k + t at t * chunk_len
     pieces: list[tuple[int, int]]
     crcs: dict[int, dict[int, int]]  # t -> piece offset -> CRC-32
     ended: dict[int, Any]  # t -> the images the sender read (its ``infos``)
+    payload: memoryview | None = None  # the parity file's payload (fragment k + t at t * chunk_len) once allocated
     receiving: int = 0  # pieces being received now
     last: float = 0.0  # monotonic time of the last piece or end
     closed: bool = False
@@ -303,21 +303,26 @@ class Redundancy:
         crc, chunk_len = int(request["crc"]), int(request["chunk_len"])
         deadline = time.monotonic() + PUSH_WAIT
         with self._pushes:
-            while (self._incoming is None or self._incoming.step != step) and step not in self.steps:
-                if not self._pushes.wait(max(deadline - time.monotonic(), 0)):
-                    break
-            incoming = self._incoming
-            if incoming is None or incoming.step != step or incoming.closed:
-                raise LookupError(f"node {self.place.node} is not encoding step {step}")
+            while True:
+                incoming = self._incoming
+                if incoming is not None and incoming.step == step and not incoming.closed:
+                    if incoming.payload is not None:
+                        break
+                    self._pushes.wait()  # its parity file is being allocated: the encode fills or closes it
+                elif step in self.steps or time.monotonic() >= deadline:
+                    raise LookupError(f"node {self.place.node} is not encoding step {step}")
+                else:
+                    self._pushes.wait(deadline - time.monotonic())
             if t not in incoming.crcs or chunk_len != incoming.chunk_len \
                     or (offset, length) not in incoming.pieces or offset in incoming.crcs[t]:
                 raise ValueError(f"no place for parity {t} bytes {offset}..{offset + length} of step {step}")
             incoming.receiving += 1
             base = t * chunk_len + offset
-            view = incoming.payload[base:base + length]
+            payload = incoming.payload
+            view = payload[base:base + length]
 
         def done(received: bool) -> None:
-            good = received and crc32(incoming.payload[base:base + length]) == crc
+            good = received and crc32(payload[base:base + length]) == crc
             with self._pushes:
                 incoming.receiving -= 1
                 if good and not incoming.closed:
@@ -342,14 +347,21 @@ class Redundancy:
                 raise ValueError(f"parity {t} piece at {request['offset']} of step {step} failed its checksum")
         return Reply({})
 
-    def _open_incoming(self, step: int, chunk_len: int, payload: memoryview, expected: list[int]) -> _Incoming:
-        """Take pushed pieces of the parity fragments k + t, t in ``expected``, of ``step`` into ``payload``."""
-        incoming = _Incoming(step, chunk_len, payload, self.layout.pieces(chunk_len), {t: {} for t in expected}, {},
+    def _open_incoming(self, step: int, chunk_len: int, expected: list[int]) -> _Incoming:
+        """Take pushed pieces of the parity fragments k + t, t in ``expected``, of ``step``: they wait until
+        :meth:`_fill_incoming` names the memory (or the encode ends)."""
+        incoming = _Incoming(step, chunk_len, self.layout.pieces(chunk_len), {t: {} for t in expected}, {},
                              last=time.monotonic())
         with self._pushes:
             self._incoming = incoming
             self._pushes.notify_all()
         return incoming
+
+    def _fill_incoming(self, incoming: _Incoming, payload: memoryview) -> None:
+        with self._pushes:
+            incoming.payload = payload
+            incoming.last = time.monotonic()
+            self._pushes.notify_all()
 
     def _await_pushes(self, incoming: _Incoming, infos: Any, generation: int) -> list[int]:
         """Wait until every pushed fragment is complete, no piece came for :data:`PUSH_IDLE` seconds, or the job
@@ -367,11 +379,12 @@ class Redundancy:
         """No more pushes into ``incoming`` (waits for those being received); the complete t (called under
         ``_pushes``)."""
         incoming.closed = True
+        self._pushes.notify_all()
         while incoming.receiving:
             self._pushes.wait()
         if self._incoming is incoming:
             self._incoming = None
-        incoming.payload = memoryview(b"")  # the file's memory is not exported past the encode
+        incoming.payload = None  # the file's memory is not exported past the encode
         return [t for t in incoming.crcs if incoming.complete(t, infos)]
 
     def _push(self, step: int, t: int, chunk_len: int, failed: dict[int, Exception]) -> Callable[..., None]:
@@ -430,17 +443,26 @@ class Redundancy:
         infos = {p: (self._local_info(step) if p == place.position else self._info(self._node(p), step, done))
                  for p in range(place.group)}
         chunk_len = layout.chunk_len([sum(images) for images, _ in infos.values()])
-        with self.keeper.cond:
-            index = min(range(PARITY_FILES), key=lambda i: (self.steps[i] == protected and protected > 0,
-                                                            -1 if self.steps[i] is None else self.steps[i]))
-            self.steps[index] = None
-        file = self._ensure(index, place.parity * chunk_len + META_ROOM)
-        file.set_state(WRITING)
-        t1 = time.perf_counter()
-        payload = file.payload()
-        by_t, received, waited = self._code(step, generation, chunk_len, payload, infos, done, fire)
+        stripes = layout.parity_stripes(place.position)  # stripes[t]: also the position that pushes k + t of it
+        expected = [t for t in range(1, place.parity) if self._node(stripes[t]) not in done] if self.pushing else []
+        incoming = self._open_incoming(step, chunk_len, expected) if expected else None  # before the allocation
+        try:
+            with self.keeper.cond:
+                index = min(range(PARITY_FILES), key=lambda i: (self.steps[i] == protected and protected > 0,
+                                                                -1 if self.steps[i] is None else self.steps[i]))
+                self.steps[index] = None
+            file = self._ensure(index, place.parity * chunk_len + META_ROOM)
+            file.set_state(WRITING)
+            t1 = time.perf_counter()
+            payload = file.payload()
+            if incoming is not None:
+                self._fill_incoming(incoming, payload)
+            by_t, received, waited = self._code(step, generation, chunk_len, payload, infos, incoming, fire)
+        finally:
+            if incoming is not None:
+                with self._pushes:
+                    self._close_incoming(incoming)
         self._check_unchanged(step, infos)
-        stripes = layout.parity_stripes(place.position)
         crcs = {str(stripes[t]): by_t[t] for t in range(place.parity)}
         meta = json.dumps({"step": step, "group": place.group, "parity": place.parity, "backend": place.backend,
                            "position": place.position,
@@ -470,46 +492,36 @@ class Redundancy:
         self._allocate_other(index, place.parity * chunk_len + META_ROOM)
 
     def _code(self, step: int, generation: int, chunk_len: int, payload: memoryview,
-              infos: dict[int, tuple[list[int], list[int]]], done: set[int],
+              infos: dict[int, tuple[list[int], list[int]]], incoming: _Incoming | None,
               fire: Callable[[], None]) -> tuple[dict[int, list[int]], list[int], float]:
         """This node's m parity fragments of ``step`` into ``payload``: fragment k of its own stripe computed
-        (with m >= 2 the stripe's other fragments pushed to their holders), the others taken as pushed by their
-        stripes' positions (not those in ``done``, which hold them already) or else computed here. Returns the
-        CRC-32 of each piece by t, the t received by push, and the seconds spent waiting for pushes."""
-        place, layout = self.place, self.layout
+        (with m >= 2 the stripe's other fragments pushed to their holders), the others taken as pushed into
+        ``incoming`` by their stripes' positions or else computed here. Returns the CRC-32 of each piece by t, the
+        t received by push, and the seconds spent waiting for pushes."""
+        place = self.place
         by_t: dict[int, list[int]] = {}  # the CRC-32 of each piece of parity fragment k + t
         received: list[int] = []  # the t pushed by their stripes' own positions
         waited = 0.0  # seconds waiting for pushes after this keeper's own stripe was done
         read = _infos_doc(infos)
-        stripes = layout.parity_stripes(place.position)  # stripes[t]: also the position that pushes k + t of it
-        expected = [t for t in range(1, place.parity) if self._node(stripes[t]) not in done] if self.pushing else []
-        incoming = self._open_incoming(step, chunk_len, payload, expected) if expected else None
-        try:
-            failed: dict[int, Exception] = {}
-            also = {u: self._push(step, u, chunk_len, failed) for u in range(1, place.parity)} if self.pushing else {}
-            by_t[0] = self._encode_stripe(step, 0, chunk_len, payload, also)
-            fire()
-            if also:
-                self._check_unchanged(step, infos)
-                for u in also:
-                    if u not in failed:
-                        self._tell_end(step, u, read)
-            if incoming is not None:
-                waited = time.perf_counter()
-                complete = self._await_pushes(incoming, read, generation)
-                waited = time.perf_counter() - waited
-                for t in complete:
-                    by_t[t] = [incoming.crcs[t][o] for o, _ in incoming.pieces]
-                    received.append(t)
-                incoming = None
-            for t in range(1, place.parity):
-                if t not in by_t:
-                    by_t[t] = self._encode_stripe(step, t, chunk_len, payload)
-                    fire()
-        finally:
-            if incoming is not None:
-                with self._pushes:
-                    self._close_incoming(incoming)
+        failed: dict[int, Exception] = {}
+        also = {u: self._push(step, u, chunk_len, failed) for u in range(1, place.parity)} if self.pushing else {}
+        by_t[0] = self._encode_stripe(step, 0, chunk_len, payload, also)
+        fire()
+        if also:
+            self._check_unchanged(step, infos)
+            for u in also:
+                if u not in failed:
+                    self._tell_end(step, u, read)
+        if incoming is not None:
+            waited = time.perf_counter()
+            for t in self._await_pushes(incoming, read, generation):
+                by_t[t] = [incoming.crcs[t][o] for o, _ in incoming.pieces]
+                received.append(t)
+            waited = time.perf_counter() - waited
+        for t in range(1, place.parity):
+            if t not in by_t:
+                by_t[t] = self._encode_stripe(step, t, chunk_len, payload)
+                fire()
         return by_t, received, waited
 
     def _encode_stripe(self, step: int, t: int, chunk_len: int, payload: memoryview,
