@@ -12,7 +12,8 @@ of its ranks (the worker reports its state bytes). Times are medians.
   ``parity`` events (fetch of the data fragments from
   the other keepers over TCP, encoding, writing the parity file, checks), blob / seconds per keeper, median over
   the steps before the node loss except each keeper's first two (they allocate the two parity files, shown
-  apart); the trainers run meanwhile, as in training. With m >= 2, the share of the fragments k + 1.. that their
+  apart); the trainers run meanwhile, as in training. The job's pace of protection: median seconds between two
+  steps protected by parity on every node (``protected`` events), past the first two. With m >= 2, the share of the fragments k + 1.. that their
   stripes' own positions pushed (the rest the holders computed from the data themselves). Encode, one keeper
   alone: as a keeper, over loopback TCP from peer servers (with m >= 2: its own stripe, the other fragments
   pushed to a peer).
@@ -444,6 +445,7 @@ class Result:
     rebuild_prepared: float  # the same into slots allocated before it began
     keepers: dict[int, float]  # node -> median seconds of its steady encodes
     pushed: float | None  # share of the parity fragments k + t (t >= 1) pushed by their stripe's position
+    protected_every: float  # median seconds between two steps protected by the whole group (steady)
     allocating: float  # median seconds of the keepers' first two encodes
     parity_bytes: int
     rebuilt: Event  # the slowest rebuild of the lost nodes
@@ -504,6 +506,16 @@ def pushed_share(job: Job, parity: int) -> float | None:
     return sum(len(e.get("pushed", [])) for e in events) / (len(events) * (parity - 1))
 
 
+def protection_interval(job: Job) -> float:
+    """Median seconds between two consecutive steps protected by parity on every node of the group (``protected``
+    events) before the node loss, past the first two (they allocate the parity files)."""
+    loss = min(e["time"] for e in job.of("inject"))
+    times = sorted(e["time"] for e in job.of("protected") if e["time"] < loss)[ALLOCATION_ENCODES:]
+    if len(times) < 2:
+        raise SystemExit("fewer than two steps protected before the node loss past the first two: raise --loss-at")
+    return med([b - a for a, b in zip(times, times[1:])])
+
+
 def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
     job = run_job(shape, args, workdir)
     steady, first = steady_encodes(job)
@@ -513,7 +525,7 @@ def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
     tcp = tcp_copy_seconds(rebuilt["bytes"], args.reps)
     tcp_fresh = tcp_copy_seconds(rebuilt["bytes"], args.reps, fresh=True)
     return Result(shape, job.state_bytes, med(encode), med(rebuild), med(encode_tcp), med(rebuild_tcp),
-                  med(rebuild_prepared), steady, pushed_share(job, shape.parity),
+                  med(rebuild_prepared), steady, pushed_share(job, shape.parity), protection_interval(job),
                   med(first), job.of("parity")[0]["parity_bytes"], rebuilt, med(tcp), med(tcp_fresh),
                   job.of("recovered")[0]["seconds"], job.memory, job.records)
 
@@ -574,6 +586,7 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     row("  each keeper, node 0, 1, ... (GB/s)", *(spread([r.state / t / GB for t in r.keepers.values()])
                                                   for r in results))
     row("  first two encodes (parity files allocated)", *(r.gbs(r.allocating) for r in results))
+    row("  a step protected on every node every (s)", *(f"{r.protected_every:.3f} s" for r in results))
     row("  parity k+1.. pushed by the stripe's position", *("-" if r.pushed is None else f"{r.pushed:.0%}"
                                                             for r in results))
     row("rebuild of a lost node (slowest rebuilt event)", *(f"{r.rebuilt['seconds']:.3f} s" for r in results))
