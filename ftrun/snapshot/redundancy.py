@@ -36,9 +36,11 @@ it straight into its parity file. Once p has checked that the data did not chang
 each holder so (``parity_put_end``, with the image checksums it read). The holder uses pushed parity only if
 every piece arrived with its CRC and the sender read the same images as it did; else (a sender lost, late,
 still on another step, or no push within :data:`PUSH_IDLE` seconds) it fetches that stripe's data and computes
-the fragment itself, as with m = 1. An encode moves (1 + (m - 1)/k) x the node's state instead of m x.
+the fragment itself, as with m = 1. A holder expects pushes before it allocates its parity file; a piece that
+comes meanwhile waits for the memory. An encode moves (1 + (m - 1)/k) x the node's state instead of m x.
 
-Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths and checksums;
+Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths and checksums, and whether this
+keeper holds parity of the step already (then it pushes none: its holders do not wait for it);
 ``chunk {step, chunk, offset, length, chunk_len}`` -> bytes of a chunk of the blob (zeros past its end);
 ``parity_meta {step}`` -> the parity file's JSON; ``parity {step, t, offset, length}`` -> parity bytes;
 ``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece; ``parity_put_end {step, t, infos}``.
