@@ -131,6 +131,11 @@ class Job:
         return [e for e in self.events if e["event"] == name]
 
     @property
+    def loss(self) -> float:
+        """When the injected node loss happened (the first ``inject`` event)."""
+        return min(e["time"] for e in self.of("inject"))
+
+    @property
     def state_bytes(self) -> int:
         """State bytes of one node (one rank per node; every rank has the same size)."""
         return int(self.records[0]["state_bytes"])
@@ -480,7 +485,7 @@ class Result:
 
 def steady_encodes(job: Job) -> tuple[dict[int, float], list[float]]:
     """Per keeper, the median seconds of its encodes before the node loss but its first two; and those first."""
-    loss = min(e["time"] for e in job.of("inject"))
+    loss = job.loss
     by_node: dict[int, list[Event]] = {}
     for event in job.of("parity"):
         if event["time"] < loss:
@@ -499,7 +504,7 @@ def steady_encodes(job: Job) -> tuple[dict[int, float], list[float]]:
 def pushed_share(job: Job, parity: int) -> float | None:
     """Of the parity fragments k + t, t >= 1, that the keepers committed before the node loss, the share their
     stripes' own positions pushed (None with m = 1)."""
-    loss = min(e["time"] for e in job.of("inject"))
+    loss = job.loss
     events = [e for e in job.of("parity") if e["time"] < loss]
     if parity < 2 or not events:
         return None
@@ -509,7 +514,7 @@ def pushed_share(job: Job, parity: int) -> float | None:
 def protection_interval(job: Job) -> float:
     """Median seconds between two consecutive steps protected by parity on every node of the group (``protected``
     events) before the node loss, past the first two (they allocate the parity files)."""
-    loss = min(e["time"] for e in job.of("inject"))
+    loss = job.loss
     times = sorted(e["time"] for e in job.of("protected") if e["time"] < loss)[ALLOCATION_ENCODES:]
     if len(times) < 2:
         raise SystemExit("fewer than two steps protected before the node loss past the first two: raise --loss-at")

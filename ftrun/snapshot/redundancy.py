@@ -56,7 +56,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -64,7 +64,8 @@ from isal.isal_zlib import crc32
 
 from ftrun.events import EventLog
 from ftrun.snapshot.priority import lower_to_background
-from ftrun.snapshot.erasure import Buffer, Codec, Scratch, Segment, StripeLayout, encode_parity, rebuild_chunk
+from ftrun.snapshot.erasure import (Buffer, Codec, Scratch, Segment, SendPiece, StripeLayout, encode_parity,
+                                    rebuild_chunk)
 from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header, SlotFile
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerError, PeerServer, PeerUnavailable, Reply
 
@@ -389,10 +390,14 @@ class Redundancy:
         incoming.payload = None  # the file's memory is not exported past the encode
         return [t for t in incoming.crcs if incoming.complete(t, infos)]
 
-    def _push(self, step: int, t: int, chunk_len: int, failed: dict[int, Exception]) -> Callable[..., None]:
+    def _holder(self, t: int) -> int:
+        """The node holding parity fragment k + t of this position's own stripe (it pushes that fragment there)."""
+        return self._node(self.layout.parity_position(self.place.position, t))
+
+    def _push(self, step: int, t: int, chunk_len: int, failed: dict[int, Exception]) -> SendPiece:
         """Sends pieces of parity fragment k + t of this position's own stripe to its holder; after the first
         failure, none more of this step (the holder computes the fragment itself)."""
-        node = self._node(self.layout.parity_position(self.place.position, t))
+        node = self._holder(t)
 
         def send(offset: int, piece: memoryview, crc: int) -> None:
             if t in failed:
@@ -527,7 +532,7 @@ class Redundancy:
         return by_t, received, waited
 
     def _encode_stripe(self, step: int, t: int, chunk_len: int, payload: memoryview,
-                       also: dict[int, Callable[..., None]] | None = None) -> list[int]:
+                       also: Mapping[int, SendPiece] | None = None) -> list[int]:
         """Parity fragment k + t of this position's stripe t into the parity file, from data fetched from the
         group; ``also``: other fragments of the same stripe handed on (:meth:`_push`). Returns its piece CRCs."""
         layout = self.layout
@@ -552,9 +557,8 @@ class Redundancy:
     def _tell_end(self, step: int, t: int, read: Any) -> None:
         """Tells the holder of parity k + t of this position's stripe that every piece was sent, from the data
         ``read`` (unchanged since): it may use them. A holder gone or not listening computes its own."""
-        node = self._node(self.layout.parity_position(self.place.position, t))
         try:
-            self._client(node).request("parity_put_end", step=step, t=t, infos=read)
+            self._client(self._holder(t)).request("parity_put_end", step=step, t=t, infos=read)
         except (PeerUnavailable, PeerError):
             pass
 
