@@ -24,10 +24,9 @@ import subprocess
 import sys
 import time
 
-import psutil
-
 from ftrun.events import EventLog
 from ftrun.snapshot.persist import complete_steps, step_name
+from ftrun.snapshot.priority import lower_task
 
 DCP_DIR = "dcp"
 ENV_DCP_ROOT = "FTRUN_DCP_ROOT"  # a trainer's: its job's durable directory (--ckpt-dir)
@@ -78,11 +77,7 @@ class DcpCopies:
             child = subprocess.Popen([sys.executable, "-m", "ftrun", "export", self.root, partial, "--format", "dcp",
                                       "--step", str(step)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, text=True)
-            try:
-                psutil.Process(child.pid).nice(19)
-                psutil.Process(child.pid).ionice(psutil.IOPRIO_CLASS_IDLE)
-            except psutil.Error:
-                pass  # best effort, as the keeper's persister thread
+            lower_task(child.pid)  # before it starts a thread, as the keeper's persister thread
             self._running = step, child, time.monotonic()
 
     def _ended(self, step: int, child: subprocess.Popen[str], seconds: float) -> None:

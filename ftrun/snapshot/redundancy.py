@@ -302,6 +302,7 @@ class Redundancy:
         it once it is in; raises if it has no place."""
         if request.get("op") != "parity_put":
             raise ValueError(f"op {request.get('op')!r} takes no payload")
+        lower_to_background()  # this connection serves an encoder's pushes (its own thread, lowered for good)
         step, t, offset = int(request["step"]), int(request["t"]), int(request["offset"])
         crc, chunk_len = int(request["crc"]), int(request["chunk_len"])
         deadline = time.monotonic() + PUSH_WAIT

@@ -1,0 +1,84 @@
+"""Background work runs in SCHED_IDLE, one thread at a time; what trainers run stays at the default priority."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from ftrun.snapshot.priority import lower_task, lower_to_background
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _policy_and_nice(tid: int) -> tuple[int, int]:
+    return os.sched_getscheduler(tid), os.getpriority(os.PRIO_PROCESS, tid)
+
+
+def test_a_lowered_thread_runs_in_sched_idle_and_the_others_keep_their_priority():
+    seen: list[tuple[int, int]] = []
+
+    def work() -> None:
+        lower_to_background()
+        lower_to_background()  # once per thread: a second call changes nothing
+        seen.append(_policy_and_nice(threading.get_native_id()))
+
+    before = _policy_and_nice(threading.get_native_id())
+    worker = threading.Thread(target=work)
+    worker.start()
+    worker.join()
+    assert seen == [(os.SCHED_IDLE, max(10, before[1]))]
+    assert _policy_and_nice(threading.get_native_id()) == before
+
+
+def test_a_child_process_lowered_at_its_start_passes_the_policy_to_its_threads():
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import os, sys, threading
+        sys.stdin.readline()  # lowered by now
+        out = []
+        t = threading.Thread(target=lambda: out.append(os.sched_getscheduler(threading.get_native_id())))
+        t.start(); t.join()
+        print(os.sched_getscheduler(0), out[0], os.getpriority(os.PRIO_PROCESS, 0))
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        lower_task(child.pid, idle_io=False)
+        out, _ = child.communicate("go\n", timeout=30)
+    finally:
+        child.kill()
+    assert out.split() == [str(os.SCHED_IDLE), str(os.SCHED_IDLE), "19"]
+
+
+def test_trainers_forked_after_the_zygote_preloaded_keep_the_default_priority(tmp_path):
+    """The zygote imports PRELOAD in a SCHED_IDLE thread; a trainer it forks afterwards has its main thread's
+    priority, as one forked before the preload has."""
+    script = tmp_path / "trainer.py"
+    script.write_text("import os, sys\n"
+                      "policy, nice = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)\n"
+                      "open(sys.argv[1], 'w').write(f'{policy} {nice}')\n")
+    driver = textwrap.dedent(f"""
+        import os, sys
+        from ftrun.launch.processes import become_subreaper
+        from ftrun.launch.zygote import SpawnRequest, ZygoteClient
+        become_subreaper()
+        zygote = ZygoteClient()
+        try:
+            for name in ("before", "after"):
+                if name == "after":
+                    zygote.preload()
+                pid = zygote.spawn(SpawnRequest(target={str(script)!r}, args=[os.path.join({str(tmp_path)!r}, name)],
+                                                module=False, env=dict(os.environ), cwd=os.getcwd()))
+                _, status = os.waitpid(pid, 0)
+                assert os.waitstatus_to_exitcode(status) == 0, status
+        finally:
+            zygote.close()
+        os.waitpid(zygote.pid, 0)
+        """)
+    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=50)
+    assert done.returncode == 0, done.stderr
+    default = f"{os.sched_getscheduler(0)} {os.getpriority(os.PRIO_PROCESS, 0)}"
+    assert (tmp_path / "before").read_text() == default
+    assert (tmp_path / "after").read_text() == default
