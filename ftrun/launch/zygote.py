@@ -9,7 +9,9 @@ operation (a fork after a multi-threaded torch op hangs the child) and never ini
 What training scripts import next (:data:`PRELOAD`: DDP and the optimizers import ``torch._dynamo``, 1.8 s
 here) is not on the way to the first trainers: the supervisor asks for it (:meth:`ZygoteClient.preload`) a few
 seconds into the first generation (not on the way to a restart soon after the start either: the zygote forks
-nothing while it imports), so that later generations start with it imported; a spare's zygote at once.
+nothing while it imports), so that later generations start with it imported; a spare's zygote at once. It imports
+in a thread of the lowest CPU priority (``SCHED_IDLE``, :mod:`ftrun.snapshot.priority`), so that the trainers
+running meanwhile keep their cores; the trainers it forks later have the priority of its main thread.
 
 Protocol on the socket pair, one JSON document per line:
 
@@ -31,6 +33,7 @@ import os
 import socket
 import signal
 import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -39,6 +42,7 @@ from typing import NoReturn
 from ftrun.control.spec import FORWARDED_SIGNALS
 from ftrun.launch.bootstrap import run_main
 from ftrun.launch.processes import ZYGOTE_NAME, die_with_parent, set_process_name
+from ftrun.snapshot.priority import lower_priority
 
 # imported by the supervisor before the fork: torch, torch.distributed. Asked for later (see the docstring):
 # torch._dynamo, which DistributedDataParallel and the optimizers' first step import (1-4 s per trainer).
@@ -211,11 +215,20 @@ def _run(request: SpawnRequest) -> None:
 
 
 def _preload() -> None:
-    for name in PRELOAD:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            pass
+    """Import :data:`PRELOAD` in a thread of the lowest priority (the import is seconds of CPU that the running
+    trainers would otherwise share), and wait for it: the trainers forked later inherit this thread's priority,
+    which stays as it was."""
+    def run() -> None:
+        lower_priority(idle_io=False)
+        for name in PRELOAD:
+            try:
+                importlib.import_module(name)
+            except Exception:  # best effort: a trainer imports what it uses itself
+                pass
+
+    importer = threading.Thread(target=run, name="ftrun-preload")
+    importer.start()
+    importer.join()
 
 
 def _zygote(sock: socket.socket, supervisor: int) -> NoReturn:
