@@ -28,6 +28,7 @@ bench: install
 	$(BIN)/python benchmarks/overhead.py
 	$(BIN)/python benchmarks/snapshot.py
 	$(BIN)/python benchmarks/erasure.py
+	$(BIN)/python benchmarks/priority.py
 	$(BIN)/python benchmarks/persist_rounds.py
 	$(BIN)/python benchmarks/node_loss.py
 

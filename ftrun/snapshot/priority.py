@@ -7,14 +7,17 @@ once, for good, by the work it is made for:
 * :func:`lower_to_background`: checksums of new snapshots, parity encoding and the peers' side of it,
   allocating slots ahead. :func:`lower_priority`: writing steps to disk (also in the idle I/O class).
 
-Both run in the ``SCHED_IDLE`` policy: a thread in it runs only on a core no other thread wants, and a trainer
-that wakes takes the core from it at once. A nice value (10, 19) alone is not enough: on a kernel without
-preemption of kernel code (``PREEMPT_NONE``, the usual server setting) a low-nice thread inside a long system
-call (a loopback receive of megabytes, a page fault run) keeps the core until it returns, and the nice value
-only shortens its turns. Measured on a 2-core host, trainers that compute 20 ms and then wait 70 ms (a GPU
-step) beside three keepers encoding: steps per second with parity over without 0.907 at nice 10, 0.944 in
-``SCHED_IDLE``; with the trainers using every core both give the same pace, since then parity waits for the
-trainers' ``save()`` either way. The nice values stay as the fallback where the policy cannot be set.
+Both run in the ``SCHED_IDLE`` policy: a thread in it weighs 3 against a default thread's 1024, so it runs
+on cores that no other thread wants, and a thread that wakes preempts it at once. A nice value (10, 19) alone
+is not enough: the scheduler lets a low-nice thread finish its turn before a woken trainer runs. Three
+processes that compute 20 ms and sleep 70 ms, beside three loopback TCP streams of 8 MiB requests, took
+1.27-1.40 times their CPU time with the streams at nice 10, 1.19-1.41 at nice 19, 1.04-1.14 in ``SCHED_IDLE``
+and 1.02-1.05 with no streams, which moved 2.7-2.9 GB/s in ``SCHED_IDLE`` and 3.0 at nice 10
+(``benchmarks/priority.py``, 3 runs, 2 cores, Linux 6.18). In jobs on that host, trainers that compute 20 ms
+and then wait 70 ms (a GPU step) beside three keepers encoding: steps per second with parity over without 0.907
+at nice 10, 0.944 in ``SCHED_IDLE`` (3 jobs each, the zygote's import left out); with the trainers using every
+core both give the same pace (parity then waits for the trainers' ``save()`` either way). The nice values stay
+as the fallback where the policy cannot be set.
 """
 
 from __future__ import annotations
