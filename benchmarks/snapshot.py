@@ -38,7 +38,7 @@ Times are medians of ``--reps`` repetitions unless said otherwise.
   complete on disk: the median is over all but the first of each job, whose persist also removes the partial
   steps written during training (shown apart, as are the steps complete on disk during training); beside
   torch.save + fsync of the same state to the same disk (above). The keeper persists in the background at the
-  lowest CPU priority (nice 19) and in the idle I/O class; torch.save runs in the foreground.
+  lowest CPU priority (SCHED_IDLE) and in the idle I/O class; torch.save runs in the foreground.
 
 Targets, as ratios with PASS/MISS: copy >= 0.8 x numpy.copyto; restore >= 10 x faster than torch.load from
 /dev/shm; training with a snapshot every step >= 0.95 x without, and with persistence on >= 0.95 x off, both
@@ -266,7 +266,7 @@ def persist_rate(on: list[Results], size: int, torch_save: float) -> None:
     idle, first = of("idle"), of("first_idle")
     busy = [e for job in on for e in job["persisted"] if e["step"] <= job["trained"]]
     print("  persistence: the keeper writes each rank's slot image to --ckpt-dir with sendfile + fsync, in the "
-          "background,\n  at nice 19 and in the idle I/O class; node 0 then writes the manifest, renames the step "
+          "background,\n  in SCHED_IDLE and the idle I/O class; node 0 then writes the manifest, renames the step "
           "directory and\n  removes old steps (all in the persisted event's seconds); torch.save runs in the "
           "foreground\n")
     print(f"  {'write of the state to disk':<40}{'time':>9}{'bandwidth':>14}")
