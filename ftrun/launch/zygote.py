@@ -216,8 +216,8 @@ def _run(request: SpawnRequest) -> None:
 
 def _preload() -> None:
     """Import :data:`PRELOAD` in a thread of the lowest priority (the import is seconds of CPU that the running
-    trainers would otherwise share), and wait for it: the trainers forked later inherit this thread's priority,
-    which stays as it was."""
+    trainers would otherwise share), and wait for it. Trainers are forked from the main thread, whose priority
+    stays as it was."""
     def run() -> None:
         lower_priority(idle_io=False)
         for name in PRELOAD:

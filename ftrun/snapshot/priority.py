@@ -45,6 +45,9 @@ def lower_task(tid: int, nice: int = PERSIST_NICE, idle_io: bool = True) -> None
     """:func:`lower_priority` for the thread (or the new process's main thread, whose threads inherit it) ``tid``."""
     try:
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
+    except OSError:
+        pass
+    try:
         os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     except OSError:
         pass
