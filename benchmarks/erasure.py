@@ -13,10 +13,10 @@ of its ranks (the worker reports its state bytes). Times are medians.
   the other keepers over TCP, encoding, writing the parity file, checks), blob / seconds per keeper, median over
   the steps before the node loss except each keeper's first two (they allocate the two parity files, shown
   apart); the trainers run meanwhile, as in training. The job's pace of protection: median seconds between two
-  steps protected by parity on every node (``protected`` events), past the first two. With m >= 2, the share of the fragments k + 1.. that their
-  stripes' own positions pushed (the rest the holders computed from the data themselves). Encode, one keeper
-  alone: as a keeper, over loopback TCP from peer servers (with m >= 2: its own stripe, the other fragments
-  pushed to a peer).
+  steps protected by parity on every node (``protected`` events), past the first two. With m >= 2, the share of
+  the fragments k + 1.. that their stripes' own positions pushed (the rest the holders computed from the data
+  themselves). Encode, one keeper alone: as a keeper, over loopback TCP from peer servers (with m >= 2: its own
+  stripe, the other fragments pushed to a peer).
 - Rebuild: the slowest ``rebuilt`` event of the lost nodes' replacement keepers (bytes, seconds; each reads k x
   those bytes from k survivors), against a plain loopback TCP copy of as many bytes by this script (a thread
   sends a file in /dev/shm with ``socket.sendfile``, the client receives it with ``recv_into`` into a faulted
@@ -45,7 +45,7 @@ Targets, printed as PASS/MISS: encode end to end >= 2 GB/s per keeper (k=2, m=1)
 rebuild <= 1.5 x the TCP copy (k=1, k=2) and <= 2 x (m=2, two lost); memory per node <= 2 + 2m/k; training
 with parity >= 0.97 x without.
 
-    .venv/bin/python benchmarks/erasure.py            # 256 MiB per rank, about 3 minutes
+    .venv/bin/python benchmarks/erasure.py            # 256 MiB per rank, about 3.5 minutes
     .venv/bin/python benchmarks/erasure.py --quick    # 16 MiB, 2 repetitions: a smoke check (about 1 minute)
 """
 
