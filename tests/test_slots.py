@@ -15,6 +15,7 @@ import pytest
 
 from ftrun.control.spec import ENV_SHM_DIR, NodeSpec
 from ftrun.snapshot.keeper import Keeper, capacity_problem
+from ftrun.snapshot import pinning
 from ftrun.snapshot.link import newest_common, rebuild_candidate
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header,
                                  SlotFile, checksum)
@@ -365,3 +366,27 @@ def test_a_spares_reserve_is_allocated_handed_over_as_slot_0_and_given_back_when
     unlink_reserves("job/x")  # what the launcher does for a spare killed while it held one
     again.release()
     assert sorted(os.listdir(shm)) == sorted(os.path.basename(p) for p in (occupied, taken.path))
+
+
+def test_a_mapping_is_page_locked_once_in_a_thread_of_its_own_and_unlocked_when_forgotten(tmp_path, monkeypatch):
+    slot = SlotFile(str(tmp_path / "slot"), 2 * HEADER_SIZE)
+    assert pinning.PinnedMappings().pin(slot.map) is False  # this CPU build of torch: pageable, and no exception
+    calls: list[tuple[str, int]] = []
+
+    def register(address: int, length: int) -> bool:
+        assert threading.current_thread() is not threading.main_thread()  # a failed call's last error dies with it
+        calls.append(("register", length))
+        return True
+
+    monkeypatch.setattr(pinning, "_register", register)
+    monkeypatch.setattr(pinning, "_unregister", lambda address: calls.append(("unregister", 0)) or True)
+    pins = pinning.PinnedMappings()
+    assert pins.pin(slot.map) and pins.pin(slot.map)
+    pins.forget(slot.map)
+    pins.forget(slot.map)
+    assert calls == [("register", 2 * HEADER_SIZE), ("unregister", 0)]
+    monkeypatch.setattr(pinning, "_register", lambda address, length: 1 / 0)
+    assert pins.pin(slot.map) is False and pins.pin(slot.map) is False  # tried once: it stays pageable
+    pins.forget(slot.map)
+    assert calls[-1] == ("unregister", 0) and len(calls) == 2
+    slot.close()

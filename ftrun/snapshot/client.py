@@ -2,7 +2,8 @@
 
 ``save(step)`` captures the structure of the state (and clones of the few tensors that a forward pass may
 change: buffers, RNG states) and returns; a background thread asks the node's keeper for a slot, copies
-every tensor into it, writes the layout, marks the slot committed and tells the keeper. Parameters and
+every tensor into it, writes the layout, marks the slot committed and tells the keeper. A GPU trainer's slots
+are page-locked on their first use (:mod:`ftrun.snapshot.pinning`), so its copies run at DMA speed. Parameters and
 optimizer state are copied from the live tensors: they do not change before the next optimizer step, and a
 step pre-hook on every optimizer in the state waits for the copy. So a snapshot is exactly the state at
 ``step``, and the copy overlaps the next forward and backward.
@@ -40,6 +41,7 @@ from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.ddp_buckets import BucketWarmup
 from ftrun.snapshot.layout import Capture, Entry, LayoutChanged, capture, decode_meta, encode_meta, restore
 from ftrun.snapshot.loader_seed import LoaderSeedGuard
+from ftrun.snapshot.pinning import PinnedMappings
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
 from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile, slot_capacity
 
@@ -78,6 +80,7 @@ class Snapshotter:
         self._faults = [f for f in decode_trainer_faults(os.environ.get(ENV_TRAINER_FAULTS, ""))
                         if f[0] in ("copy-crash", "commit-crash")]
         self._slots: dict[str, SlotFile] = {}
+        self._pinned = PinnedMappings()  # the slots GPU tensors are copied into, page-locked
         self._job: threading.Thread | None = None
         self._error: BaseException | None = None
         self._disabled = False
@@ -100,6 +103,8 @@ class Snapshotter:
             return 0
         t0 = time.perf_counter()
         slot = self._map(plan["path"])
+        if torch.cuda.is_initialized():  # a GPU trainer: its tensors load faster from page-locked memory
+            self._pinned.pin(slot.map)
         problem = slot.problem()
         header = slot.header()
         if problem is None and not header.sealed:
@@ -190,6 +195,8 @@ class Snapshotter:
             half = len(layout.entries) // 2
             stream = torch.cuda.Stream() if ready is not None else None
             # no_grad: copying a parameter into the slot must not record autograd history (a third slower)
+            # into a page-locked slot the copies from the GPU are queued on the stream, then waited for at once
+            queued = stream is not None and self._pinned.pin(slot.map)
             with torch.no_grad(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 if stream is not None:
                     stream.wait_event(ready)
@@ -197,10 +204,10 @@ class Snapshotter:
                 for i, (entry, tensor) in enumerate(zip(layout.entries, taken.tensors)):
                     if i == half:
                         self._fire("copy-crash", step)
-                    _view(data, entry).copy_(tensor)
-                del data
+                    _view(data, entry).copy_(tensor, non_blocking=queued)
                 if stream is not None:
                     stream.synchronize()
+                del data
             slot.payload()[layout.nbytes:layout.nbytes + len(meta)] = meta
             self._fire("commit-crash", step)
             slot.commit(Header(step=step, generation=self._generation, digest=layout.digest,
@@ -219,6 +226,9 @@ class Snapshotter:
     def _map(self, path: str) -> SlotFile:
         slot = self._slots.get(path)
         if slot is None or slot.size < os.stat(path).st_size:
+            if slot is not None:  # the keeper grew the file: map it anew
+                self._pinned.forget(slot.map)
+                slot.close()
             slot = self._slots[path] = SlotFile(path, populate=True)
         return slot
 
