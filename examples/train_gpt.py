@@ -170,6 +170,8 @@ def main() -> None:
     parser.add_argument("--out", help="file for the final state hash (rank 0)")
     parser.add_argument("--step-time", type=float, default=0.0, help="extra seconds per step (slower runs)")
     parser.add_argument("--log-every", type=int, default=10, help="print rank 0's loss every N steps")
+    parser.add_argument("--backend", help="process group backend (default: nccl with CUDA, else gloo; gloo with "
+                        "CUDA runs several ranks on one GPU)")
     args = parser.parse_args()
 
     use_cuda = torch.cuda.is_available()
@@ -178,7 +180,7 @@ def main() -> None:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
         torch.use_deterministic_algorithms(True)
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    dist.init_process_group(args.backend or ("nccl" if use_cuda else "gloo"))
     rank, world = dist.get_rank(), dist.get_world_size()
 
     text = make_text()
