@@ -12,7 +12,7 @@ import time
 import psutil
 import pytest
 
-from conftest import EVERY, NODES, assert_job_left_nothing, gpt_args, primary_failures, restores, run_bitwise
+from conftest import EVERY, NODES, SCRIPTS, assert_job_left_nothing, gpt_args, primary_failures, restores, run_bitwise
 from ftrun.snapshot.keeper import find_segments
 from ftrun.snapshot.slot import COMMITTED, HEADER_SIZE, SlotFile
 
@@ -129,3 +129,13 @@ def test_outside_ftrun_the_snapshotter_warns_once_and_does_nothing():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
     assert result.stderr.count("not running under ftrun") == 1
+
+
+def test_a_trainer_whose_snapshot_waits_for_a_slower_rank_keeps_beating(start_job):
+    """The keeper holds a snapshot back until the job holds the rank's newest one (or its parity): the trainer
+    waiting in ``save()`` for that is alive, not hung, however long it takes."""
+    job = start_job("--nnodes", "1", "--nproc-per-node", "2", "--hang-timeout", "2", "--max-restarts", "0",
+                    str(SCRIPTS / "uneven.py"), "--steps", "4", "--slow", "2.5")
+    assert job.wait(90) == 0, job.output
+    assert not [e for e in job.events() if e["event"] == "failure"], job.output
+    assert "rank 0 done at step 4" in job.output

@@ -45,6 +45,7 @@ from ftrun.snapshot.pinning import PinnedMappings
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
 from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile, slot_capacity
 
+SLOT_WAIT_BEAT_SECONDS = 0.5  # how often a trainer whose snapshot waits for a slot beats
 
 
 class SnapshotCorrupt(RuntimeError):
@@ -82,6 +83,7 @@ class Snapshotter:
         self._slots: dict[str, SlotFile] = {}
         self._pinned = PinnedMappings()  # the slots GPU tensors are copied into, page-locked
         self._job: threading.Thread | None = None
+        self._awaiting_slot = threading.Event()  # the copy waits for the keeper's reserve (see wait())
         self._error: BaseException | None = None
         self._disabled = False
         self.last_copy_seconds = 0.0
@@ -163,10 +165,19 @@ class Snapshotter:
         self._job = job
 
     def wait(self) -> None:
-        """Block until the snapshot being copied is committed (the optimizer pre-hook calls this)."""
+        """Block until the snapshot being copied is committed (the optimizer pre-hook calls this).
+
+        While the copy waits for the keeper to give it a slot (until every rank holds this rank's newest
+        snapshot, and with parity until the job has protected it) the trainer beats: it is waiting for the
+        job, not hung. It does not beat while the copy itself runs.
+        """
         if not self.active or (job := self._job) is None:
             return
-        job.join()
+        job.join(SLOT_WAIT_BEAT_SECONDS)
+        while job.is_alive():
+            if self._awaiting_slot.is_set():
+                heartbeat()
+            job.join(SLOT_WAIT_BEAT_SECONDS)
         if self._job is job:
             self._job = None
         if self._error is not None:
@@ -189,8 +200,12 @@ class Snapshotter:
         try:
             t0 = time.perf_counter()
             layout = taken.layout
-            reply = self._keeper.request("reserve", rank=self._rank, step=step, generation=self._generation,
-                                         size=slot_capacity(layout.nbytes + len(meta)))
+            self._awaiting_slot.set()
+            try:
+                reply = self._keeper.request("reserve", rank=self._rank, step=step, generation=self._generation,
+                                             size=slot_capacity(layout.nbytes + len(meta)))
+            finally:
+                self._awaiting_slot.clear()
             slot = self._map(reply["path"])
             half = len(layout.entries) // 2
             stream = torch.cuda.Stream() if ready is not None else None
