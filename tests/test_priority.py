@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from ftrun.snapshot.priority import lower_task, lower_to_background
+from ftrun.snapshot.priority import lower_to_background, spawn_lowered
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -35,21 +35,23 @@ def test_a_lowered_thread_runs_in_sched_idle_and_the_others_keep_their_priority(
     assert _policy_and_nice(threading.get_native_id()) == before
 
 
-def test_a_child_process_lowered_at_its_start_passes_the_policy_to_its_threads():
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
-        import os, sys, threading
-        sys.stdin.readline()  # lowered by now
+def test_a_child_process_spawned_lowered_runs_in_sched_idle_from_its_start_and_so_do_its_threads():
+    child = spawn_lowered([sys.executable, "-c", textwrap.dedent("""
+        import os, threading
+        first = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)
         out = []
         t = threading.Thread(target=lambda: out.append(os.sched_getscheduler(threading.get_native_id())))
         t.start(); t.join()
-        print(os.sched_getscheduler(0), out[0], os.getpriority(os.PRIO_PROCESS, 0))
-        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        print(*first, out[0])
+        """)], idle_io=False, stdout=subprocess.PIPE, text=True)
     try:
-        lower_task(child.pid, idle_io=False)
-        out, _ = child.communicate("go\n", timeout=30)
+        out, _ = child.communicate(timeout=30)
     finally:
         child.kill()
-    assert out.split() == [str(os.SCHED_IDLE), str(os.SCHED_IDLE), "19"]
+    assert out.split() == [str(os.SCHED_IDLE), "19", str(os.SCHED_IDLE)]
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller keeps its priority
+    with pytest.raises(FileNotFoundError):
+        spawn_lowered(["/nonexistent/ftrun-test-binary"])
 
 
 def test_trainers_forked_after_the_zygote_preloaded_keep_the_default_priority(tmp_path):

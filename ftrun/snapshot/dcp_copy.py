@@ -26,7 +26,7 @@ import time
 
 from ftrun.events import EventLog
 from ftrun.snapshot.persist import complete_steps, step_name
-from ftrun.snapshot.priority import lower_task
+from ftrun.snapshot.priority import spawn_lowered
 
 DCP_DIR = "dcp"
 ENV_DCP_ROOT = "FTRUN_DCP_ROOT"  # a trainer's: its job's durable directory (--ckpt-dir)
@@ -74,10 +74,9 @@ class DcpCopies:
             step, self._wanted = self._wanted, 0
             partial = dcp_path(self.root, step) + ".partial"
             shutil.rmtree(partial, ignore_errors=True)
-            child = subprocess.Popen([sys.executable, "-m", "ftrun", "export", self.root, partial, "--format", "dcp",
-                                      "--step", str(step)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.PIPE, text=True)
-            lower_task(child.pid)  # before it starts a thread, as the keeper's persister thread
+            child = spawn_lowered([sys.executable, "-m", "ftrun", "export", self.root, partial, "--format", "dcp",
+                                   "--step", str(step)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True)  # as the keeper's persister thread
             self._running = step, child, time.monotonic()
 
     def _ended(self, step: int, child: subprocess.Popen[str], seconds: float) -> None:

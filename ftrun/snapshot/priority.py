@@ -6,6 +6,7 @@ once, for good, by the work it is made for:
 
 * :func:`lower_to_background`: checksums of new snapshots, parity encoding and the peers' side of it,
   allocating slots ahead. :func:`lower_priority`: writing steps to disk (also in the idle I/O class).
+  :func:`spawn_lowered`: a child process (the DCP copy), lowered from its first instruction.
 
 Both run in the ``SCHED_IDLE`` policy: a thread in it weighs 3 against a default thread's 1024, so it runs
 on cores that no other thread wants, and a thread that wakes preempts it at once. A nice value (10, 19) alone
@@ -23,7 +24,9 @@ as the fallback where the policy cannot be set.
 from __future__ import annotations
 
 import os
+import subprocess
 import threading
+from typing import Any
 
 import psutil
 
@@ -38,11 +41,7 @@ def lower_priority(nice: int = PERSIST_NICE, idle_io: bool = True) -> None:
     if getattr(_lowered, "done", False):
         return
     _lowered.done = True
-    lower_task(threading.get_native_id(), nice, idle_io)
-
-
-def lower_task(tid: int, nice: int = PERSIST_NICE, idle_io: bool = True) -> None:
-    """:func:`lower_priority` for the thread (or the new process's main thread, whose threads inherit it) ``tid``."""
+    tid = threading.get_native_id()
     try:
         os.setpriority(os.PRIO_PROCESS, tid, max(nice, os.getpriority(os.PRIO_PROCESS, tid)))
     except OSError:
@@ -61,3 +60,26 @@ def lower_task(tid: int, nice: int = PERSIST_NICE, idle_io: bool = True) -> None
 def lower_to_background() -> None:
     """:func:`lower_priority` for checksums and parity work (nice 10, I/O class unchanged)."""
     lower_priority(BACKGROUND_NICE, idle_io=False)
+
+
+def spawn_lowered(argv: list[str], nice: int = PERSIST_NICE, idle_io: bool = True,
+                  **popen: Any) -> subprocess.Popen[str]:
+    """``subprocess.Popen(argv, **popen)`` run in ``SCHED_IDLE`` at ``nice`` (and in the idle I/O class) from its
+    start: it is forked by a thread of its own lowered first, and a child inherits the forking thread's policy,
+    nice value and I/O class (lowering it after ``Popen`` returned would race with the threads it starts)."""
+    spawned: list[subprocess.Popen[str]] = []
+    failed: list[BaseException] = []
+
+    def spawn() -> None:
+        lower_priority(nice, idle_io)
+        try:
+            spawned.append(subprocess.Popen(argv, **popen))
+        except BaseException as err:  # noqa: BLE001 - raised in the caller's thread below
+            failed.append(err)
+
+    thread = threading.Thread(target=spawn, name="ftrun-spawn")
+    thread.start()
+    thread.join()
+    if failed:
+        raise failed[0]
+    return spawned[0]
