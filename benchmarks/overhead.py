@@ -16,7 +16,8 @@ Both launchers get the same command line (``--nproc-per-node``, ``--master-addr`
 ``--nnodes``/``--node-rank``), ftrun also ``--log-dir`` for its event log. For each run: wall, first step
 (slowest rank), exit (the last launcher's exit minus the end of the last trainer's script: the trainers'
 interpreter teardown, about 0.6 s with torch here, is in it for both), ftrun's own exit (after its supervisors
-reaped the last trainer, from its events), steady steps/s (mean over ranks). The table gives medians and ftrun / torchrun ratios with the issue's targets.
+reaped the last trainer, from its events), steady steps/s (mean over ranks). The table gives medians and ftrun /
+torchrun ratios with the issue's targets.
 
     .venv/bin/python benchmarks/overhead.py --pairs 5
 """

@@ -14,7 +14,8 @@ repeated restore from the same slot (header checks and the copy into the live DT
 bit for bit. Last (a job uses the Snapshotter or the memory writer: its snapshots come after), ``dcp.save``
 through ``ftrun.dcp.MemoryWriter`` beside ``dcp.save`` to /dev/shm, alternating: the time ``dcp.save`` blocks (the
 copy of parameters and optimizer state runs on, in the background) and, apart, that time plus what an
-optimizer step right after it waits for the copy (the worst case: no forward or backward to overlap). Rank 0 writes its results to ``--out`` (JSON, one object per generation, appended).
+optimizer step right after it waits for the copy (the worst case: no forward or backward to overlap). Rank 0 writes
+its results to ``--out`` (JSON, one object per generation, appended).
 """
 
 from __future__ import annotations

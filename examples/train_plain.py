@@ -36,7 +36,8 @@ def state_hash(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     for index, state in sorted(optimizer.state_dict()["state"].items()):
         for key, value in sorted(state.items()):
             digest.update(f"{index}.{key}".encode())
-            digest.update(value.cpu().contiguous().numpy().tobytes() if torch.is_tensor(value) else repr(value).encode())
+            digest.update(value.cpu().contiguous().numpy().tobytes() if torch.is_tensor(value)
+                          else repr(value).encode())
     return digest.hexdigest()
 
 
@@ -79,7 +80,8 @@ def main() -> None:
     optimizer.zero_grad(set_to_none=True)
 
     for step in range(start, args.steps):
-        if rank == 0 and (args.fail_always or (step == args.raise_at and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0")):
+        if rank == 0 and (args.fail_always
+                          or (step == args.raise_at and os.environ.get("TORCHELASTIC_RESTART_COUNT") == "0")):
             raise RuntimeError(f"injected exception at step {step}")
         generator = torch.Generator().manual_seed(step * 1000 + rank)
         x = torch.randn(16, 32, generator=generator).to(device)

@@ -3,19 +3,19 @@
 Every process of a job (launcher, supervisors) appends to the same file; each event is one ``write`` on an
 ``O_APPEND`` descriptor, so lines from different processes never interleave. Fields common to all events:
 ``time`` (wall clock, seconds), ``event`` (a name from the list below), ``source`` ("launcher", "node N",
-"keeper N" or "spare NAME"), ``message`` (the terminal text). Event names: start, node_start, keeper_start, trainers_started,
-failure (with the failed rank's last ``step``), generation, restore (the agreed ``step`` and
+"keeper N" or "spare NAME"), ``message`` (the terminal text). Event names: start, node_start, keeper_start,
+trainers_started, failure (with the failed rank's last ``step``), generation, restore (the agreed ``step`` and
 ``restored_from``: "ram", "disk", "parity" (with ``rebuilt``: node -> the nodes it rebuilds from) or "none"),
 restored (per rank: bytes, seconds), stopped, stop (a supervisor was told to stop, by ``signal``: every node
 stops, persists and exits), all_running, first_heartbeat, recovered, keeper_failed,
 keeper_adopted, slot_allocated, slot_invalid, inject, zygote, node_lost, node_done, failed, parity (a keeper
 computed its parity of a step), parity_failed, protected (a group's protected step advanced), rebuilt,
 rebuild_failed, peer_rejected, store_rejected (a control-store value that is not authentic, or a replayed older
-generation, was ignored; once per key and process), persisted (a step complete on disk), durability (degraded), loaded (a keeper
-loaded a step from disk), restore_source_failed (a parity rebuild or disk load of the planned step failed; the
-next source is planned), no_resume, spare_up (a hot spare is ready), spare_claimed (a spare took a lost node's
-``node`` rank, ``seconds`` after the failure was seen), spare_took (the local launcher hands that node to it),
-spare_gone, replaced (a supervisor seen as lost found its rank taken by a spare and left), store_outage (the
+generation, was ignored; once per key and process), persisted (a step complete on disk), durability (degraded),
+loaded (a keeper loaded a step from disk), restore_source_failed (a parity rebuild or disk load of the planned step
+failed; the next source is planned), no_resume, spare_up (a hot spare is ready), spare_claimed (a spare took a lost
+node's ``node`` rank, ``seconds`` after the failure was seen), spare_took (the local launcher hands that node to
+it), spare_gone, replaced (a supervisor seen as lost found its rank taken by a spare and left), store_outage (the
 control store stopped answering, or answers again).
 """
 

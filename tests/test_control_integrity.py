@@ -58,7 +58,8 @@ def coordinator(store: SignedStore, node: int = 0, run: int = 1) -> Coordinator:
 def test_values_round_trip_and_bad_ones_read_as_absent_with_one_warning_per_key(server, signed):
     store, warnings = signed()
     store.set("k", b"payload \x00\xff")
-    assert store.get("k") == b"payload \x00\xff" and server.get("k").endswith(store.seal("k", b"payload \x00\xff")[-64:])
+    assert (store.get("k") == b"payload \x00\xff"
+            and server.get("k").endswith(store.seal("k", b"payload \x00\xff")[-64:]))
     assert store.get("missing") is None and not warnings
     sealed = server.get("k")
     cases = {

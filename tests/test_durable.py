@@ -99,7 +99,8 @@ def test_export_matches_the_final_state_and_a_corrupt_newest_step_is_never_loade
     assert weights.keys() == state["model"].keys()
     assert all(torch.equal(value, state["model"][key]) for key, value in weights.items())
 
-    victim = ckpt / first.job_id / "step-00000060" / "rank-00002.snap"  # a flipped bit in the newest step: the older is used
+    # a flipped bit in the newest step: the older is used
+    victim = ckpt / first.job_id / "step-00000060" / "rank-00002.snap"
     with open(victim, "r+b") as f:
         f.seek(4096 + 1000)
         byte = f.read(1)

@@ -134,8 +134,8 @@ def test_sigterm_persists_exits_143_and_the_requeued_job_resumes_from_disk(slurm
     args, out = gpt_args(tmp_path, "preempt", "--step-time", STEP_TIME)
     output = tmp_path / "batch.out"
     ckpt = tmp_path / "ckpt"
-    script = batch_script(tmp_path, "preempt", 2, 0, ["--nproc-per-node", "2", "--ckpt-dir", str(ckpt), "--persist-every",
-                                                 "1", "--persist-grace", "20", *args])
+    script = batch_script(tmp_path, "preempt", 2, 0, ["--nproc-per-node", "2", "--ckpt-dir", str(ckpt),
+                                                 "--persist-every", "1", "--persist-grace", "20", *args])
     with slurm_job(slurm) as jobs:
         job = sbatch(slurm, script, output, "--open-mode=append")
         jobs.append(job)

@@ -46,7 +46,8 @@ def _stderr(message: str) -> None:
 
 
 class SignedStore:
-    """A :class:`~ftrun.control.store.Store` (``raw``) whose values are sealed on write and verified on read; see the module doc.
+    """A :class:`~ftrun.control.store.Store` (``raw``) whose values are sealed on write and verified on read; see the
+    module doc.
 
     ``warned`` may be shared by several wrappers of one process (one warning per key per process)."""
 

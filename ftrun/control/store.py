@@ -163,7 +163,8 @@ def wait_until_reachable(host: str, port: int, timeout: float) -> None:
         except OSError as err:
             if time.monotonic() >= deadline:
                 reason = err.strerror or str(err)
-                raise UsageError(f"control store at {host}:{port} is unreachable after {timeout:g}s ({reason})") from None
+                raise UsageError(f"control store at {host}:{port} is unreachable after {timeout:g}s "
+                                 f"({reason})") from None
             time.sleep(0.1)
 
 

@@ -178,8 +178,10 @@ class Supervisor:
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(KEEPER_NODE_LOST, lambda *_: self._lose_node("parity-loss (from the keeper)"))
-        for slurm_warning in (signal.SIGUSR1, signal.SIGUSR2):  # SLURM may send them to every process of a step: the
-            signal.signal(slurm_warning, lambda *_: None)  # launcher forwards them (--signals-to-handle); not fatal here
+        # SLURM may send these to every process of a step; the launcher forwards them (--signals-to-handle), so
+        # here they are not fatal
+        for slurm_warning in (signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(slurm_warning, lambda *_: None)
         beater: _Beater | None = None
         try:
             if not self.secret:
@@ -542,7 +544,8 @@ class Supervisor:
         lost = peers.check()
         if peers.replaced_by is not None:
             taker = peers.replaced_by
-            raise Replaced(f"node rank {self.node} was taken by {f'spare {taker.spare}' if taker.spare else 'another supervisor'}"
+            raise Replaced(f"node rank {self.node} was taken by "
+                           f"{f'spare {taker.spare}' if taker.spare else 'another supervisor'}"
                            f"{' on ' + taker.host if taker.host else ''} (incarnation {taker.incarnation}) after "
                            "this node was seen as lost")
         if lost is None:

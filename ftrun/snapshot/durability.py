@@ -13,9 +13,9 @@ by the time it reads the name. So a persist is a *round* in two phases, under ``
 2. **write.** Once every other node answered, node 0 names ``S = max F`` over their answers and its own
    restorable step (``"step": S``), in the same tick, so node 0 itself never holds. S is committed by every rank
    (it is restorable somewhere), and no node can have overwritten it: each keeper's restorable step stayed at
-   most its F <= S since it answered. Each node asks its keeper to persist S; the keeper pins S's slots in the same request that
-   lifts the hold, writes them, and the node answers ``round/<T>/<node>`` with the outcome. Node 0 finishes the
-   step when every node has answered (:func:`ftrun.snapshot.persist.finalize`) and prunes old ones.
+   most its F <= S since it answered. Each node asks its keeper to persist S; the keeper pins S's slots in the same
+   request that lifts the hold, writes them, and the node answers ``round/<T>/<node>`` with the outcome. Node 0
+   finishes the step when every node has answered (:func:`ftrun.snapshot.persist.finalize`) and prunes old ones.
 
 A hold lasts about two link ticks; a trainer waits in it only if it commits two more steps meanwhile (one
 slot is free; a pinned slot in the way brings in the spare third slot). Memory: at most three slots per rank,

@@ -32,9 +32,9 @@ With a checkpoint directory (``--ckpt-dir``) a persister thread writes the step 
 of a round, told by the link: :mod:`ftrun.snapshot.durability`) from the slots to disk
 (:mod:`ftrun.snapshot.persist`), at the lowest CPU and I/O priority. The slots of that step are pinned in the
 request that names it, before the same request may raise ``restorable``, and stay pinned until they are written;
-a trainer that would overwrite one gets another slot (a spare third one, allocated the first time it is needed). At a generation start the
-keeper can also ``load`` a persisted step into its slots (verified) when disk holds the newest step every rank
-can restore.
+a trainer that would overwrite one gets another slot (a spare third one, allocated the first time it is needed). At
+a generation start the keeper can also ``load`` a persisted step into its slots (verified) when disk holds the
+newest step every rank can restore.
 """
 
 from __future__ import annotations
@@ -445,7 +445,8 @@ class Keeper:
         return {"bytes": nbytes}
 
     def op_load(self, generation: int, step: int) -> dict[str, Any]:
-        """Load every local rank's persisted snapshot of ``step`` from the checkpoint directory into a slot, verified."""
+        """Load every local rank's persisted snapshot of ``step`` from the checkpoint directory into a slot,
+        verified."""
         root = self.spec.ckpt_dir
         if root is None:
             return {"error": "no checkpoint directory"}
@@ -534,7 +535,8 @@ class Keeper:
 
     def op_restored(self, rank: int, step: int, nbytes: int, seconds: float) -> dict[str, Any]:
         self.events.emit("restored", f"rank {self.global_rank(rank)} restored step {step} from RAM in "
-                         f"{seconds * 1000:.0f} ms ({human(nbytes)}, {nbytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)", console=False, node=self.node, rank=self.global_rank(rank),
+                         f"{seconds * 1000:.0f} ms ({human(nbytes)}, {nbytes / max(seconds, 1e-9) / 1e9:.1f} GB/s)",
+                         console=False, node=self.node, rank=self.global_rank(rank),
                          step=step, bytes=nbytes, seconds=seconds)
         return {}
 

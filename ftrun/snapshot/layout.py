@@ -417,8 +417,9 @@ class _Builder:
             raise LayoutChanged(f"cannot restore {path}: the snapshot holds a DTensor on {_describe(place, src.shape)}"
                                 ", and no live DTensor of the state is on that mesh with those placements")
         mesh, placements, device = found
-        out = _dtensor_type().from_local(src.to(device, copy=True), mesh, placements, run_check=False,  # type: ignore[union-attr]
-                                         shape=torch.Size(node["shape"]), stride=tuple(node["stride"]))
+        out = _dtensor_type().from_local(src.to(device, copy=True), mesh, placements,  # type: ignore[union-attr]
+                                         run_check=False, shape=torch.Size(node["shape"]),
+                                         stride=tuple(node["stride"]))
         return out.requires_grad_() if node.get("g") else out
 
     def mesh_of(self, place: dict) -> tuple[Any, tuple, torch.device] | None:

@@ -4,7 +4,8 @@ A job is found through the launcher files in the shared-memory directory (``ftru
 the control store's endpoint; see :func:`ftrun.launch.launcher.announce_job`) or at an explicit endpoint. The
 viewer only reads the store, authenticated like every reader (:mod:`ftrun.control.signed`): with the secret the
 job's launcher left on this host (``ftrun-<job>-secret``), else the one derived from ``--secret-file`` and the
-job id as multi-node jobs do; values that do not verify are ignored with a warning on stderr. :class:`LiveView` is the refreshing view, also usable by a launcher (``--tui``).
+job id as multi-node jobs do; values that do not verify are ignored with a warning on stderr. :class:`LiveView` is
+the refreshing view, also usable by a launcher (``--tui``).
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
         state = "running"
     return JobStatus(
         job=coord.job_id, nnodes=coord.nnodes, nproc_per_node=int(job.get("nproc_per_node", 0)), state=state,
-        generation=current.gen, uptime=now - started, restarts=restart_count(events, job.get("max_restarts")), goodput=_goodput(events, nodes, now - started),
+        generation=current.gen, uptime=now - started, restarts=restart_count(events, job.get("max_restarts")),
+        goodput=_goodput(events, nodes, now - started),
         nodes=nodes, lost=lost, protected=protected, tiers=_tiers(coord, nodes, protected, now), events=events,
         spares=spares(coord))
 
