@@ -218,6 +218,7 @@ def main() -> int:
     parser.add_argument("--size-mib", type=int, default=1024, help="state of the worker (default 1024)")
     parser.add_argument("--batch", type=int, default=4096, help="rows per training step of the worker")
     parser.add_argument("--skip-jobs", action="store_true", help="only 3. (the Snapshotter's figures)")
+    parser.add_argument("--log-dir", help="keep every job's --log-dir (events.jsonl) under this directory")
     args = parser.parse_args()
     if args.worker:
         worker(args)
@@ -228,7 +229,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}", flush=True)
     ok = True
     with tempfile.TemporaryDirectory(prefix="ftrun-cuda-") as tmp:
-        workdir = Path(tmp)
+        workdir = Path(args.log_dir or tmp)
+        workdir.mkdir(parents=True, exist_ok=True)
         if not args.skip_jobs:
             print("1. one trainer on the GPU (NCCL): crash at step 25, hang at step 45", flush=True)
             ok &= bitwise(workdir, "gpu", ["--nnodes", "1", "--nproc-per-node", "1", "--hang-timeout", "3"],
