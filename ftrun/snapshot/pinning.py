@@ -17,7 +17,8 @@ raise: so every call is made in a thread of its own that ends with it.
 from __future__ import annotations
 
 import mmap
-import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -60,17 +61,11 @@ def _unregister(address: int) -> bool:
     return cudart.cudaHostUnregister(address) == cudart.cudaError.success
 
 
-def _in_own_thread(call: Any, *args: Any) -> bool:
-    """``call(*args)`` in a new thread; False if it raised (no CUDA, a runtime without the call)."""
-    result = [False]
-
-    def run() -> None:
+def _in_own_thread(call: Callable[..., bool], *args: Any) -> bool:
+    """``call(*args)`` in a new thread that ends before this returns; False if it raised (no CUDA, a runtime
+    without the call)."""
+    with ThreadPoolExecutor(1, thread_name_prefix="ftrun-pin") as pool:
         try:
-            result[0] = bool(call(*args))
+            return bool(pool.submit(call, *args).result())
         except Exception:  # noqa: BLE001 - any failure leaves the mapping pageable, which is still correct
-            result[0] = False
-
-    thread = threading.Thread(target=run, name="ftrun-pin")
-    thread.start()
-    thread.join()
-    return result[0]
+            return False

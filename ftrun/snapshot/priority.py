@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import subprocess
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import psutil
@@ -67,19 +68,9 @@ def spawn_lowered(argv: list[str], nice: int = PERSIST_NICE, idle_io: bool = Tru
     """``subprocess.Popen(argv, **popen)`` run in ``SCHED_IDLE`` at ``nice`` (and in the idle I/O class) from its
     start: it is forked by a thread of its own lowered first, and a child inherits the forking thread's policy,
     nice value and I/O class (lowering it after ``Popen`` returned would race with the threads it starts)."""
-    spawned: list[subprocess.Popen[str]] = []
-    failed: list[BaseException] = []
-
-    def spawn() -> None:
+    def spawn() -> subprocess.Popen[str]:
         lower_priority(nice, idle_io)
-        try:
-            spawned.append(subprocess.Popen(argv, **popen))
-        except BaseException as err:  # noqa: BLE001 - raised in the caller's thread below
-            failed.append(err)
+        return subprocess.Popen(argv, **popen)
 
-    thread = threading.Thread(target=spawn, name="ftrun-spawn")
-    thread.start()
-    thread.join()
-    if failed:
-        raise failed[0]
-    return spawned[0]
+    with ThreadPoolExecutor(1, thread_name_prefix="ftrun-spawn") as pool:  # its thread ends before this returns
+        return pool.submit(spawn).result()
