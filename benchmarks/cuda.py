@@ -131,15 +131,22 @@ def train_step(model: Any, optimizer: Any, batch: Any) -> None:
     optimizer.step()
 
 
-def worker(args: argparse.Namespace) -> None:
+def trainer(size_mib: int, rows: int, every: int) -> tuple[Any, Any, Any, Any]:
+    """The model, optimizer, a batch of ``rows`` and a Snapshotter over them, on GPU 0."""
     import torch
 
     import ftrun as ft
     torch.cuda.set_device(0)
+    model, optimizer = build(size_mib)
+    batch = torch.randn(rows, WIDTH, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    return model, optimizer, batch, ft.Snapshotter({"model": model, "optim": optimizer}, every=every)
+
+
+def worker(args: argparse.Namespace) -> None:
+    import torch
+
     out = Path(args.out)
-    model, optimizer = build(args.size_mib)
-    batch = torch.randn(args.batch, WIDTH, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    snap = ft.Snapshotter({"model": model, "optim": optimizer}, every=1)
+    model, optimizer, batch, snap = trainer(args.size_mib, args.batch, every=1)
     t0 = time.perf_counter()
     start = snap.restore()
     if start:  # generation 1: restored into a fresh model and an optimizer without state yet
@@ -219,11 +226,7 @@ def train_worker(args: argparse.Namespace) -> None:
     """Section 4: one trainer; its steps/s from the end of its first snapshot's step to its last step."""
     import torch
 
-    import ftrun as ft
-    torch.cuda.set_device(0)
-    model, optimizer = build(args.ec_size_mib)
-    batch = torch.randn(args.batch, WIDTH, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-    snap = ft.Snapshotter({"model": model, "optim": optimizer}, every=10)
+    model, optimizer, batch, snap = trainer(args.ec_size_mib, args.batch, every=10)
     t0 = None
     for step in range(snap.restore(), args.train_steps):
         train_step(model, optimizer, batch)
