@@ -22,9 +22,10 @@ from torch.distributed import TCPStore
 from conftest import SCRIPTS, assert_job_left_nothing, free_port
 from ftrun.control.coordination import Coordinator, Failure, Generation, open_run
 from ftrun.control.signed import TAG_MARK, SignedStore
-from ftrun.control.ownership import take
+from ftrun.control.ownership import Owner, take
 from ftrun.control.store import LOOPBACK, C10dStore, check_bind_address, host_store, route_address
 from ftrun.errors import UsageError
+from ftrun.launch.peers import PeerWatch
 from ftrun.launch.slurm import SlurmStep, agree_node_rank
 
 SECRET = "0123456789abcdef" * 4
@@ -142,6 +143,40 @@ def test_counters_with_garbage_neither_raise_nor_drop_the_connection(server, sig
 
 
 # -- runs (incarnations) -------------------------------------------------------------------------------------------
+
+def test_a_lost_node_is_declared_once_while_its_replacement_is_awaited(server, signed, monkeypatch):
+    """The regression of a replacement slower than --node-timeout: its predecessor's loss is not declared again
+    (each declaration was one more generation, until --max-restarts ended the job)."""
+    store, _ = signed()
+    watcher, peer = coordinator(store, 0), coordinator(store, 1)
+    watcher.init_job({"nnodes": 2})
+    me = Owner(take(watcher, 0, "node0", "h"), "node0")
+    assert take(peer, 1, "first", "h") == 1
+    clock = [1000.0]
+    monkeypatch.setattr("ftrun.launch.peers.time.monotonic", lambda: clock[0])
+
+    def silent_for(watch: PeerWatch, seconds: float) -> tuple[int, float] | None:
+        """Checks every 0.25 s (as the supervisor's) for ``seconds``: the first loss seen, or None."""
+        for _ in range(round(seconds / 0.25)):
+            clock[0] += 0.25
+            if (lost := watch.check()) is not None:
+                return lost
+        return None
+
+    peer.beat()
+    assert silent_for(PeerWatch(watcher, 0, 2, 1.0, me), 3.0)[0] == 1  # lost: declared
+    watcher.bump(watcher.current_raw(), Failure("node-lost", "node 1 lost", 1, detected_by="test", incarnation=1))
+    assert silent_for(PeerWatch(watcher, 0, 2, 1.0, me), 30.0) is None  # the next generation waits for it
+    awaiting = PeerWatch(watcher, 0, 2, 1.0, me)
+    assert silent_for(awaiting, 0.5) is None
+    assert take(peer, 1, "replacement", "h") == 2  # a new owner has the timeout to beat from its take
+    assert silent_for(awaiting, 0.75) is None
+    assert silent_for(awaiting, 0.75)[0] == 1  # ... and is lost when it does not
+    watcher.bump(watcher.current_raw(), Failure("node-lost", "node 1 lost", 1, detected_by="test", incarnation=2))
+    peer.beat()  # it was alive after all: it rejoins the generation, and is watched again
+    peer.rejoin(2)
+    assert silent_for(PeerWatch(watcher, 0, 2, 1.0, me), 3.0)[0] == 1
+
 
 def test_each_run_of_a_job_id_has_its_own_keys(server, signed):
     store, warnings = signed()

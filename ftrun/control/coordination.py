@@ -40,7 +40,10 @@ Protocol of a run, in the order a generation goes through it:
 
 Liveness: every supervisor writes a growing count to ``node/<r>/beat`` four times a second; each node watches
 the values (never clocks) of the few nodes after it on a ring (:mod:`ftrun.launch.peers`), and a value that
-stops changing for ``node_timeout`` means the node is lost. A supervisor
+stops changing for ``node_timeout`` means the node is lost. A node-lost generation also writes
+``node/<r>/lost`` (the lost owner's incarnation): that owner is not declared lost again while the job waits for
+its replacement (which may take minutes on a real cluster; ``--rdzv-timeout`` bounds the wait), and a supervisor
+declared lost while alive clears it when it rejoins (:meth:`Coordinator.rejoin`). A supervisor
 that starts as a replacement (incarnation > 1) whose predecessor was part of the current generation bumps the
 generation. Bumping past ``max_restarts`` ends the job: supervisors stop instead of starting the next generation.
 """
@@ -320,6 +323,8 @@ class Coordinator:
             encoded = new.encode()
             if self.store.compare_set(key, stored, encoded)[0]:
                 self.store.set(self.key("history", new.gen), encoded)
+                if new.kind == "node-lost" and new.node is not None and new.incarnation is not None:
+                    self.store.set(self.key("node", new.node, "lost"), str(new.incarnation))
                 self._newest = (new, encoded.encode())
                 return encoded.encode(), True
             time.sleep(random.uniform(0.001, 0.01))
@@ -384,6 +389,12 @@ class Coordinator:
             self._beat = int(payload) if payload is not None else 0
         self._beat += 1
         self.store.set(key, str(self._beat))
+
+    def rejoin(self, incarnation: int) -> None:
+        """This node's supervisor (``incarnation``) joins a generation: if it was declared lost while alive (its
+        ``node/<r>/lost`` names it), clear that, so that its peers watch its beats again."""
+        if self.get("node", self.node_rank, "lost") == str(incarnation).encode():
+            self.store.set(self.key("node", self.node_rank, "lost"), "")
 
     def beats(self, nodes: list[int] | None = None) -> list[int]:
         """The beat counts of ``nodes`` (default: every node), in one round trip; a value that is not authentic

@@ -6,6 +6,12 @@ does not change for ``node_timeout`` seconds means that node is lost. Time durin
 not look (the control store paused it, the host stalled it) is never counted against a peer: after a check
 that comes later than half the timeout, every peer's clock starts again.
 
+A loss is declared once. A peer whose owner (:mod:`ftrun.control.ownership`) a node-lost generation already
+named (``node/<r>/lost`` holds that owner's incarnation) is not declared lost again while the job waits for its
+replacement, however long that takes to start (``--rdzv-timeout`` bounds the wait; a hot spare claims the rank
+from the first declaration); declaring it again would only burn restarts. A new owner of the rank restarts the
+peer's clock: it has ``node_timeout`` from taking the rank to beat.
+
 The same round trip reads this node's own owner key (:mod:`ftrun.control.ownership`), so a supervisor learns
 that a spare took its rank over at no extra cost.
 """
@@ -33,8 +39,10 @@ class PeerWatch:
         self.peers = watched(node, nnodes)
         self.timeout = timeout
         self.me = me
-        self._keys = [coord.key("node", n, "beat") for n in self.peers] + [coord.key("node", node, "owner")]
+        self._keys = [coord.key("node", n, what) for what in ("beat", "owner", "lost") for n in self.peers]
+        self._keys.append(coord.key("node", node, "owner"))
         self._counts: dict[int, int | None] = {n: None for n in self.peers}
+        self._owners: dict[int, int | None] = {n: None for n in self.peers}  # incarnation of each peer's owner
         self._changed = dict.fromkeys(self.peers, time.monotonic())
         self._last_check = time.monotonic()
         self.replaced_by: Owner | None = None  # set once another supervisor owns this node rank
@@ -49,10 +57,15 @@ class PeerWatch:
         mine = values[-1]  # a newer owner took the rank (an older one is a replay: ignored)
         if mine is not None and (current := Owner.decode(mine)).incarnation > self.me.incarnation:
             self.replaced_by = current
-        for node, value in zip(self.peers, values):
-            count = int(value) if value is not None else None
+        n = len(self.peers)
+        for node, beat, held, lost in zip(self.peers, values[:n], values[n:2 * n], values[2 * n:3 * n]):
+            count = int(beat) if beat is not None else None
+            incarnation = Owner.decode(held).incarnation if held is not None else None
+            if incarnation != self._owners[node]:  # a new supervisor took the rank: its clock starts now
+                self._owners[node], self._changed[node] = incarnation, now
+            declared = lost is not None and incarnation is not None and lost == str(incarnation).encode()
             if count != self._counts[node]:
                 self._counts[node], self._changed[node] = count, now
-            elif count and now - self._changed[node] > self.timeout:  # 0/None: not started yet, not lost
+            elif count and not declared and now - self._changed[node] > self.timeout:  # 0/None: not started
                 return node, now - self._changed[node]
         return None

@@ -367,6 +367,7 @@ class Supervisor:
             self.trainer_store = None  # the previous generation's store closes with its last reference
             self.trainer_store = host_store(0, "trainer store", bind=self.spec.bind_addr)
             self.coord.publish_master(gen, self.spec.master_addr, self.trainer_store.port)
+        self.coord.rejoin(self.incarnation)
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
         peers = self._peer_watch()
