@@ -178,6 +178,35 @@ def test_a_lost_node_is_declared_once_while_its_replacement_is_awaited(server, s
     assert silent_for(PeerWatch(watcher, 0, 2, 1.0, me), 3.0)[0] == 1
 
 
+def test_the_peers_watch_costs_two_round_trips_per_check(server):
+    """check + multi_get: with any key absent a c10d store reads them one by one, so every key it reads exists."""
+    trips = [0]
+
+    class Counted:
+        def __init__(self, tcp: TCPStore) -> None:
+            self.tcp = tcp
+
+        def __getattr__(self, name: str):
+            def call(*args, **kwargs):
+                trips[0] += 1
+                return getattr(self.tcp, name)(*args, **kwargs)
+            return call
+
+    raw = C10dStore(server)
+    raw.tcp = Counted(raw.tcp)
+    coords = [Coordinator(SignedStore(raw, SECRET), "job", n, 4, run=1) for n in range(4)]
+    coords[0].init_job({"nnodes": 4})
+    for node, coord in enumerate(coords):
+        take(coord, node, f"node{node}", "h")
+        coord.touch_beats()
+        coord.beat()
+    watch = PeerWatch(coords[0], 0, 4, 5.0, Owner(1, "node0"))
+    trips[0] = 0
+    for _ in range(10):
+        assert watch.check() is None
+    assert trips[0] == 20
+
+
 def test_each_run_of_a_job_id_has_its_own_keys(server, signed):
     store, warnings = signed()
     first = open_run(store, "job", None)

@@ -17,7 +17,9 @@ drops the caller's connection, which would end a supervisor). What is left to a 
 replaying an older authentic value of the same key, and overwriting or deleting values. A replayed ``gen``
 never moves the generation backwards (a coordinator ignores a generation lower than one it knows, and a fresh
 one also consults ``history/``); a replayed beat makes a dead node look alive as long as the replays go on (the
-job waits instead of restarting); a replayed incarnation document makes a new launcher start a new run.
+job waits instead of restarting), and so does a replayed ``node/<r>/lost`` naming the rank's current owner
+(its peers stop counting its silence until it rejoins: its death then shows as the other trainers' hang, and a
+rendezvous waits for it up to --rdzv-timeout); a replayed incarnation document makes a new launcher start a new run.
 Overwriting or deleting a value the protocol waits for (a ready mark, a claim) stalls the job until a timeout
 ends it: a denial of service that signing cannot prevent (local jobs listen on loopback only; see
 :mod:`ftrun.control.store`).
@@ -407,6 +409,8 @@ class Coordinator:
         return [self._beats[node] for node in nodes]
 
     def touch_beats(self) -> None:
-        """Make every node's beat key exist, so :meth:`beats` reads them in one round trip."""
+        """Make every node's beat and lost keys exist, so that :meth:`beats` and the peers' watch
+        (:mod:`ftrun.launch.peers`) read them in one round trip (a c10d store reads absent keys one by one)."""
         for node in range(self.nnodes):
-            self.store.compare_set(self.key("node", node, "beat"), b"", "0")
+            for what, empty in (("beat", "0"), ("lost", "")):
+                self.store.compare_set(self.key("node", node, what), b"", empty)
