@@ -137,6 +137,8 @@ def test_multi_node_mode_lost_node_seen_by_beats_and_replaced(start_job, tmp_pat
     assert replacement.wait() == 0, replacement.output
     assert node0.wait() == 0, node0.output
     assert [(f["kind"], f["node"], f["generation"]) for f in failures(node0)] == [("node-lost", 1, 1)]
+    waits = [(e["generation"], e["missing"]) for e in node0.events() if e["event"] == "rendezvous_wait"]
+    assert waits == [(1, [1])]  # said once, by node 0
     assert_job_left_nothing(node0)
 
 

@@ -60,10 +60,12 @@ class PeerWatch:
         n = len(self.peers)
         for node, beat, held, lost in zip(self.peers, values[:n], values[n:2 * n], values[2 * n:3 * n]):
             count = int(beat) if beat is not None else None
+            # a new supervisor took the rank (an older owner is a replay: ignored): its clock starts now
             incarnation = Owner.decode(held).incarnation if held is not None else None
-            if incarnation != self._owners[node]:  # a new supervisor took the rank: its clock starts now
+            if incarnation is not None and incarnation > (self._owners[node] or 0):
                 self._owners[node], self._changed[node] = incarnation, now
-            declared = lost is not None and incarnation is not None and lost == str(incarnation).encode()
+            owner = self._owners[node]
+            declared = owner is not None and lost == str(owner).encode()  # its loss is known already
             if count != self._counts[node]:
                 self._counts[node], self._changed[node] = count, now
             elif count and not declared and now - self._changed[node] > self.timeout:  # 0/None: not started

@@ -25,6 +25,7 @@ A hung trainer's peers block in their next collective and fall silent too; the r
 from __future__ import annotations
 
 import json
+import math
 import os
 import select
 import shutil
@@ -370,6 +371,7 @@ class Supervisor:
         self.coord.rejoin(self.incarnation)
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
+        tell_at = time.monotonic() + self.spec.node_timeout if self.node == 0 else math.inf
         peers = self._peer_watch()
         next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
         while not self._stopping:
@@ -377,6 +379,12 @@ class Supervisor:
             ready = self.coord.marks(gen, "ready")
             if len(ready) == self.spec.nnodes:
                 return None
+            if time.monotonic() > tell_at:  # once, by node 0: a lost node's replacement (or a late node) is awaited
+                tell_at = math.inf
+                missing = sorted(set(range(self.spec.nnodes)) - set(ready))
+                self.events.emit("rendezvous_wait", f"generation {gen} waits for node(s) {missing} to join; it "
+                                 f"gives up {self.spec.rdzv_timeout:g}s after it began (--rdzv-timeout)",
+                                 node=self.node, generation=gen, missing=missing)
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw
