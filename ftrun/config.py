@@ -6,7 +6,6 @@ Every field can be set in YAML under the same name as its flag (dashes become un
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import signal
@@ -184,7 +183,6 @@ class JobConfig:
         if problem is not None:
             raise UsageError(problem)
         self.faults  # noqa: B018 - parsing raises UsageError on a bad spec
-
 
     def _validate_backend(self) -> None:
         if self.rdzv_backend == "static":  # torchrun's name for a store at a fixed endpoint: what c10d is here
@@ -460,7 +458,3 @@ def build_config(yaml_path: str | None, overrides: dict[str, Any],
         raise UsageError(f"--virtual-local-rank: {cfg.nproc_per_node} trainers per node, but CUDA_VISIBLE_DEVICES="
                          f"{visible} names {len(visible.split(','))} device(s)")
     return cfg
-
-
-def config_to_dict(cfg: JobConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

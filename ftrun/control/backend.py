@@ -17,9 +17,6 @@ from dataclasses import dataclass, field
 from ftrun.control.spec import NodeSpec
 from ftrun.control.store import C10dStore, Store, connect_store
 
-# torchrun's names: "static" (a store at a fixed endpoint) is what "c10d" is here; "etcd-v2" is etcd's v2 API.
-RDZV_BACKENDS = ("c10d", "static", "etcd", "etcd-v2")
-
 
 @dataclass(frozen=True)
 class StoreAddress:
