@@ -6,25 +6,10 @@ Outside ftrun (plain ``python`` or ``torchrun``) every call is a no-op, so scrip
 
 from __future__ import annotations
 
-from ftrun.launch.heartbeat import HeartbeatWriter
+from ftrun.control.heartbeat import heartbeat
 
 __version__ = "0.1.0"
 __all__ = ["Snapshotter", "heartbeat", "__version__"]
-
-_UNSET = object()
-_writer: HeartbeatWriter | None | object = _UNSET
-
-
-def heartbeat(step: int | None = None) -> None:
-    """Tell the supervisor this trainer is alive (and at ``step``); costs no system call.
-
-    Call it once per training step. Hang detection is armed after the first call.
-    """
-    global _writer
-    if _writer is _UNSET:
-        _writer = HeartbeatWriter.from_env()
-    if _writer is not None:
-        _writer.beat(step)  # type: ignore[union-attr]
 
 
 def __getattr__(name: str) -> object:

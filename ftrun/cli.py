@@ -168,7 +168,7 @@ def run(
                                                     "node-loss@node=N,step=S | ... (with gen=G); repeatable."),
 ) -> None:
     """Run SCRIPT on every trainer of the job, restarting all of them in place when anything fails."""
-    from ftrun.config import build_config
+    from ftrun.launch.config import build_config
     from ftrun.launch.output import split_filters
 
     if logs_specs is not None:

@@ -10,7 +10,7 @@ import uuid
 import pytest
 
 from conftest import SCRIPTS, assert_job_left_nothing, free_port
-from ftrun.config import build_config
+from ftrun.launch.config import build_config
 
 
 def test_rdzv_endpoint_and_nnodes_without_node_rank_is_one_node_of_a_multi_node_job():

@@ -59,7 +59,7 @@ def test_more_than_one_task_per_node_is_an_error_that_says_what_to_do():
 
 
 def test_a_slurm_step_sets_the_job_shape_unless_flags_say_otherwise():
-    from ftrun.config import build_config
+    from ftrun.launch.config import build_config
 
     env = {"SLURM_JOB_ID": "99", "SLURM_STEP_ID": "1", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
            "SLURM_STEP_NODELIST": "n[3-4]", "SLURM_STEP_TASKS_PER_NODE": "1(x2)"}

@@ -16,7 +16,7 @@ import typer
 
 from conftest import SCRIPTS, assert_job_left_nothing, free_port
 from ftrun.cli import app, main
-from ftrun.config import build_config
+from ftrun.launch.config import build_config
 from ftrun.errors import UsageError
 from ftrun.launch.env import TrainerPlace, trainer_env
 from ftrun.launch.output import parse_streams, split_filters

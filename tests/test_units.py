@@ -10,10 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from ftrun.config import JobConfig, build_config, load_yaml
+from ftrun.launch.config import JobConfig, build_config, load_yaml
 from ftrun.errors import UsageError
 from ftrun.control.faults import Fault, decode_trainer_faults, parse_fault, trainer_faults_env
-from ftrun.launch.heartbeat import PHASE_EXITING, Beat, HangDetector, HeartbeatTable, HeartbeatWriter
+from ftrun.control.heartbeat import PHASE_EXITING, Beat, HeartbeatTable, HeartbeatWriter
+from ftrun.launch.hangs import HangDetector
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,7 +74,7 @@ def test_heartbeat_table_round_trip_and_mode(table, monkeypatch):
 
 
 def test_injected_crash_fires_at_its_step(table):
-    code = ("import sys; from ftrun.launch.heartbeat import HeartbeatWriter as W; "
+    code = ("import sys; from ftrun.control.heartbeat import HeartbeatWriter as W; "
             f"w = W({table.path!r}, 0, 0, [('crash', 3)]); [w.beat(s) for s in range(10)]; print('survived')")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
     assert result.returncode == -9 and "survived" not in result.stdout
@@ -160,7 +161,7 @@ def test_local_jobs_must_fit_this_host_cores_and_memory():
 
 
 def test_the_hang_culprit_is_the_rank_that_stopped_first_not_a_peer_waiting_for_it():
-    from ftrun.launch.heartbeat import BUSY, STOPPED, WAITING, HangSuspect, culprit
+    from ftrun.launch.hangs import BUSY, STOPPED, WAITING, HangSuspect, culprit
 
     def suspect(rank: int, state: int, step: int = 20, last_beat: float = 100.0) -> HangSuspect:
         return HangSuspect(rank, rank // 2, state, step, last_beat, "no heartbeat")
@@ -180,7 +181,7 @@ def test_process_state_tells_stopped_busy_and_waiting_processes_apart():
     import signal
     import time
 
-    from ftrun.launch.heartbeat import BUSY, STOPPED, WAITING, process_state
+    from ftrun.launch.hangs import BUSY, STOPPED, WAITING, process_state
 
     sleeping = subprocess.Popen(["sleep", "60"])
     waiting = subprocess.Popen([sys.executable, "-c", "import threading; threading.Event().wait()"])
@@ -213,9 +214,36 @@ def test_clean_tells_each_jobs_shared_memory_files_apart():
 
 
 def test_the_etcd_example_config_is_a_valid_job():
-    from ftrun.config import build_config
+    from ftrun.launch.config import build_config
 
     cfg = build_config(str(ROOT / "configs" / "etcd-multinode.yaml"), {"node_rank": 1}, env={})
     assert cfg.rdzv_backend == "etcd" and cfg.nnodes == 4 and not cfg.local_mode
     standby = build_config(str(ROOT / "configs" / "etcd-multinode.yaml"), {"standby": True}, env={})
     assert standby.standby and not standby.local_mode
+
+
+# The packages from the bottom up: a module imports only from its own layer or those below it.
+LAYERS = (("ftrun.errors", "ftrun.events"), ("ftrun.control",), ("ftrun.snapshot",), ("ftrun.ui",), ("ftrun.launch",),
+          ("ftrun.cli", "ftrun.__main__", "ftrun.dcp", "ftrun"))
+
+
+def _layer(module: str) -> int | None:
+    return next((i for i, names in enumerate(LAYERS) for name in names
+                 if module == name or (name != "ftrun" and module.startswith(name + "."))), None)
+
+
+def test_layers_point_down_and_no_two_modules_import_each_other():
+    import ast
+
+    imports: dict[str, set[str]] = {}
+    for path in sorted((ROOT / "ftrun").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+        found = imports.setdefault(module, set())
+        for node in ast.walk(ast.parse(path.read_text())):  # also the imports inside functions
+            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
+                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+            found.update(name for name in names if name == "ftrun" or name.startswith("ftrun."))
+    assert [m for m in imports if _layer(m) is None] == []  # a new package gets its place in LAYERS
+    upward = [(m, i) for m, found in imports.items() for i in found if _layer(i) > _layer(m)]
+    mutual = [(m, i) for m, found in imports.items() for i in found if m in imports.get(i, ()) and m < i]
+    assert not upward and not mutual

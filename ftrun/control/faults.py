@@ -20,7 +20,7 @@ Kinds and their required keys:
 
 Every fault also takes ``gen=G`` (default 0) and fires at most once: only in generation G. Trainer faults
 travel to the trainer in :data:`ENV_TRAINER_FAULTS` as ``kind:step`` pairs and fire inside
-``ftrun.heartbeat`` (crash, hang; :mod:`ftrun.launch.heartbeat`) or in the Snapshotter (copy-crash,
+``ftrun.heartbeat`` (crash, hang; :mod:`ftrun.control.heartbeat`) or in the Snapshotter (copy-crash,
 commit-crash; :mod:`ftrun.snapshot.client`).
 """
 

@@ -22,7 +22,7 @@ import psutil
 
 from ftrun.control.faults import ENV_TRAINER_FAULTS
 from ftrun.control.spec import DEFAULT_SIGNALS, ENV_SHM_DIR
-from ftrun.launch.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
+from ftrun.control.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
 from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 

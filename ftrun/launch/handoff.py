@@ -39,7 +39,7 @@ from ftrun.launch.env import ENV_JOB_ID
 from ftrun.launch.processes import ForkedChild, die_with_parent
 
 if TYPE_CHECKING:  # the supervisor imports this module for receive(): not the config's (yaml, ...)
-    from ftrun.config import JobConfig
+    from ftrun.launch.config import JobConfig
 
 ENV_HANDOFF_FD = "FTRUN_HANDOFF_FD"  # the read end of the pipe the spec comes on
 ENV_LAUNCH_FD = "FTRUN_LAUNCH_FD"  # the memory file with the launcher's settings (exec_launcher -> resume)

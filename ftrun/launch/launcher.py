@@ -35,7 +35,7 @@ import psutil
 from rich.console import Console
 from torch.distributed import DistError, TCPStore
 
-from ftrun.config import JobConfig, split_endpoint
+from ftrun.launch.config import JobConfig
 from ftrun.errors import USAGE_EXIT_CODE, UsageError
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, StoreAddress, open_store
@@ -53,7 +53,7 @@ from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_clai
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED,
                                 FORWARDED_SIGNALS, NodeSpec, STOP_KIND, shm_dir, unlink_node_files)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
-                                 route_address)
+                                 route_address, split_endpoint)
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
 from ftrun.snapshot.persist import complete_steps, job_dir, manifest, move_aside, step_name

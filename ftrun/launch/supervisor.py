@@ -49,7 +49,8 @@ from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, owner, take
 from ftrun.launch.env import TrainerPlace, trainer_env
 from ftrun.control.faults import parse_faults, trainer_faults_env
-from ftrun.launch.heartbeat import Beat, HangDetector, HangSuspect, HeartbeatTable, culprit, process_state
+from ftrun.control.heartbeat import Beat, HeartbeatTable
+from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
 from ftrun.launch.processes import (SUPERVISOR_NAME, become_subreaper, describe_exit, die_with_parent,
                                     kill_descendants, reap, set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
@@ -584,7 +585,7 @@ class Supervisor:
     def _attribute_hang(self, seen: bytes, gen: int, table: list[Beat]) -> bytes:
         """A trainer of this node is hung. Its peers, on every node, block in their next collective and fall
         silent too, so the rank to blame is chosen job-wide: every node reports its silent trainers, and the one
-        that stopped first (:func:`~ftrun.launch.heartbeat.culprit`) is the failure. Returns the raw generation
+        that stopped first (:func:`~ftrun.launch.hangs.culprit`) is the failure. Returns the raw generation
         now current."""
         mine = self._send_suspects(gen, table)  # again if sent before: it holds the hung trainer now
         self.coord.store.set(self.coord.key("gen", gen, "hang"), str(self.node))

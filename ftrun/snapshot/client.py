@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from ftrun import heartbeat
+from ftrun.control.heartbeat import heartbeat
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.ddp_buckets import BucketWarmup
 from ftrun.snapshot.layout import Capture, Entry, LayoutChanged, capture, decode_meta, encode_meta, restore

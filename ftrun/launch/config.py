@@ -21,6 +21,7 @@ import yaml
 from ftrun.errors import UsageError
 from ftrun.control.faults import Fault, parse_faults
 from ftrun.control.spec import DEFAULT_SIGNALS
+from ftrun.control.store import split_endpoint
 from ftrun.launch.output import OutputSettings
 from ftrun.launch.slurm import slurm_step
 from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
@@ -375,14 +376,6 @@ def parse_rdzv_conf(text: str | None) -> dict[str, str]:
             raise UsageError(f"--rdzv-conf must be KEY=VALUE[,KEY=VALUE...], got {item!r}")
         conf[key.strip()] = value.strip()
     return conf
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port); a bad endpoint is a :class:`UsageError`."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
-    return host.strip("[]"), int(port)
 
 
 def _field_types() -> dict[str, Any]:

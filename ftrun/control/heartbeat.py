@@ -1,0 +1,160 @@
+"""Shared-memory heartbeat table: trainers write, the supervisor of their node reads.
+
+The contract between a node's trainers and its supervisor (the supervisor's hang detection is
+:mod:`ftrun.launch.hangs`). :func:`heartbeat` is the process's one writer: ``ftrun.heartbeat`` and the
+Snapshotter (which beats while it waits) both go through it.
+
+One file per node under /dev/shm (mode 0600, named by job and node rank) holds a header and one 64-byte slot
+per local rank::
+
+    header: magic b"FTRUNHB1", version u32, slots u32 (padded to 64 bytes)
+    slot:   pid i64, step i64 (-1 before the first step), beats u64, monotonic_ns u64, generation i64,
+            phase i64 (0 running, 1 exiting: the script is done and the interpreter is shutting down)
+
+A trainer maps its slot once; every :func:`ftrun.heartbeat` is then a ``struct.pack_into`` on the mapping,
+no system call (``time.monotonic_ns`` is served by the vDSO). The supervisor zeroes a slot before it starts
+a trainer in it and polls the beat counter; a change of counter is a beat, whatever the clocks say.
+Injected trainer faults (:mod:`ftrun.control.faults`) fire here, right after the beat that reaches their step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import mmap
+import os
+import signal
+import struct
+import sys
+import time
+from dataclasses import dataclass
+
+from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
+
+ENV_HEARTBEAT_FILE = "FTRUN_HEARTBEAT_FILE"
+ENV_HEARTBEAT_SLOT = "FTRUN_HEARTBEAT_SLOT"
+ENV_GENERATION = "TORCHELASTIC_RESTART_COUNT"
+
+BEAT_FAULTS = ("crash", "hang")  # the injected faults that fire at a heartbeat
+
+PHASE_RUNNING = 0
+PHASE_EXITING = 1
+
+_MAGIC = b"FTRUNHB1"
+_VERSION = 1
+_HEADER = struct.Struct("<8sII")
+_HEADER_SIZE = 64
+_SLOT = struct.Struct("<qqQQqq")
+_SLOT_SIZE = 64
+
+
+@dataclass(frozen=True)
+class Beat:
+    """One slot as read by the supervisor."""
+
+    pid: int
+    step: int
+    beats: int
+    monotonic_ns: int
+    generation: int
+    phase: int
+
+
+class HeartbeatTable:
+    """The supervisor's side: creates, reads, resets and finally unlinks the table of one node."""
+
+    def __init__(self, path: str, slots: int) -> None:
+        self.path = path
+        self.slots = slots
+        size = _HEADER_SIZE + slots * _SLOT_SIZE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.fchmod(fd, 0o600)
+            os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        _HEADER.pack_into(self._map, 0, _MAGIC, _VERSION, slots)
+
+    def reset(self, slot: int) -> None:
+        """Empty a slot before a new trainer starts in it."""
+        _SLOT.pack_into(self._map, _offset(slot), 0, -1, 0, 0, -1, PHASE_RUNNING)
+
+    def read(self, slot: int) -> Beat:
+        return Beat(*_SLOT.unpack_from(self._map, _offset(slot)))
+
+    def close(self) -> None:
+        """Unmap and unlink; safe to call twice."""
+        if not self._map.closed:
+            self._map.close()
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+
+def _offset(slot: int) -> int:
+    return _HEADER_SIZE + slot * _SLOT_SIZE
+
+
+class HeartbeatWriter:
+    """The trainer's side: its own slot, mapped once; also fires injected trainer faults."""
+
+    def __init__(self, path: str, slot: int, generation: int, faults: list[tuple[str, int]]) -> None:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, _HEADER_SIZE + (slot + 1) * _SLOT_SIZE)
+        finally:
+            os.close(fd)
+        magic, version, slots = _HEADER.unpack_from(self._map, 0)
+        if magic != _MAGIC or version != _VERSION or slot >= slots:
+            raise RuntimeError(f"{path} is not an ftrun heartbeat table with slot {slot}")
+        self._offset = _offset(slot)
+        self._pid = os.getpid()
+        self._generation = generation
+        self._step = -1
+        self._beats = 0
+        self._faults = sorted((f for f in faults if f[0] in BEAT_FAULTS), key=lambda f: f[1])
+        atexit.register(self._write, PHASE_EXITING)
+
+    @classmethod
+    def from_env(cls) -> HeartbeatWriter | None:
+        path = os.environ.get(ENV_HEARTBEAT_FILE)
+        if not path:
+            return None
+        return cls(path, int(os.environ[ENV_HEARTBEAT_SLOT]), int(os.environ.get(ENV_GENERATION, "0")),
+                   decode_trainer_faults(os.environ.get(ENV_TRAINER_FAULTS, "")))
+
+    def beat(self, step: int | None = None) -> None:
+        if step is not None:
+            self._step = step
+        self._write(PHASE_RUNNING)
+        if self._faults and self._step >= self._faults[0][1]:
+            self._fire(self._faults.pop(0)[0])
+
+    def _write(self, phase: int) -> None:
+        self._beats += 1
+        _SLOT.pack_into(self._map, self._offset, self._pid, self._step, self._beats, time.monotonic_ns(),
+                        self._generation, phase)
+
+    def _fire(self, kind: str) -> None:
+        print(f"ftrun: injected {kind} at step {self._step} (pid {self._pid})", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.kill(self._pid, signal.SIGKILL if kind == "crash" else signal.SIGSTOP)
+
+
+_UNSET = object()
+_writer: HeartbeatWriter | None | object = _UNSET
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Tell the supervisor this trainer is alive (and at ``step``); costs no system call.
+
+    Call it once per training step. Hang detection is armed after the first call. Outside ftrun (no table in
+    the environment) it does nothing.
+    """
+    global _writer
+    if _writer is _UNSET:
+        _writer = HeartbeatWriter.from_env()
+    if _writer is not None:
+        _writer.beat(step)  # type: ignore[union-attr]
