@@ -247,3 +247,11 @@ def test_layers_point_down_and_no_two_modules_import_each_other():
     upward = [(m, i) for m, found in imports.items() for i in found if _layer(i) > _layer(m)]
     mutual = [(m, i) for m, found in imports.items() for i in found if m in imports.get(i, ()) and m < i]
     assert not upward and not mutual
+
+
+def test_the_cli_checks_its_input_without_importing_torch():
+    """What runs before the launcher's exec (flags, config, handoff) imports no torch: that costs 1-2 s per job."""
+    code = ("import sys, ftrun.cli, ftrun.launch.config, ftrun.launch.output, ftrun.launch.handoff; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr

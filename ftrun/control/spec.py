@@ -9,6 +9,8 @@ import re
 import signal
 from dataclasses import asdict, dataclass, field
 
+from ftrun.errors import UsageError
+
 ENV_NODE_SPEC = "FTRUN_NODE_SPEC"
 ENV_SHM_DIR = "FTRUN_SHM_DIR"
 DEFAULT_SHM_DIR = "/dev/shm"
@@ -88,6 +90,14 @@ class NodeSpec:
     @classmethod
     def from_env(cls) -> NodeSpec:
         return cls(**json.loads(os.environ[ENV_NODE_SPEC]))
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``host:port`` (``--rdzv-endpoint``, an etcd member) -> (host, port); a bad one is a :class:`UsageError`."""
+    host, sep, port = endpoint.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
+    return host.strip("[]"), int(port)
 
 
 def safe_job_id(job_id: str) -> str:

@@ -123,14 +123,6 @@ def host_store(port: int, what: str = "control store", bind: str = LOOPBACK) -> 
         raise UsageError(f"cannot start the {what} on {bind}:{bound}: {str(err).splitlines()[0]}") from None
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port); a bad endpoint is a :class:`UsageError`."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
-    return host.strip("[]"), int(port)
-
-
 def route_address(host: str, port: int) -> str:
     """The local address this host uses to reach ``host:port`` (a UDP socket connected to it; nothing is sent):
     loopback for a local endpoint, else the address of the interface on the way."""

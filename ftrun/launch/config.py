@@ -20,8 +20,7 @@ import yaml
 
 from ftrun.errors import UsageError
 from ftrun.control.faults import Fault, parse_faults
-from ftrun.control.spec import DEFAULT_SIGNALS
-from ftrun.control.store import split_endpoint
+from ftrun.control.spec import DEFAULT_SIGNALS, split_endpoint
 from ftrun.launch.output import OutputSettings
 from ftrun.launch.slurm import slurm_step
 from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem

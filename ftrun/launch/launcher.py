@@ -51,9 +51,10 @@ from ftrun.control.secret import local_secret, shared_secret, write_secret_file
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED,
-                                FORWARDED_SIGNALS, NodeSpec, STOP_KIND, shm_dir, unlink_node_files)
+                                FORWARDED_SIGNALS, NodeSpec, STOP_KIND, shm_dir, split_endpoint,
+                                unlink_node_files)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
-                                 route_address, split_endpoint)
+                                 route_address)
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
 from ftrun.snapshot.persist import complete_steps, job_dir, manifest, move_aside, step_name

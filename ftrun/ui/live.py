@@ -25,9 +25,9 @@ from rich.live import Live
 from ftrun.errors import UsageError
 from ftrun.control.coordination import Coordinator, incarnation_key, use_job
 from ftrun.control.secret import read_secret_file, shared_secret
-from ftrun.control.spec import shm_dir
+from ftrun.control.spec import shm_dir, split_endpoint
 from ftrun.control.backend import StoreAddress, open_store
-from ftrun.control.store import C10dStore, split_endpoint
+from ftrun.control.store import C10dStore
 from ftrun.ui.status import PUBLISH_INTERVAL, JobStatus, gather
 from ftrun.ui.view import ENDED, render
 
