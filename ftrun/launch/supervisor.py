@@ -80,7 +80,8 @@ KEEPER_START_TIMEOUT = 30.0
 # gen/<g>/suspects/<node> once one of them asks (gen/<g>/hang); the asker waits this long for all of them.
 HANG_VOTE_WAIT = 1.0
 # The zygote imports what training scripts import next (ZygoteClient.preload: 1.8 s here, during which it forks
-# nothing) this many seconds into a generation: not on the way to its first step, nor to a restart soon after it.
+# nothing) once every local trainer has beaten (it is past its first step, which imports the same), else this many
+# seconds into a generation: not on the way to the first step, nor to a restart before it (a crash loop).
 PRELOAD_AFTER = 5.0
 # A crash before the first heartbeat that repeats the one that started the generation (same signature: the
 # trainer's "Type: message", or its exit signal or code) ends the job instead of restarting it again.
@@ -518,7 +519,7 @@ class Supervisor:
             if not up and all(beat.beats > 0 for beat in table):
                 up = True
                 self.coord.mark(g, "up", time.time())
-            if self.zygote is not None and now > preload_at:
+            if self.zygote is not None and (up or now > preload_at):
                 self.zygote.preload()  # for the next generation's trainers
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))

@@ -7,9 +7,10 @@ anyway, so the zygote is a plain fork of it, made before the supervisor starts a
 operation (a fork after a multi-threaded torch op hangs the child) and never initialises CUDA.
 
 What training scripts import next (:data:`PRELOAD`: DDP and the optimizers import ``torch._dynamo``, 1.8 s
-here) is not on the way to the first trainers: the supervisor asks for it (:meth:`ZygoteClient.preload`) a few
-seconds into the first generation (not on the way to a restart soon after the start either: the zygote forks
-nothing while it imports), so that later generations start with it imported; a spare's zygote at once. It imports
+here) is not on the way to the first trainers: the supervisor asks for it (:meth:`ZygoteClient.preload`) once its
+trainers have all beaten (they are past their first step, which imports it too), else 5 s into the first
+generation (not on the way to a restart before the first step either, a crash loop's: the zygote forks nothing
+while it imports), so that later generations start with it imported; a spare's zygote at once. It imports
 in a thread of the lowest CPU priority (``SCHED_IDLE``, :mod:`ftrun.snapshot.priority`), so that the trainers
 running meanwhile keep their cores; the trainers it forks later have the priority of its main thread.
 
