@@ -26,7 +26,8 @@ SUBCOMMANDS = ("run", "store", "inspect", "export", "status", "sbatch-template",
 
 @app.command(context_settings={"allow_interspersed_args": False})
 def run(
-    script: str = typer.Argument(..., help="Training script (or module with -m, or executable with --no-python)."),
+    script: str = typer.Argument(..., help="Training script, or a directory or zip file with a __main__.py, as "
+                                           "python runs them (or module with -m, or executable with --no-python)."),
     script_args: Optional[list[str]] = typer.Argument(None, help="Arguments of the script."),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with settings; flags override it."),
     nnodes: Optional[str] = typer.Option(None, "--nnodes",

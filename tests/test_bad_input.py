@@ -71,11 +71,24 @@ def listening_port():
     (["--rdzv-conf", "protocol=https", str(TRAIN_PLAIN)], ["settings are for --rdzv-backend etcd"]),
     (["--ckpt-format", "dcp", str(TRAIN_PLAIN)], ["--ckpt-format dcp needs --ckpt-dir"]),
     (["--ckpt-format", "zip", "--ckpt-dir", "x", str(TRAIN_PLAIN)], ["--ckpt-format must be one of ftrun, dcp"]),
+    (["--log-dir", "/proc/ftrun-no-such-dir", str(TRAIN_PLAIN)],
+     ["--log-dir /proc/ftrun-no-such-dir: cannot create the directory (No such file or directory)"]),
+    (["--ckpt-dir", "/proc/ftrun-no-such-dir", str(TRAIN_PLAIN)], ["--ckpt-dir /proc/ftrun-no-such-dir: cannot create"]),
     (["--nnodes", "100000", "--nproc-per-node", "100000", str(TRAIN_PLAIN)],
      ["100000 node(s) and 10000000000 trainer(s) on this host", "core(s)", "available", "--node-rank N", "srun"]),
 ])
 def test_bad_flags(args, fragments):
     assert_one_line_error(*run_ftrun(*args)[:2], *fragments)
+
+
+def test_a_directory_without_main_and_a_file_as_directory(tmp_path):
+    (tmp_path / "app").mkdir()
+    assert_one_line_error(*run_ftrun(str(tmp_path / "app"))[:2], f"cannot run directory {tmp_path / 'app'}",
+                          "no __main__.py")
+    (tmp_path / "file").write_text("")
+    for flag in ("--log-dir", "--ckpt-dir"):
+        assert_one_line_error(*run_ftrun(flag, str(tmp_path / "file"), str(TRAIN_PLAIN))[:2],
+                              f"{flag} {tmp_path / 'file'} is not a directory")
 
 
 @pytest.mark.parametrize("text, fragments", [

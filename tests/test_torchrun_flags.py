@@ -168,6 +168,19 @@ def test_node_rank_0_of_1_runs_without_an_endpoint(start_job):
     assert_job_left_nothing(job)
 
 
+@pytest.mark.timeout(120)
+def test_a_directory_runs_its_main_as_python_does(start_job, tmp_path):
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text("import os, sys\n"
+                                     "print('hello from rank', os.environ['RANK'], sys.argv[1:], sys.path[0])\n")
+    job = start_job("--nproc-per-node", "2", "app", "--flag", "1")
+    assert job.wait(90) == 0, job.output
+    for rank in (0, 1):
+        assert f"hello from rank {rank} ['--flag', '1'] {app}" in job.output, job.output
+    assert_job_left_nothing(job)
+
+
 @pytest.mark.timeout(150)
 def test_master_addr_and_port_join_two_launchers(start_job, tmp_path):
     port, job_id = free_port(), f"t{uuid.uuid4().hex[:10]}"

@@ -127,7 +127,8 @@ def run_main(target: str, args: list[str], module: bool) -> None:
             sys.path.insert(0, os.getcwd())
             runpy.run_module(target, run_name="__main__", alter_sys=True)
         else:
-            sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
+            if not os.path.isdir(target):  # as python: the script's directory first (run_path puts a directory)
+                sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
             runpy.run_path(target, run_name="__main__")
     except SystemExit:
         raise

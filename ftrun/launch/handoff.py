@@ -125,6 +125,7 @@ class Begun:
 def begin(cfg: JobConfig, script: str) -> Begun:
     """Check the script and this host, and name the job; raises :class:`UsageError` on bad input."""
     target = resolve_target(cfg, script)
+    check_directories(cfg)
     if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host())):
         raise UsageError(problem)
     return Begun(target, job_id_for(cfg))
@@ -161,9 +162,27 @@ def resolve_target(cfg: JobConfig, target: str) -> str:
         if found is None:
             raise UsageError(f"executable not found: {target}")
         return found
-    if not os.path.isfile(target):
+    if os.path.isdir(target):  # as python: a directory (or a zip file) runs its __main__.py
+        if not os.path.isfile(os.path.join(target, "__main__.py")):
+            raise UsageError(f"cannot run directory {target}: it has no __main__.py")
+    elif not os.path.isfile(target):
         raise UsageError(f"script not found: {target}")
     return os.path.abspath(target)
+
+
+def check_directories(cfg: JobConfig) -> None:
+    """--log-dir and --ckpt-dir are directories this process can write to (created, mode 0700, if missing)."""
+    for flag, path in (("--log-dir", cfg.log_dir), ("--ckpt-dir", cfg.ckpt_dir)):
+        if path is None:
+            continue
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise UsageError(f"{flag} {path} is not a directory")
+        try:
+            os.makedirs(path, mode=0o700, exist_ok=True)
+        except OSError as err:
+            raise UsageError(f"{flag} {path}: cannot create the directory ({err.strerror})") from None
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise UsageError(f"{flag} {path}: the directory is not writable")
 
 
 def job_id_for(cfg: JobConfig) -> str:

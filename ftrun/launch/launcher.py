@@ -83,7 +83,7 @@ def script_digest(cfg: JobConfig, target: str) -> str:
     """What the script is, by content: a spare that joins must run the same one (paths may differ by host)."""
     if cfg.module:
         return f"module {target}"
-    with open(target, "rb") as f:
+    with open(os.path.join(target, "__main__.py") if os.path.isdir(target) else target, "rb") as f:
         return "sha256 " + hashlib.file_digest(f, "sha256").hexdigest()
 
 
