@@ -25,8 +25,10 @@ from ftrun.control.signed import TAG_MARK, SignedStore
 from ftrun.control.ownership import Owner, take
 from ftrun.control.store import LOOPBACK, C10dStore, check_bind_address, host_store, route_address
 from ftrun.errors import UsageError
+from ftrun.events import EventLog, read_events
 from ftrun.launch.peers import PeerWatch
 from ftrun.launch.slurm import SlurmStep, agree_node_rank
+from ftrun.snapshot.link import Progress, ProgressTracker
 
 SECRET = "0123456789abcdef" * 4
 
@@ -180,8 +182,8 @@ def test_a_lost_node_is_declared_once_while_its_replacement_is_awaited(server, s
     assert silent_for(PeerWatch(watcher, 0, 2, 1.0, me), 3.0)[0] == 1
 
 
-def test_the_peers_watch_costs_two_round_trips_per_check(server):
-    """check + multi_get: with any key absent a c10d store reads them one by one, so every key it reads exists."""
+def counted(server: TCPStore) -> tuple[C10dStore, list[int]]:
+    """A store on ``server`` that counts its round trips (every call of the TCPStore client)."""
     trips = [0]
 
     class Counted:
@@ -196,6 +198,12 @@ def test_the_peers_watch_costs_two_round_trips_per_check(server):
 
     raw = C10dStore(server)
     raw.tcp = Counted(raw.tcp)
+    return raw, trips
+
+
+def test_the_peers_watch_costs_two_round_trips_per_check(server):
+    """check + multi_get: with any key absent a c10d store reads them one by one, so every key it reads exists."""
+    raw, trips = counted(server)
     coords = [Coordinator(SignedStore(raw, SECRET), "job", n, 4, run=1) for n in range(4)]
     coords[0].init_job({"nnodes": 4})
     for node, coord in enumerate(coords):
@@ -207,6 +215,43 @@ def test_the_peers_watch_costs_two_round_trips_per_check(server):
     for _ in range(10):
         assert watch.check() is None
     assert trips[0] == 20
+
+
+def test_node_0_computes_the_progress_and_the_others_read_one_key(server, tmp_path):
+    """6 nodes in EC groups of 3 (m = 1): node 0 reads every node's commit and parity documents (4 round trips)
+    and publishes the committed and protected steps and each group's; any other node reads one key (1 round
+    trip), whatever the number of nodes."""
+    raw, trips = counted(server)
+    coords = [Coordinator(SignedStore(raw, SECRET), "job", n, 6, run=1) for n in range(6)]
+    coords[0].init_job({"nnodes": 6})
+    events = EventLog("test", str(tmp_path))
+    trackers = [ProgressTracker(coord, 6, 3, 1, events) for coord in coords]
+    for tracker in trackers:
+        tracker.start(10)
+
+    def publish(what: str, steps: dict[int, list[int]]) -> None:
+        for node, held in steps.items():
+            coords[node].store.set(coords[node].key("gen", 1, what, node), json.dumps(held))
+
+    publish("commit", {n: [10, 20] for n in range(6)})
+    publish("parity", {n: [10, 20] if n < 3 else [10] for n in range(6)})  # group 1 still encodes step 20
+    trips[0] = 0
+    assert trackers[4].look(1) == Progress(10, 10)  # nothing published yet
+    assert trips[0] == 1
+    trips[0] = 0
+    assert trackers[0].look(1) == Progress(20, 10)
+    assert trips[0] == 4 + 1 + 2  # commit and parity (check + multi_get each), progress, each group's step
+    assert (coords[3].get("group", 0, "protected"), coords[3].get("group", 1, "protected")) == (b"20", b"10")
+    trips[0] = 0
+    assert trackers[4].look(1) == Progress(20, 10)
+    assert trips[0] == 1
+    publish("parity", {n: [10, 20] for n in range(3, 6)})
+    assert trackers[0].look(1) == Progress(20, 20)
+    assert trackers[5].look(1) == Progress(20, 20)
+    assert [(e["group"], e["step"]) for e in read_events(str(tmp_path)) if e["event"] == "protected"] == \
+        [(0, 20), (1, 10), (1, 20)]
+    publish("commit", {n: [20] for n in range(6)})  # older steps dropped: what was learned stays
+    assert trackers[0].look(1) == Progress(20, 20) and trackers[1].look(1) == Progress(20, 20)
 
 
 def test_each_run_of_a_job_id_has_its_own_keys(server, signed):

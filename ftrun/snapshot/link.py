@@ -12,13 +12,16 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
   every node excludes that source for that step and plans again within g: a failed source is never tried
   twice and never costs a restart. Only then do they tell their keeper the plan; trainers wait for it.
 - ``commit/<node>``, ``parity/<node>``: JSON ``[steps]``, the steps every rank of the node holds now and the
-  steps its keeper holds complete parity of; the link publishes them whenever they change and, while the node
-  holds a step newer than the last known protected one, reads the other nodes' to tell the keeper the newest
-  step every rank holds (*committed*: the encoders start on it) and the newest one that is also covered by
-  parity on every node (*protected*: trainers may then overwrite the older slot). Without erasure coding the
-  two are the same.
+  steps its keeper holds complete parity of; the link publishes them whenever they change.
+- ``progress``: JSON :class:`Progress`, the newest step every rank holds (*committed*: the encoders start on it)
+  and the newest one that is also covered by parity on every node (*protected*: trainers may then overwrite the
+  older slot); without erasure coding the two are the same. While node 0 holds a step newer than the protected
+  one, its link reads every node's ``commit`` and ``parity`` and publishes ``progress`` when it advances; while
+  another node does, its link reads ``progress`` alone (:class:`ProgressTracker`). So a look costs node 0 two
+  reads of N keys and every other node one read of one key: the store serves O(N) keys per poll interval for the
+  whole job, not O(N^2), and each node checks the signature of one value, not 2N. Each link tells its keeper.
 
-``group/<X>/protected`` (job-wide key): group X's protected step, for the status view.
+``group/<X>/protected`` (job-wide key): group X's protected step, for the status view (node 0 writes it too).
 
 When the link starts with erasure coding on, it reads what the other nodes of its group published in the
 current generation, else in the newest one before it where they published (a replacement starts while the
@@ -80,6 +83,78 @@ class Holdings:
         doc = json.loads(raw)
         return cls({int(r): set(s) for r, s in doc["ranks"].items()}, set(doc["parity"]), doc["address"],
                    set(doc["disk"]))
+
+
+@dataclass(frozen=True)
+class Progress:
+    """The job's committed and protected steps (the ``progress`` document; see the module doc)."""
+
+    committed: int
+    protected: int
+
+    def encode(self) -> str:
+        return json.dumps({"committed": self.committed, "protected": self.protected})
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> Progress:
+        doc = json.loads(raw)
+        return cls(int(doc["committed"]), int(doc["protected"]))
+
+
+class ProgressTracker:
+    """How a node's link learns :class:`Progress` in one generation (module doc): node 0 computes it from every
+    node's documents and publishes it, with each EC group's protected step (``group/<X>/protected`` and a
+    ``protected`` event); the other nodes read it. Steps only advance."""
+
+    def __init__(self, coord: Coordinator, nnodes: int, group: int, parity: int, events: EventLog) -> None:
+        self.coord = coord
+        self.nnodes, self.group, self.parity = nnodes, group, parity
+        self.events = events
+        self.known = Progress(0, 0)
+        self._groups: dict[int, int] = {}  # node 0: the protected step published per group
+
+    def start(self, step: int) -> None:
+        """A new generation restores ``step`` on every rank: it is committed and protected."""
+        self.known = Progress(step, step)
+
+    def look(self, gen: int) -> Progress:
+        """The progress known after one look (node 0 computes, the others read)."""
+        found = self._compute(gen) if self.coord.node_rank == 0 else self._read(gen)
+        if found is not None:
+            self.known = Progress(max(self.known.committed, found.committed),
+                                  max(self.known.protected, found.protected))
+        return self.known
+
+    def _read(self, gen: int) -> Progress | None:
+        raw = self.coord.get("gen", gen, "progress")
+        return Progress.decode(raw) if raw is not None else None
+
+    def _compute(self, gen: int) -> Progress | None:
+        commits = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "commit").items()}
+        if len(commits) < self.nnodes:
+            return None
+        committed = max(self.known.committed, newest_common(list(commits.values())))
+        protected = committed
+        if self.parity:
+            parities = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "parity").items()}
+            if len(parities) < self.nnodes:
+                return Progress(committed, self.known.protected)
+            covered = {n: commits[n] & parities[n] for n in commits}
+            protected = max(self.known.protected, newest_common(list(covered.values())))
+            for first in range(0, self.nnodes, self.group):
+                self._group_protected(first // self.group, newest_common([covered[n] for n in
+                                                                           group_of(first, self.group)]))
+        found = Progress(committed, protected)
+        if found != self.known:
+            self.coord.store.set(self.coord.key("gen", gen, "progress"), found.encode())
+        return found
+
+    def _group_protected(self, group: int, step: int) -> None:
+        if step > self._groups.get(group, 0):
+            self._groups[group] = step
+            self.coord.store.set(self.coord.key("group", group, "protected"), str(step))
+            self.events.emit("protected", f"group {group}: step {step} protected by parity", console=False,
+                             node=group * self.group, group=group, step=step)
 
 
 @dataclass(frozen=True)
@@ -159,7 +234,7 @@ class KeeperLink(threading.Thread):
         self._generation = -1
         self._plans: dict[int, int] = {}
         self._committed = self._restorable = 0
-        self._group_protected = 0
+        self.progress = ProgressTracker(self.coord, self.nnodes, self.group, self.parity, events)
         self._peers: dict[str, str] = {}
         self._published: dict[str, list[int]] = {}
         self.durability = Durability(spec, self.coord, events) if spec.ckpt_dir else None
@@ -259,6 +334,7 @@ class KeeperLink(threading.Thread):
         self.keeper.request("poll", generation=gen, plan=plan.step, restorable=plan.step, committed=plan.step,
                             peers=self._peers)
         self._plans[gen] = self._committed = self._restorable = plan.step
+        self.progress.start(plan.step)
         self._published = {}
         self.coord.publish_restore(gen, plan.step, {"parity": "RAM + parity", "disk": "disk"}.get(plan.source, "RAM"))
         if self.durability is not None:
@@ -382,30 +458,13 @@ class KeeperLink(threading.Thread):
             self._catch_up(gen)
 
     def _catch_up(self, gen: int) -> None:
-        """Read every node's holdings: the committed and protected steps (see the module doc)."""
-        commits = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "commit").items()}
-        if len(commits) < self.nnodes:
-            return
-        committed = newest_common(list(commits.values()))
-        if committed > self._committed:
-            self._committed = committed
+        """One look at the job's progress: the committed and protected steps (see the module doc)."""
+        progress = self.progress.look(gen)
+        if progress.committed > self._committed:
+            self._committed = progress.committed
             if self.durability is not None:
-                self.durability.committed(committed)
-        if not self.parity:
-            self._restorable = self._committed
-            return
-        parities = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "parity").items()}
-        if len(parities) < self.nnodes:
-            return
-        covered = {n: commits[n] & parities[n] for n in commits}
-        self._restorable = max(self._restorable, newest_common(list(covered.values())))
-        mine = newest_common([covered[n] for n in group_of(self.node, self.group)])
-        if mine > self._group_protected and self.node % self.group == 0:  # the group's first node tells
-            self._group_protected = mine
-            group = self.node // self.group
-            self.coord.store.set(self.coord.key("group", group, "protected"), str(mine))
-            self.events.emit("protected", f"group {group}: step {mine} protected by parity", console=False,
-                             node=self.node, group=group, step=mine)
+                self.durability.committed(progress.committed)
+        self._restorable = max(self._restorable, progress.protected)
 
     def _finishing(self, gen: int) -> None:
         """The final persist (see :meth:`finish`): node 0 asks for the newest committed step once every node has
