@@ -217,6 +217,26 @@ def test_the_peers_watch_costs_two_round_trips_per_check(server):
     assert trips[0] == 20
 
 
+def test_a_wait_on_every_node_costs_one_round_trip_while_one_is_missing(server):
+    """``marked``: None (one round trip) while a node has not set its key or its value is not authentic; every
+    value once all are there. ``marks`` reads the keys one by one meanwhile."""
+    raw, trips = counted(server)
+    coords = [Coordinator(SignedStore(raw, SECRET), "job", n, 8, run=1) for n in range(8)]
+    for coord in coords[:7]:
+        coord.mark(1, "ready", 5)
+    trips[0] = 0
+    assert coords[0].marked(1, "ready") is None
+    assert trips[0] == 1
+    trips[0] = 0
+    assert len(coords[0].marks(1, "ready")) == 7
+    assert trips[0] == 1 + 8  # check, then one key at a time
+    assert coords[0].marked(1, "ready", [0, 3]) == {0: "5", 3: "5"}
+    raw.set(coords[7].key("gen", 1, "ready", 7), b"5")  # not signed: not authentic
+    assert coords[0].marked(1, "ready") is None
+    coords[7].mark(1, "ready", 5)
+    assert coords[0].marked(1, "ready") == dict.fromkeys(range(8), "5")
+
+
 def test_node_0_computes_the_progress_and_the_others_read_one_key(server, tmp_path):
     """6 nodes in EC groups of 3 (m = 1): node 0 reads every node's commit and parity documents (4 round trips)
     and publishes the committed and protected steps and each group's; any other node reads one key (1 round

@@ -19,7 +19,8 @@ never moves the generation backwards (a coordinator ignores a generation lower t
 one also consults ``history/``); a replayed beat makes a dead node look alive as long as the replays go on (the
 job waits instead of restarting), and so does a replayed ``node/<r>/lost`` naming the rank's current owner
 (its peers stop counting its silence until it rejoins: its death then shows as the other trainers' hang, and a
-rendezvous waits for it up to --rdzv-timeout); a replayed incarnation document makes a new launcher start a new run.
+rendezvous waits for it up to --rdzv-timeout); a replayed incarnation document makes a new launcher start a new run;
+a replayed older ``progress`` (:mod:`ftrun.snapshot.link`) changes nothing, since a reader keeps the newest steps.
 Overwriting or deleting a value the protocol waits for (a ready mark, a claim) stalls the job until a timeout
 ends it: a denial of service that signing cannot prevent (local jobs listen on loopback only; see
 :mod:`ftrun.control.store`).
@@ -55,7 +56,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field, fields
 
 from torch.distributed import DistError
@@ -349,6 +350,22 @@ class Coordinator:
         round trip where the store allows."""
         values = self.store.multi_get([self.key("gen", gen, what, node) for node in range(self.nnodes)])
         return {node: raw.decode() for node, raw in enumerate(values) if raw is not None}
+
+    def marked(self, gen: int, what: str, nodes: Iterable[int] | None = None) -> dict[int, str] | None:
+        """:meth:`marks` of ``nodes`` (default: every node) once every one of them has set its key (authentic
+        values), else None.
+
+        For waits on every node: while a key is missing this costs one round trip (``check``), where
+        :meth:`marks` reads a c10d store's keys one by one: N nodes waiting on N keys would cost N^2 round trips
+        per poll."""
+        wanted = list(range(self.nnodes) if nodes is None else nodes)
+        keys = [self.key("gen", gen, what, node) for node in wanted]
+        if not self.store.check(keys):
+            return None
+        values = self.store.multi_get(keys)
+        if None in values:
+            return None
+        return {node: raw.decode() for node, raw in zip(wanted, values) if raw is not None}
 
     def publish_restore(self, gen: int, step: int, source: str) -> None:
         """The agreed snapshot step of ``gen`` (0: none) and where it comes from ("RAM", "RAM + parity")."""

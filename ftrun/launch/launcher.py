@@ -560,7 +560,7 @@ class Launcher:
             coord.mark(0, "left")
         if self.store_server is not None:
             deadline = time.monotonic() + _ACK_TIMEOUT
-            while (len(coord.marks(0, "left")) < coord.nnodes or any(doc.state == "waiting" for doc in spares(coord))
+            while (coord.marked(0, "left") is None or any(doc.state == "waiting" for doc in spares(coord))
                    ) and time.monotonic() < deadline:
                 time.sleep(0.05)
 

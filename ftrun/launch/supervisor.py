@@ -378,12 +378,11 @@ class Supervisor:
         next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
         while not self._stopping:
             self._publish_status("starting" if gen == 0 else "restarting", gen)
-            ready = self.coord.marks(gen, "ready")
-            if len(ready) == self.spec.nnodes:
+            if self.coord.marked(gen, "ready") is not None:
                 return None
             if time.monotonic() > tell_at:  # once, by node 0: a lost node's replacement (or a late node) is awaited
                 tell_at = math.inf
-                missing = sorted(set(range(self.spec.nnodes)) - set(ready))
+                missing = self._not_ready(gen)
                 self.events.emit("rendezvous_wait", f"generation {gen} waits for node(s) {missing} to join; it "
                                  f"gives up {self.spec.rdzv_timeout:g}s after it began (--rdzv-timeout)",
                                  node=self.node, generation=gen, missing=missing)
@@ -396,11 +395,14 @@ class Supervisor:
                 if lost is not None:
                     return lost
             if time.monotonic() > deadline:
-                missing = sorted(set(range(self.spec.nnodes)) - set(ready))
-                raise JobFailed(f"node(s) {missing} did not join generation {gen} within "
+                raise JobFailed(f"node(s) {self._not_ready(gen)} did not join generation {gen} within "
                                 f"{self.spec.rdzv_timeout:g}s")
             time.sleep(max(POLL_INTERVAL, self.coord.store.poll_interval))
         return None
+
+    def _not_ready(self, gen: int) -> list[int]:
+        """The nodes that have not joined generation ``gen`` (one round trip per node: only when it is told)."""
+        return sorted(set(range(self.spec.nnodes)) - set(self.coord.marks(gen, "ready")))
 
     def _start_trainers(self, gen: int) -> None:
         assert self.heartbeats is not None
@@ -528,7 +530,7 @@ class Supervisor:
                 now_raw = self.coord.current_raw()
                 if now_raw != seen:
                     return now_raw
-                if done and len(self.coord.marks(g, "done")) == self.spec.nnodes:  # the job is done: leave at once
+                if done and self.coord.marked(g, "done") is not None:  # the job is done: leave at once
                     if leader is not None:
                         leader.finish()
                     return "done"
@@ -592,13 +594,13 @@ class Supervisor:
         self.coord.store.set(self.coord.key("gen", gen, "hang"), str(self.node))
         deadline = time.monotonic() + HANG_VOTE_WAIT
         while True:
-            reports = self.coord.marks(gen, "suspects")
-            if len(reports) == self.spec.nnodes or time.monotonic() > deadline:
+            if self.coord.marked(gen, "suspects") is not None or time.monotonic() > deadline:
                 break
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw
             time.sleep(0.05)
+        reports = self.coord.marks(gen, "suspects")  # all of them, or those sent within the wait
         reports.pop(self.node, None)
         suspects = mine + [s for raw in reports.values() for s in HangSuspect.decode_all(raw)]
         chosen = culprit(suspects)
@@ -774,13 +776,13 @@ class _LeaderLog:
 
     def poll(self) -> None:
         nnodes = self.coord.nnodes
-        if not self.running and len(self.coord.marks(self.gen.gen, "started")) == nnodes:
+        if not self.running and self.coord.marked(self.gen.gen, "started") is not None:
             self.running = True
             self.events.emit("all_running", f"generation {self.gen.gen}: trainers running on all {nnodes} nodes",
                              generation=self.gen.gen)
         if self.running and not self.recovered:
-            ups = self.coord.marks(self.gen.gen, "up")
-            if len(ups) == nnodes:
+            ups = self.coord.marked(self.gen.gen, "up")
+            if ups is not None:
                 self.recovered = True
                 first_beat = max(float(v) for v in ups.values())
                 if self.gen.gen == 0:

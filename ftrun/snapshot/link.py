@@ -319,13 +319,11 @@ class KeeperLink(threading.Thread):
         disk = self.durability.disk_steps() if self.durability is not None else set()
         mine = Holdings({int(r): set(s) for r, s in reply["held"].items()}, set(reply["parity"]), self.address, disk)
         self.coord.store.set(self.coord.key("gen", gen, "held", self.node), mine.encode())
-        held: dict[int, Holdings] = {}
-        while len(held) < self.nnodes:
+        while (marked := self.coord.marked(gen, "held")) is None:
             if self._halt.is_set() or self._generation != gen:
                 return
-            held = {node: Holdings.decode(raw) for node, raw in self.coord.marks(gen, "held").items()}
-            if len(held) < self.nnodes:
-                time.sleep(self._interval)
+            time.sleep(self._interval)
+        held = {node: Holdings.decode(raw) for node, raw in marked.items()}
         if self.parity:
             self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
         plan = self._plan(gen, held)
@@ -360,12 +358,10 @@ class KeeperLink(threading.Thread):
                 return plan
             if self.node in workers:
                 self.coord.store.set(self.coord.key("gen", gen, what, self.node), self._fetch(gen, plan))
-            outcomes = self.coord.marks(gen, what)
-            while not workers <= set(outcomes):
+            while (outcomes := self.coord.marked(gen, what, workers)) is None:
                 if self._halt.is_set() or self._generation != gen:
                     return None
                 time.sleep(self._interval)
-                outcomes = self.coord.marks(gen, what)
             problems = {node: o for node, o in outcomes.items() if o != "ok" and node in workers}
             if not problems:
                 return plan
@@ -475,7 +471,7 @@ class KeeperLink(threading.Thread):
             self.coord.mark(gen, "stopped")
         now = time.monotonic()
         if self.node == 0 and not self._asked_final:
-            everyone = len(self.coord.marks(gen, "stopped")) == self.nnodes
+            everyone = self.coord.marked(gen, "stopped") is not None
             if everyone or now > self._finish_by - self._final_grace / 2:
                 self._catch_up(gen)
                 self._asked_final = True
