@@ -56,7 +56,7 @@ from __future__ import annotations
 import json
 import random
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
 
 from torch.distributed import DistError
@@ -359,13 +359,16 @@ class Coordinator:
         :meth:`marks` reads a c10d store's keys one by one: N nodes waiting on N keys would cost N^2 round trips
         per poll."""
         wanted = list(range(self.nnodes) if nodes is None else nodes)
-        keys = [self.key("gen", gen, what, node) for node in wanted]
+        values = self.all_set([self.key("gen", gen, what, node) for node in wanted])
+        return None if values is None else {node: raw.decode() for node, raw in zip(wanted, values)}
+
+    def all_set(self, keys: Sequence[str]) -> list[bytes] | None:
+        """The authentic value of every key, or None while any is missing or not authentic: one round trip
+        (``check``) while one is missing, three once all are set."""
         if not self.store.check(keys):
             return None
         values = self.store.multi_get(keys)
-        if None in values:
-            return None
-        return {node: raw.decode() for node, raw in zip(wanted, values) if raw is not None}
+        return None if None in values else [value for value in values if value is not None]
 
     def publish_restore(self, gen: int, step: int, source: str) -> None:
         """The agreed snapshot step of ``gen`` (0: none) and where it comes from ("RAM", "RAM + parity")."""

@@ -209,13 +209,9 @@ class Durability:
     def _answers(self, number: int, *what: str, first: int = 0) -> dict[int, str] | None:
         """node -> answer to round ``number`` (its hold, or its outcome) of nodes ``first``.., once all of them
         answered; else None."""
-        found = {}
-        for node in range(first, self.spec.nnodes):
-            raw = self.coord.get("persist", "round", number, *what, node)
-            if raw is None:
-                return None
-            found[node] = raw.decode(errors="replace")
-        return found
+        nodes = range(first, self.spec.nnodes)
+        values = self.coord.all_set([self.coord.key("persist", "round", number, *what, node) for node in nodes])
+        return None if values is None else {node: raw.decode(errors="replace") for node, raw in zip(nodes, values)}
 
     def _finish(self, finished: Round, outcomes: dict[int, dict[str, Any]]) -> None:
         """Every node wrote its ranks' files of the round's step (or failed): finish the step on disk, or report
