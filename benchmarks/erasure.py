@@ -38,8 +38,11 @@ of its ranks (the worker reports its state bytes). Times are medians.
   ``--train-sleep`` with the CPU idle (as a GPU step leaves the host's cores to other work; 3 CPU-bound trainers
   on this 2-core host would leave the encoders no core at all), a snapshot every ``--every`` steps, with parity
   (m = 1) and without (``--ec-parity 0``), alternating ``--train-reps`` times: steps per second of the slowest
-  rank, from its first snapshot on, over ``--train-steps`` (200: about 18 s, so that what a job does once, the
-  zygote's import of what trainers import next 5 s into it, weighs in both runs as it would in a long job).
+  rank (and the largest share of a rank's time in the Snapshotter's ``save()`` and ``wait()``), from its
+  :data:`UNTIMED_SNAPSHOTS`-th snapshot to step ``--train-steps`` (200: about 14 s timed): the steady state of
+  a long job. What a job does once is before it and shown apart, the seconds each rank spent in those calls:
+  the first snapshots wait for the job's first parity, which allocates the parity files while the zygotes import
+  what trainers import next (once every trainer has beaten).
 
 Targets, printed as PASS/MISS: encode end to end >= 2 GB/s per keeper (k=2, m=1) and >= 1 GB/s (k=4, m=2);
 rebuild <= 1.5 x the TCP copy (k=1, k=2) and <= 2 x (m=2, two lost); memory per node <= 2 + 2m/k; training
@@ -89,6 +92,7 @@ JOB_TIMEOUT = 900
 STOP_GRACE = 30
 POLL = 0.1
 ALLOCATION_ENCODES = 2  # a keeper's first two encodes allocate its two parity files
+UNTIMED_SNAPSHOTS = 4  # the training jobs' first snapshots, which wait for the first parity (reported apart)
 Event = dict[str, Any]
 
 
@@ -537,16 +541,19 @@ def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
 
 
 # -- training with parity on and off ---------------------------------------------------------------------------
-def training_rate(args: argparse.Namespace, workdir: str, parity: int, rep: int) -> float:
+def training_rate(args: argparse.Namespace, workdir: str, parity: int, rep: int) -> tuple[float, list[float]]:
     """Steps per second of 3 nodes x 1 trainer computing (``--matmuls`` matrix products per step) with a
-    snapshot every ``--every`` steps, in EC groups of 3 with ``parity`` parity (0: no redundancy)."""
+    snapshot every ``--every`` steps, in EC groups of 3 with ``parity`` parity (0: no redundancy), past the first
+    :data:`UNTIMED_SNAPSHOTS`; the shares of a trainer's time spent in the Snapshotter's ``wait()`` and
+    ``save()`` then, of the rank that spent most; and the most seconds a rank spent in them before."""
     job = f"bench-erasure-train{parity}-{rep}-{os.getpid()}"
     out_dir = os.path.join(workdir, job)
     os.makedirs(out_dir)
     command = [sys.executable, "-m", "ftrun", "--nnodes", "3", "--nproc-per-node", "1", "--ec-group", "3",
                "--ec-parity", str(parity), "--rdzv-id", job, "--log-dir", f"{out_dir}-logs", str(WORKER),
                "--size-mib", str(args.size_mib), "--steps", str(args.train_steps), "--every", str(args.every),
-               "--matmuls", str(args.matmuls), "--step-time", str(args.train_sleep), "--out-dir", out_dir]
+               "--matmuls", str(args.matmuls), "--step-time", str(args.train_sleep), "--out-dir", out_dir,
+               "--timed-from", str(UNTIMED_SNAPSHOTS * args.every)]
     try:
         done = subprocess.run(command, capture_output=True, timeout=JOB_TIMEOUT)
     finally:
@@ -555,11 +562,17 @@ def training_rate(args: argparse.Namespace, workdir: str, parity: int, rep: int)
     rates = [x["steps_per_second"] for x in records if "steps_per_second" in x]
     if done.returncode != 0 or len(rates) != 3:
         raise SystemExit(f"the training job failed (exit code {done.returncode}): {done.stdout[-3000:]!r}")
-    return min(rates)  # the job goes at its slowest rank's pace
+    timed = [x for x in records if "blocked_share" in x]
+    most = max(timed, key=lambda x: sum(x["blocked_share"]))
+    return min(rates), [*most["blocked_share"], max(x["startup_blocked"] for x in timed)]  # the slowest rank's pace
 
 
-def training_ratio(args: argparse.Namespace, workdir: str) -> tuple[list[float], list[float]]:
-    """Steps per second with parity on (m = 1) and off, alternating, ``--train-reps`` times each."""
+Training = tuple[list[tuple[float, list[float]]], list[tuple[float, list[float]]]]
+
+
+def training_ratio(args: argparse.Namespace, workdir: str) -> Training:
+    """(steps per second, blocked share) with parity on (m = 1) and off, alternating, ``--train-reps`` times
+    each."""
     on, off = [], []
     for rep in range(args.train_reps):
         off.append(training_rate(args, workdir, 0, rep))
@@ -634,12 +647,19 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
               f"{verdict(most <= s.expected_memory + 0.02)}")
 
 
-def report_training(training: tuple[list[float], list[float]], args: argparse.Namespace) -> None:
-    on, off = training
+def report_training(training: Training, args: argparse.Namespace) -> None:
+    on, off = ([rate for rate, _ in runs] for runs in training)
+    blocked_on, blocked_off = ([f"{100 * wait:.1f}+{100 * save:.1f}" for _, (wait, save, _) in runs]
+                               for runs in training)
+    startup_on, startup_off = ([start for _, (_, _, start) in runs] for runs in training)
     ratio = med(on) / med(off)
     print(f"  training, 3 nodes, a snapshot every {args.every} steps: {med(on):.2f} steps/s with parity, "
           f"{med(off):.2f} without ({spread(on)} / {spread(off)}): {ratio:.3f}, target >= 0.97: "
           f"{verdict(ratio >= 0.97)}")
+    print(f"    % of the time in wait() + save(), the rank most in them: {' '.join(blocked_on)} with parity, "
+          f"{' '.join(blocked_off)} without")
+    print(f"    before that, the first {UNTIMED_SNAPSHOTS} snapshots (s): {spread(startup_on)} with parity, "
+          f"{spread(startup_off)} without")
 
 
 def sources(r: Result) -> str:

@@ -13,7 +13,9 @@ nothing moves; ftrun's ``--inject node-loss`` later kills one node, whose replac
 
 Training mode (``--matmuls N``, no ``--go``): each step also multiplies two 256 x 256 matrices N times (a fixed
 amount of work), a snapshot is taken every ``--every`` steps, and the final record holds ``steps_per_second``
-from the end of the first snapshot's step to the last step.
+from the end of step ``--timed-from`` to the last step, the shares of that time spent in the Snapshotter's
+``wait()`` and ``save()`` (``blocked_share``), and the seconds spent in them before (``startup_blocked``: the
+first snapshots wait for the job's first parity, whose files are allocated then).
 """
 
 from __future__ import annotations
@@ -80,6 +82,8 @@ def main() -> None:
     parser.add_argument("--go", help="file whose existence ends the hold")
     parser.add_argument("--every", type=int, default=1, help="a snapshot every this many steps")
     parser.add_argument("--matmuls", type=int, default=0, help="256 x 256 matrix products per step")
+    parser.add_argument("--timed-from", type=int, default=0, help="step after which steps per second are timed "
+                        "(default: the first snapshot's)")
     parser.add_argument("--out-dir", required=True)
     args = parser.parse_args()
     rank, generation = int(os.environ["RANK"]), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
@@ -97,20 +101,31 @@ def main() -> None:
                               "state_bytes": sum(t.nbytes for t in state.values())}
     record(args.out_dir, rank, generation, doc)
     timed_from = None
+    in_wait = in_save = startup = 0.0  # seconds in wait() and in save() from --timed-from on, and before
     for step in range(start, args.steps):
         for _ in range(args.matmuls):
             torch.mm(a, b)
+        t0 = time.perf_counter()
         snap.wait()  # the copy of the previous snapshot reads the live tensors
+        t1 = time.perf_counter()
         advance(state, step)
+        t2 = time.perf_counter()
         snap.save(step + 1)
+        if timed_from is not None:
+            in_wait, in_save = in_wait + t1 - t0, in_save + time.perf_counter() - t2
+        else:
+            startup += t1 - t0 + time.perf_counter() - t2
         if generation == 0 and step + 1 == args.hold_at and args.go:
             hold(args.go)
-        if step + 1 == args.every:
+        if step + 1 == (args.timed_from or args.every):
             timed_from = (step + 1, time.perf_counter())
         time.sleep(args.step_time)
     snap.wait()
     if args.matmuls and timed_from is not None:
         doc["steps_per_second"] = (args.steps - timed_from[0]) / (time.perf_counter() - timed_from[1])
+        elapsed = time.perf_counter() - timed_from[1]
+        doc["blocked_share"] = [in_wait / elapsed, in_save / elapsed]
+        doc["startup_blocked"] = startup
     record(args.out_dir, rank, generation, {**doc, "exact": exact(state, rank, args.size_mib, args.steps)})
 
 
