@@ -226,6 +226,21 @@ def test_redirects_keep_the_console_clean_also_with_spawn(start_job, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_ctrl_c_stops_the_job_with_exit_code_130(start_job):
+    """SIGINT to the launcher's process group, as a terminal's Ctrl-C: every node stops, each says why."""
+    job = start_job("--nnodes", "2", "--label-output", HELLO, "--wait-usr1")
+    deadline = time.monotonic() + 60
+    while not ("[rank 0] ready 0" in job.output and "[rank 1] ready 1" in job.output):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.05)
+    os.killpg(job.proc.pid, signal.SIGINT)
+    assert job.wait(60) == 130, job.output
+    assert "supervisor got SIGINT: every node stops its trainers" in job.output, job.output
+    assert "stopped by a signal (exit code 130)" in job.output, job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
 def test_sigusr1_reaches_every_trainer_and_sighup_stops_the_job(start_job):
     job = start_job("--nnodes", "2", "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGUSR1", "--label-output",
                     HELLO, "--wait-usr1")

@@ -233,11 +233,12 @@ class Launcher:
                 if proc.poll() is None:
                     proc.kill()
         self.signalled = signum
+        stop = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM  # what the supervisors say they got
         if self.pool is not None:
-            self.pool.signal(signal.SIGTERM)
+            self.pool.signal(stop)
         for proc in self.procs.values():
             if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+                proc.send_signal(stop)
 
     def _handle_signals(self) -> None:
         """--signals-to-handle: each listed signal stops the job as SIGTERM does (SIGINT and SIGTERM always do),
