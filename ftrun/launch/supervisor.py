@@ -365,7 +365,11 @@ class Supervisor:
         return problem is None
 
     def _rendezvous(self, gen: int, seen: bytes) -> bytes | None:
-        """Meet every node at generation ``gen``; returns the new raw generation if it moved on meanwhile."""
+        """Meet every node at generation ``gen``; returns the new raw generation if it moved on meanwhile.
+
+        Each node marks itself ready; node 0 waits for every mark and then sets ``gen/<g>/go``, which the others
+        wait for: a poll reads N keys on node 0 and one key elsewhere, so the job's rendezvous costs the store
+        O(N) keys per poll, not O(N^2)."""
         if self.node == 0:
             self.trainer_store = None  # the previous generation's store closes with its last reference
             self.trainer_store = host_store(0, "trainer store", bind=self.spec.bind_addr)
@@ -378,7 +382,7 @@ class Supervisor:
         next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
         while not self._stopping:
             self._publish_status("starting" if gen == 0 else "restarting", gen)
-            if self.coord.marked(gen, "ready") is not None:
+            if self._everyone_ready(gen):
                 return None
             if time.monotonic() > tell_at:  # once, by node 0: a lost node's replacement (or a late node) is awaited
                 tell_at = math.inf
@@ -399,6 +403,14 @@ class Supervisor:
                                 f"{self.spec.rdzv_timeout:g}s")
             time.sleep(max(POLL_INTERVAL, self.coord.store.poll_interval))
         return None
+
+    def _everyone_ready(self, gen: int) -> bool:
+        if self.node != 0:
+            return self.coord.get("gen", gen, "go") is not None
+        if self.coord.marked(gen, "ready") is None:
+            return False
+        self.coord.store.set(self.coord.key("gen", gen, "go"), "1")
+        return True
 
     def _not_ready(self, gen: int) -> list[int]:
         """The nodes that have not joined generation ``gen`` (one round trip per node: only when it is told)."""
