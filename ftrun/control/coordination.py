@@ -35,7 +35,8 @@ Protocol of a run, in the order a generation goes through it:
    with its incarnation (``node/<r>/owner`` names the supervisor that runs node rank r and counts those that
    ever did; see :mod:`ftrun.control.ownership`, which also has the hot spares' claims). Node 0
    publishes the generation's fresh trainer store in ``gen/<g>/master`` before it marks itself ready.
-3. When all nodes are ready every supervisor starts its trainers with ``TORCHELASTIC_RESTART_COUNT=g``, and
+3. When all nodes are ready (node 0 sees every mark and sets ``gen/<g>/go``, which the others wait for: one
+   key each) every supervisor starts its trainers with ``TORCHELASTIC_RESTART_COUNT=g``, and
    notes ``gen/<g>/started/<node>`` and, once each local trainer has beaten, ``gen/<g>/up/<node>`` (wall time).
    Meanwhile the nodes agree on the snapshot step the trainers restore (:mod:`ftrun.snapshot.link`) and note
    it in ``gen/<g>/restore``.
