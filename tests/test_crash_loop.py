@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,9 +80,15 @@ def generations_started(job) -> list[int]:
     return sorted(e["generation"] for e in job.events() if e["event"] == "trainers_started")
 
 
+EVENT_LINE = re.compile(r"ftrun \d\d:\d\d:\d\d\.\d{3} \[[^\]\n]*\] [^\n]*\n")
+
+
 def trainer_output(job) -> str:
-    """The job's output without ftrun's own lines (which may come between a trainer's)."""
-    return "".join(line for line in job.output.splitlines(keepends=True) if not line.startswith("ftrun"))
+    """The job's output without ftrun's own lines. They may come between a trainer's lines, or inside one: a
+    trainer writing straight to the console may write a line in pieces (Python prints a SyntaxError's caret line
+    so), and a supervisor's event line can land between them, as under torchrun."""
+    text = EVENT_LINE.sub("", job.output)
+    return "".join(line for line in text.splitlines(keepends=True) if not line.startswith("ftrun"))
 
 
 def assert_no_launcher_frames(text: str) -> None:
