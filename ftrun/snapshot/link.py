@@ -233,7 +233,6 @@ class KeeperLink(threading.Thread):
         self.fatal: str | None = None  # ends the job (no room for snapshots)
         self._generation = -1
         self._plans: dict[int, int] = {}
-        self._committed = self._restorable = 0
         self.progress = ProgressTracker(self.coord, self.nnodes, self.group, self.parity, events)
         self._peers: dict[str, str] = {}
         self._published: dict[str, list[int]] = {}
@@ -331,7 +330,7 @@ class KeeperLink(threading.Thread):
             return
         self.keeper.request("poll", generation=gen, plan=plan.step, restorable=plan.step, committed=plan.step,
                             peers=self._peers)
-        self._plans[gen] = self._committed = self._restorable = plan.step
+        self._plans[gen] = plan.step
         self.progress.start(plan.step)
         self._published = {}
         self.coord.publish_restore(gen, plan.step, {"parity": "RAM + parity", "disk": "disk"}.get(plan.source, "RAM"))
@@ -362,7 +361,7 @@ class KeeperLink(threading.Thread):
                 if self._halt.is_set() or self._generation != gen:
                     return None
                 time.sleep(self._interval)
-            problems = {node: o for node, o in outcomes.items() if o != "ok" and node in workers}
+            problems = {node: o for node, o in outcomes.items() if o != "ok"}
             if not problems:
                 return plan
             if plan.source == "parity" and all(o.startswith(PEER_LOST) for o in problems.values()):
@@ -432,35 +431,34 @@ class KeeperLink(threading.Thread):
                              restored_from="none", **fields)
 
     def _relay(self, gen: int) -> None:
-        persist, restorable = (0, 0), self._restorable
+        known = self.progress.known
+        persist, restorable = (0, 0), known.protected
         if self.durability is not None:
             persist = self.durability.persist
             if self.durability.hold is not None:  # a persist round holds the keeper's slots (see durability)
                 restorable = min(restorable, self.durability.hold)
         reply = self.keeper.request("poll", generation=gen, plan=self._plans[gen], restorable=restorable,
-                                    committed=self._committed, peers=self._peers, persist_round=persist[0],
+                                    committed=known.committed, peers=self._peers, persist_round=persist[0],
                                     persist=persist[1])
         if self.durability is not None:
-            self.durability.tick(reply["persisted"], self._restorable)
+            self.durability.tick(reply["persisted"], known.protected)
         if reply.get("fatal") and self.fatal is None:
             self.fatal = reply["fatal"]
-        self.keeper_status = {"ranks": reply["ranks"], "shm_bytes": reply["shm_bytes"], "committed": self._committed}
+        self.keeper_status = {"ranks": reply["ranks"], "shm_bytes": reply["shm_bytes"], "committed": known.committed}
         local = [int(s) for s in reply["local"]]
         for what, steps in (("commit", local), ("parity", [int(s) for s in reply["parity"]])):
             if self._published.get(what) != steps:
                 self.coord.store.set(self.coord.key("gen", gen, what, self.node), json.dumps(steps))
                 self._published[what] = steps
-        if max(local, default=0) > self._restorable:
+        if max(local, default=0) > known.protected:
             self._catch_up(gen)
 
     def _catch_up(self, gen: int) -> None:
         """One look at the job's progress: the committed and protected steps (see the module doc)."""
+        committed = self.progress.known.committed
         progress = self.progress.look(gen)
-        if progress.committed > self._committed:
-            self._committed = progress.committed
-            if self.durability is not None:
-                self.durability.committed(progress.committed)
-        self._restorable = max(self._restorable, progress.protected)
+        if progress.committed > committed and self.durability is not None:
+            self.durability.committed(progress.committed)
 
     def _finishing(self, gen: int) -> None:
         """The final persist (see :meth:`finish`): node 0 asks for the newest committed step once every node has
@@ -475,7 +473,7 @@ class KeeperLink(threading.Thread):
             if everyone or now > self._finish_by - self._final_grace / 2:
                 self._catch_up(gen)
                 self._asked_final = True
-                self.durability.ask_final(self._committed)
+                self.durability.ask_final(self.progress.known.committed)
         outcome = self.durability.final_outcome()
         if outcome is not None or now > self._finish_by:
             self._final = (f"did not complete within {self._final_grace:g}s" if outcome is None
