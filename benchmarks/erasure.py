@@ -559,20 +559,19 @@ def training_rate(args: argparse.Namespace, workdir: str, parity: int, rep: int)
     finally:
         remove_leftovers(job)
     records = [json.loads(p.read_text()) for p in sorted(Path(out_dir).glob("rank*-gen0.json"))]
-    rates = [x["steps_per_second"] for x in records if "steps_per_second" in x]
-    if done.returncode != 0 or len(rates) != 3:
+    timed = [x for x in records if "steps_per_second" in x]
+    if done.returncode != 0 or len(timed) != 3:
         raise SystemExit(f"the training job failed (exit code {done.returncode}): {done.stdout[-3000:]!r}")
-    timed = [x for x in records if "blocked_share" in x]
     most = max(timed, key=lambda x: sum(x["blocked_share"]))
-    return min(rates), [*most["blocked_share"], max(x["startup_blocked"] for x in timed)]  # the slowest rank's pace
+    rate = min(x["steps_per_second"] for x in timed)  # the job goes at its slowest rank's pace
+    return rate, [*most["blocked_share"], max(x["startup_blocked"] for x in timed)]
 
 
 Training = tuple[list[tuple[float, list[float]]], list[tuple[float, list[float]]]]
 
 
 def training_ratio(args: argparse.Namespace, workdir: str) -> Training:
-    """(steps per second, blocked share) with parity on (m = 1) and off, alternating, ``--train-reps`` times
-    each."""
+    """:func:`training_rate` with parity on (m = 1) and off, alternating, ``--train-reps`` times each."""
     on, off = [], []
     for rep in range(args.train_reps):
         off.append(training_rate(args, workdir, 0, rep))
@@ -704,9 +703,11 @@ def main() -> int:
     args = parser.parse_args()
     if args.quick:
         args.size_mib, args.reps, args.steps, args.hold_at, args.loss_at = 16, 2, 10, 3, 6
-        args.train_steps, args.train_reps, args.matmuls = 30, 1, 20
+        args.train_steps, args.train_reps, args.matmuls = (UNTIMED_SNAPSHOTS + 2) * args.every, 1, 20
     if not 0 < args.hold_at < args.loss_at < args.steps:
         parser.error("need 0 < --hold-at < --loss-at < --steps")
+    if args.train_steps <= UNTIMED_SNAPSHOTS * args.every:
+        parser.error(f"--train-steps must be more than {UNTIMED_SNAPSHOTS} x --every (the untimed snapshots)")
     shapes = [s for s in SHAPES if args.shapes is None or s.name in args.shapes]
     reuse_large_blocks()  # the rows timed in this process allocate as a keeper does
     workdir = tempfile.mkdtemp(prefix="ftrun-bench-erasure-")

@@ -122,8 +122,8 @@ def main() -> None:
         time.sleep(args.step_time)
     snap.wait()
     if args.matmuls and timed_from is not None:
-        doc["steps_per_second"] = (args.steps - timed_from[0]) / (time.perf_counter() - timed_from[1])
         elapsed = time.perf_counter() - timed_from[1]
+        doc["steps_per_second"] = (args.steps - timed_from[0]) / elapsed
         doc["blocked_share"] = [in_wait / elapsed, in_save / elapsed]
         doc["startup_blocked"] = startup
     record(args.out_dir, rank, generation, {**doc, "exact": exact(state, rank, args.size_mib, args.steps)})
