@@ -16,7 +16,7 @@ import pytest
 from ftrun.control.spec import ENV_SHM_DIR, NodeSpec
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot import pinning
-from ftrun.snapshot.link import newest_common, rebuild_candidate
+from ftrun.snapshot.link import newest_common
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header,
                                  SlotFile, checksum)
 

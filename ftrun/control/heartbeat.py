@@ -20,7 +20,6 @@ Injected trainer faults (:mod:`ftrun.control.faults`) fire here, right after the
 from __future__ import annotations
 
 import atexit
-import json
 import mmap
 import os
 import signal

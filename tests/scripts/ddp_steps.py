@@ -86,7 +86,7 @@ def main() -> None:
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(48, 48), torch.nn.Tanh(), torch.nn.Linear(48, 1))
