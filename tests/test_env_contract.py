@@ -7,11 +7,12 @@ import os
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from conftest import SCRIPTS, assert_job_left_nothing
 from ftrun.control.spec import ENV_NODE_SPEC
-from ftrun.launch.env import TORCHRUN_VARIABLES, TRAINER_FTRUN_VARIABLES
+from ftrun.launch.env import TORCHRUN_VARIABLES, TRAINER_FTRUN_VARIABLES, TrainerPlace, gloo_interface, trainer_env
 from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT
 
 
@@ -92,3 +93,23 @@ def test_trainers_and_zygotes_carry_no_launcher_internals(start_job):
     assert ENV_NODE_SPEC not in seen and "FTRUN_JOB_SECRET" not in seen, sorted(seen)
     assert seen["FTRUN_JOB_ID"] == job.job_id  # `ftrun clean` and the tests find a job's processes by it
     assert_job_left_nothing(job)
+
+
+def test_gloo_binds_to_the_interface_holding_the_nodes_address():
+    """Gloo otherwise binds to what the host name resolves to (127.0.1.1 on Debian), unreachable from other
+    hosts: the node's own address picks the interface; a job on loopback gets the loopback interface; an
+    address of no local interface leaves gloo's choice alone (the user's GLOO_SOCKET_IFNAME always wins)."""
+    loopback = next(name for name, addresses in psutil.net_if_addrs().items()
+                    if any(a.address == "127.0.0.1" for a in addresses))
+    other = next(((name, a.address) for name, addresses in psutil.net_if_addrs().items() for a in addresses
+                  if a.family.name == "AF_INET" and not a.address.startswith("127.")), None)
+    assert gloo_interface("127.0.0.1", "127.0.0.1") == loopback
+    assert gloo_interface("localhost", "127.0.0.1") == loopback
+    assert gloo_interface("192.0.2.7", "192.0.2.1") is None  # TEST-NET: on no interface here
+    assert gloo_interface("127.0.0.1", "192.0.2.1") is None  # a loopback node address with a remote master
+    if other is not None:
+        assert gloo_interface(other[1], "192.0.2.1") == other[0]
+    place = TrainerPlace("j", 0, 2, 0, 1, 0, 0, "127.0.0.1", 1)
+    common = dict(omp_threads=1, heartbeat_file="h", keeper_socket="k", error_file="e", faults="")
+    assert trainer_env({}, place, **common)["GLOO_SOCKET_IFNAME"] == loopback
+    assert trainer_env({"GLOO_SOCKET_IFNAME": "eth9"}, place, **common)["GLOO_SOCKET_IFNAME"] == "eth9"

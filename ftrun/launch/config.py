@@ -179,8 +179,8 @@ class JobConfig:
             raise UsageError("-m and --no-python cannot be combined")
         if self.rdzv_endpoint is not None and self.rdzv_backend == "c10d":
             split_endpoint(self.rdzv_endpoint)
-        problem = group_problem(self.nnodes, *self.erasure, self.ec_backend)
-        if problem is not None:
+        problem = None if self.standby else group_problem(self.nnodes, *self.erasure, self.ec_backend)
+        if problem is not None:  # a standby takes the job's groups (its own flags may be the nodes' command line)
             raise UsageError(problem)
         self.faults  # noqa: B018 - parsing raises UsageError on a bad spec
 

@@ -3,8 +3,10 @@
 torchrun's variables (the contract scripts rely on) are set exactly as torchrun's local elastic agent sets
 them, with one deliberate difference: ``TORCHELASTIC_RESTART_COUNT`` is the job-wide generation, the same on
 every node. ``MASTER_ADDR``/``MASTER_PORT`` name the trainer store of the generation, hosted by node 0's
-supervisor (hence ``TORCHELASTIC_USE_AGENT_STORE=True``). When that store is on loopback (every node on this
-host), ``GLOO_SOCKET_IFNAME`` defaults to the loopback interface, so gloo listens on loopback only too.
+supervisor (hence ``TORCHELASTIC_USE_AGENT_STORE=True``). ``GLOO_SOCKET_IFNAME``, unless the user set it,
+is the interface that holds the node's address as its peers reach it (``--local-addr``, the bound address), or
+the loopback interface when that store is on loopback (every node on this host): gloo otherwise binds to what
+the host name resolves to, which other hosts often cannot reach (:func:`gloo_interface`).
 
 Of ftrun's own variables a trainer gets only the client's (:data:`TRAINER_FTRUN_VARIABLES`) and the user's
 settings (:data:`USER_FTRUN_VARIABLES`): every other ``FTRUN_*`` variable is an internal of the launcher,
@@ -72,11 +74,12 @@ def default_omp_threads(trainers_on_host: int) -> int:
 def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, heartbeat_file: str,
                 keeper_socket: str, error_file: str, faults: str, role: str = "default",
                 signals_to_handle: str = DEFAULT_SIGNALS, virtual_local_rank: bool = False,
-                dcp_root: str | None = None) -> dict[str, str]:
+                dcp_root: str | None = None, node_addr: str | None = None) -> dict[str, str]:
     """The environment of the trainer at ``place``. ``role`` is torchrun's --role, ``signals_to_handle`` its
     --signals-to-handle (set, as torchrun sets it); ``virtual_local_rank``: LOCAL_RANK 0 and CUDA_VISIBLE_DEVICES
     of the trainer's own device (picked from the inherited CUDA_VISIBLE_DEVICES, as torchrun does); ``dcp_root``:
-    the job's durable directory (``ftrun.dcp.MemoryReader`` looks there for DCP copies of its steps)."""
+    the job's durable directory (``ftrun.dcp.MemoryReader`` looks there for DCP copies of its steps); ``node_addr``:
+    this node's address as its peers reach it (gloo's interface: :func:`gloo_interface`)."""
     env = {k: v for k, v in base.items() if not k.startswith("FTRUN_") or k in USER_FTRUN_VARIABLES}
     env.update({
         "RANK": str(place.rank),
@@ -113,22 +116,46 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
         env["CUDA_VISIBLE_DEVICES"] = (devices[place.local_rank].strip() if devices is not None
                                        and place.local_rank < len(devices) else str(place.local_rank))
     env.setdefault("OMP_NUM_THREADS", str(omp_threads))
-    loopback = loopback_interface() if _is_loopback(place.master_addr) else None
-    if loopback is not None:
-        env.setdefault("GLOO_SOCKET_IFNAME", loopback)
+    interface = gloo_interface(node_addr or place.master_addr, place.master_addr)
+    if interface is not None:
+        env.setdefault("GLOO_SOCKET_IFNAME", interface)
     return env
 
 
-def _is_loopback(host: str) -> bool:
+def gloo_interface(node_addr: str, master_addr: str) -> str | None:
+    """The interface gloo's sockets should use: the one holding this node's address as its peers reach it (a
+    non-loopback address of this host); the loopback interface when the job's master address is loopback (all
+    on this host); else None, and gloo picks by the host name. Left to itself, gloo binds to what the host name
+    resolves to: 127.0.1.1 on many distributions, or a host's other network, which the other nodes cannot reach
+    ("Gloo connectFullMesh failed ... 127.0.0.1")."""
+    own = _address(node_addr)
+    if own is not None and not own.is_loopback:
+        found = _interface_holding(str(own))
+        if found is not None:
+            return found
+    return _interface_holding("127.0.0.1") if _is_loopback(master_addr) else None
+
+
+def _address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
-        return ipaddress.ip_address(socket.gethostbyname(host)).is_loopback
+        return ipaddress.ip_address(host)
+    except ValueError:
+        pass
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(host))
     except (OSError, ValueError):
-        return False
+        return None
 
 
-def loopback_interface() -> str | None:
-    """The name of the interface holding 127.0.0.1 ("lo" on Linux), or None."""
+def _is_loopback(host: str) -> bool:
+    address = _address(host)
+    return address is not None and address.is_loopback
+
+
+def _interface_holding(address: str) -> str | None:
+    """The name of the interface holding ``address`` ("lo" for 127.0.0.1 on Linux), or None."""
     for name, addresses in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addresses):
+        if any(a.family in (socket.AF_INET, socket.AF_INET6) and a.address.split("%")[0] == address
+               for a in addresses):
             return name
     return None

@@ -72,7 +72,11 @@ from ftrun.ui.status import PUBLISH_INTERVAL, NodeStatus, RankStatus, publish
 POLL_INTERVAL = 0.02
 # A trainer that exits with an error code right after a peer died is usually a consequence (gloo reports the
 # lost connection); it waits this long for the root cause to be reported first. Signals and hangs do not wait.
+# An error that names a broken connection (PEER_ERRORS, lowercase) waits longer: until every other node's
+# supervisor beats again, or the node timeout (Supervisor._wait_for_lost_node).
 SECONDARY_GRACE = 0.15
+PEER_ERRORS = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited",
+               "ncclremoteerror", "distnetworkerror")
 PEER_CHECK_INTERVAL = 0.25
 BEAT_INTERVAL = 0.25
 KEEPER_START_TIMEOUT = 30.0
@@ -127,6 +131,13 @@ class _Beater(threading.Thread):
 
 
 T = TypeVar("T")
+
+
+def _peer_error(message: str) -> bool:
+    """Whether a trainer's error says another node's end of a connection failed (gloo, NCCL, c10d), as when
+    that node is lost whole."""
+    lowered = message.lower()
+    return any(words in lowered for words in PEER_ERRORS)
 
 
 def _within_grace(check: Callable[[], T | None]) -> T | None:
@@ -374,6 +385,7 @@ class Supervisor:
             self.trainer_store = None  # the previous generation's store closes with its last reference
             self.trainer_store = host_store(0, "trainer store", bind=self.spec.bind_addr)
             self.coord.publish_master(gen, self.spec.master_addr, self.trainer_store.port)
+        self._check_owner()
         self.coord.rejoin(self.incarnation)
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
@@ -383,6 +395,7 @@ class Supervisor:
         while not self._stopping:
             self._publish_status("starting" if gen == 0 else "restarting", gen)
             if self._everyone_ready(gen):
+                self._check_owner()  # taken over while it waited: its trainers must not start
                 return None
             if time.monotonic() > tell_at:  # once, by node 0: a lost node's replacement (or a late node) is awaited
                 tell_at = math.inf
@@ -435,7 +448,7 @@ class Supervisor:
                               faults=trainer_faults_env(self.faults, place.rank, gen), role=self.spec.role,
                               signals_to_handle=self.spec.signals_to_handle,
                               virtual_local_rank=self.spec.virtual_local_rank,
-                              dcp_root=self.spec.ckpt_dir)
+                              dcp_root=self.spec.ckpt_dir, node_addr=self.spec.master_addr)
             env.update(_early_failure_env(self._started_by))
             self.heartbeats.reset(local)
             stdio = self.output.open(gen, place.rank, local)  # {} unless --redirects, --tee, ... ask
@@ -507,11 +520,13 @@ class Supervisor:
                 if code == -signal.SIGTERM and self._stop_signal_follows():
                     return self._ask_stop(seen)
                 if code != 0:
+                    message = self._error_message(g, trainer)
                     if code > 0:
                         moved = self._wait_for_other_failure(seen)
+                        if moved is None and _peer_error(message):
+                            moved = self._wait_for_lost_node(seen, peers)
                         if moved is not None:
                             return moved
-                    message = self._error_message(g, trainer)
                     return self._fail(seen, Failure(
                         "crash", f"rank {trainer.rank} {describe_exit(code)}{_detail(message)}",
                         self.node, trainer.rank, "waitpid", self._step_of(trainer),
@@ -568,11 +583,7 @@ class Supervisor:
         :class:`Replaced` when a spare owns this node's rank now."""
         lost = peers.check()
         if peers.replaced_by is not None:
-            taker = peers.replaced_by
-            raise Replaced(f"node rank {self.node} was taken by "
-                           f"{f'spare {taker.spare}' if taker.spare else 'another supervisor'}"
-                           f"{' on ' + taker.host if taker.host else ''} (incarnation {taker.incarnation}) after "
-                           "this node was seen as lost")
+            raise self._replaced(peers.replaced_by)
         if lost is None:
             return None
         peer, silent = lost
@@ -580,6 +591,20 @@ class Supervisor:
         return self._fail(seen, Failure("node-lost", f"node {peer} lost: no supervisor beat for {silent:.1f}s",
                                         peer, None, f"node {self.node} (supervisor beats)",
                                         incarnation=held.incarnation if held else None))
+
+    def _replaced(self, taker: Owner) -> Replaced:
+        return Replaced(f"node rank {self.node} was taken by "
+                        f"{f'spare {taker.spare}' if taker.spare else 'another supervisor'}"
+                        f"{' on ' + taker.host if taker.host else ''} (incarnation {taker.incarnation}) after this "
+                        "node was seen as lost")
+
+    def _check_owner(self) -> None:
+        """Raise :class:`Replaced` if another supervisor owns this node's rank now: a supervisor that was cut
+        off and comes back must not join a generation (its ready mark would overwrite its replacement's, its
+        trainers would be a second copy of their ranks)."""
+        current = owner(self.coord, self.node)[1]
+        if current is not None and current.incarnation > self.incarnation:
+            raise self._replaced(current)
 
     def _send_suspects(self, gen: int, table: list[Beat]) -> list[HangSuspect]:
         """Report this node's silent trainers (silent for half their timeout or more) as hang suspects."""
@@ -655,6 +680,26 @@ class Supervisor:
     def _stop_signal_follows(self) -> bool:
         """Whether this supervisor is (within :data:`SECONDARY_GRACE`) told to stop too."""
         return _within_grace(lambda: self._stopping or None) is not None
+
+    def _wait_for_lost_node(self, seen: bytes, peers: PeerWatch) -> bytes | None:
+        """A trainer died of a broken connection to another node (:func:`_peer_error`). If that node was lost
+        whole, its supervisor with it, the node's watchers declare it within ``--node-timeout``: that is the
+        failure to report, not this crash, and one generation replaces the node. Waits until the generation moves
+        (returns its raw document), every other node's supervisor has beaten since (none is lost: None, the crash
+        is reported) or the node timeout has passed (None)."""
+        others = [n for n in range(self.spec.nnodes) if n != self.node]
+        before = self.coord.beats(others)
+        deadline = time.monotonic() + self.spec.node_timeout + PEER_CHECK_INTERVAL
+        while time.monotonic() < deadline:
+            raw = self.coord.current_raw()
+            if raw != seen:
+                return raw
+            if (lost := self._check_peers(peers, seen)) is not None:
+                return lost
+            if all(now != then for now, then in zip(self.coord.beats(others), before)):
+                return None
+            time.sleep(BEAT_INTERVAL / 2)
+        return None
 
     def _wait_for_other_failure(self, seen: bytes) -> bytes | None:
         """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""
