@@ -1,6 +1,7 @@
 """Jobs whose nodes are hosts of their own (network namespaces with a NIC each, :mod:`network_hosts`): the control
 store, the trainers' collectives and the keepers' snapshots cross real interfaces, not loopback. A standby on a
-fourth host takes a lost node's rank; its keeper rebuilds the snapshots from its group's parity. A host cut off the network (its NIC down: no reset, packets just
+fourth host takes a lost node's rank; its keeper rebuilds the snapshots from its group's parity, relayed through
+the survivors (each byte crosses its NIC once). A host cut off the network (its NIC down: no reset, packets just
 vanish) is a lost node too, and when it comes back it cannot disturb the job that went on without it. A slow
 network changes nothing. Every job ends with the failure-free state."""
 
@@ -54,7 +55,7 @@ def assert_left_nothing(hosts: Hosts, *jobs) -> None:
     assert not left, f"left in the hosts' /dev/shm: {left}"
 
 
-def test_a_lost_host_is_rebuilt_on_a_standby(start_job, hosts, tmp_path, gpt_baselines):
+def test_a_lost_host_is_rebuilt_relayed_through_the_survivors_on_a_standby(start_job, hosts, tmp_path, gpt_baselines):
     for i in range(4):
         hosts.shape(i, rate_mbit=400)
     nodes, spare, out = start_nodes(start_job, hosts, tmp_path, "netloss", 3, "--ec-group", "3", "--ec-parity", "1",
@@ -66,7 +67,8 @@ def test_a_lost_host_is_rebuilt_on_a_standby(start_job, hosts, tmp_path, gpt_bas
     assert [e["node"] for e in events if e["event"] == "spare_claimed"] == [1]
     plan = restores(nodes[0])[max(restores(nodes[0]))]
     assert plan["restored_from"] == "parity" and plan["rebuilt"] == {"1": [0, 2]}, plan
-    assert len([e for e in events if e["event"] == "rebuilt"]) == 1
+    rebuilt = [e for e in events if e["event"] == "rebuilt"]
+    assert len(rebuilt) == 1 and rebuilt[0]["relayed"], rebuilt
     # the keepers reached each other at their hosts' addresses, not loopback
     keepers = {e["node"]: e["peer_address"] for e in events if e["event"] == "keeper_start"}
     assert all(address.startswith(hosts.address(0).rsplit(".", 1)[0]) for address in keepers.values()), keepers

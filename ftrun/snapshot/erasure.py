@@ -222,6 +222,11 @@ def xor_into(target: memoryview, source: Buffer) -> None:
     np.bitwise_xor(out, np.frombuffer(source, np.uint8, len(out)), out=out)
 
 
+def xor_fragments(k: int, chunk: int) -> list[int]:
+    """The fragments of a stripe whose XOR is its data fragment ``chunk`` (XOR parity): parity k, the other data."""
+    return [k] + [i for i in range(k) if i != chunk]
+
+
 @dataclass(frozen=True)
 class Segment:
     """``length`` bytes at ``offset`` in a chunk, to be rebuilt straight into ``into`` (a writable view of that
@@ -357,7 +362,7 @@ def rebuild_chunk(codec: Codec, layout: StripeLayout, chunk: int, chunk_len: int
     k = layout.k
     pieces = layout.pieces(chunk_len)
     check = _PieceCheck(pieces, parity_crcs or {})
-    others = [k] + [i for i in range(k) if i != chunk]
+    others = xor_fragments(k, chunk)
     if codec.xor_first and set(others) <= set(sources):
         wanted = [s for s in segments if s.into is not None]
         size = max((s.length for s in wanted), default=0)

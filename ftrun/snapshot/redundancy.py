@@ -22,6 +22,17 @@ slots' memory is allocated by a thread of its own ahead of the transfer
 (:class:`ftrun.snapshot.slot.AheadAllocator`): allocating /dev/shm pages costs about as much as receiving their
 bytes, and the two overlap.
 
+A rebuild from XOR parity (m = 1, or one lost of several with ``*_rs_vand``) is *relayed* through the survivors:
+each chunk of the lost node is the XOR of the k other fragments of its stripe, and instead of receiving all k
+(k x the lost bytes through its NIC), the replacement asks the first holder of a chain for the sum (``xor``):
+each holder asks the next one for the sum of the rest, XORs its own fragment in and answers, and the last one
+answers with its fragment. The replacement receives each byte once, straight into its slots, and every holder
+sends and receives about one blob's worth (the chains of the k chunks start at different survivors), so on a
+cluster whose NICs limit a rebuild it takes about as long as copying the blob (repair pipelining, as in ECPipe).
+A holder checks each whole parity piece it reads against its CRC-32; a relay that fails (a corrupt piece, a
+survivor answering with an error, a rebuilt image that fails its checksum) is done again directly, every
+fragment fetched by the replacement, which checks what it receives and reports the fragment at fault.
+
 Encoding follows the job: when the newest globally committed step (told by the supervisor's link) has no
 parity here, the encoder fetches the data fragments of this node's stripes from the other nodes of the group,
 piece by piece, and writes parity into the parity file that does not hold the job's protected step (the
@@ -43,7 +54,9 @@ Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths a
 keeper holds parity of the step already (then it pushes none: its holders do not wait for it);
 ``chunk {step, chunk, offset, length, chunk_len}`` -> bytes of a chunk of the blob (zeros past its end);
 ``parity_meta {step}`` -> the parity file's JSON; ``parity {step, t, offset, length}`` -> parity bytes;
-``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece; ``parity_put_end {step, t, infos}``.
+``xor {step, stripe, parts, chunk_len, offset, length}`` -> the XOR of those bytes of fragments ``parts`` of
+``stripe`` (parts[0] this node's; relayed); ``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece;
+``parity_put_end {step, t, infos}``.
 """
 
 from __future__ import annotations
@@ -56,6 +69,7 @@ import struct
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -64,8 +78,8 @@ from isal.isal_zlib import crc32
 
 from ftrun.events import EventLog
 from ftrun.snapshot.priority import lower_to_background
-from ftrun.snapshot.erasure import (Buffer, Codec, Scratch, Segment, SendPiece, StripeLayout, encode_parity,
-                                    rebuild_chunk)
+from ftrun.snapshot.erasure import (Buffer, Codec, CorruptFragment, Scratch, Segment, SendPiece, StripeLayout,
+                                    encode_parity, rebuild_chunk, xor_fragments, xor_into)
 from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header, SlotFile
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerError, PeerServer, PeerUnavailable, Reply
 
@@ -98,6 +112,9 @@ META_ROOM = 64 << 10
 PUSH_WAIT = 1.0  # seconds a pushed piece waits for this keeper to start encoding its step
 PUSH_IDLE = 3.0  # seconds without a pushed piece or end before a holder computes the missing parity itself
 PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are awaited
+# bytes of a relayed request: each holder of a chain receives a part whole before it sends its sum on, so small
+# parts keep every link busy (NICs at 2 Gbit/s here: 8 MiB 1.46 x a TCP copy, 2 MiB 1.22 x, 1 MiB 1.07 x)
+RELAY_PART = 1 << 20
 
 
 class RedundancyError(RuntimeError):
@@ -151,6 +168,17 @@ class _Incoming:
         return len(self.crcs[t]) == len(self.pieces) and self.ended.get(t) == infos
 
 
+@dataclass
+class _CheckedParity:
+    """The pieces of the parity file content ``key`` (path, step, seal), their recorded CRC-32s by stripe, and
+    the (t, piece) found good so far."""
+
+    key: tuple[str, int, int] | None
+    pieces: list[tuple[int, int]]
+    crcs: dict[str, list[int]]
+    good: set[tuple[int, int]]
+
+
 class Redundancy:
     """Parity encoding, peer serving and rebuilds of one keeper; see the module doc."""
 
@@ -174,6 +202,8 @@ class Redundancy:
         self.allocated_ahead = 0  # bytes of the last rebuild's slots allocated before it began (prepare)
         self._prepared: _BlobWriter | None = None  # slots being allocated for a rebuild not asked for yet
         self._prepared_lock = threading.Lock()
+        self._checked = _CheckedParity(None, [], {}, set())  # parity pieces checked for relays and rebuilds
+        self.relayed = False  # whether the last rebuild was relayed through the survivors (module doc)
         self.serving_rebuild: Callable[[int], None] = lambda step: None  # told each piece served to a rebuild
         self.pushing = place.parity > 1 and self.layout.k > 1  # stripes' other parity pushed (module doc)
         self._incoming: _Incoming | None = None
@@ -245,22 +275,25 @@ class Redundancy:
         if op == "chunk":
             return Reply({}, self._blob_ranges(step, int(request["chunk"]) * int(request["chunk_len"])
                                                + int(request["offset"]), int(request["length"])))
-        index = self._parity_index(step)
-        file = self.files[index]
-        assert file is not None
-        header = file.header()
+        if op == "xor":
+            return Reply({}, self._relay(step, request))
         if op == "parity_meta":
+            file = self.files[self._parity_index(step)]
+            assert file is not None
+            header = file.header()
             return Reply({}, bytes(file.payload()[header.data_len:header.payload_len]))
         if op == "parity":
-            offset, length = int(request["t"]) * (header.data_len // self.place.parity) + int(request["offset"]), \
-                int(request["length"])
-            if offset < 0 or length < 0 or offset + length > header.data_len:
-                raise ValueError("parity range out of bounds")
-            return Reply({}, [FileRange(file.path, HEADER_SIZE + offset, length)])
+            file, at = self._parity_range(step, int(request["t"]), int(request["offset"]), int(request["length"]),
+                                          checked=bool(request.get("rebuild")))
+            return Reply({}, [FileRange(file.path, HEADER_SIZE + at, int(request["length"]))])
         raise ValueError(f"unknown op {op!r}")
 
     def _images(self, step: int) -> list[tuple[str, int, int]]:
         """(path, image length, checksum) of every local rank's sealed slot of ``step``."""
+        return [(file.path, size, crc) for file, size, crc in self._image_files(step)]
+
+    def _image_files(self, step: int) -> list[tuple[SlotFile, int, int]]:
+        """(slot file, image length, checksum) of every local rank's sealed slot of ``step``."""
         images = []
         with self.keeper.cond:
             for local, rank in enumerate(self.keeper.ranks):
@@ -271,7 +304,7 @@ class Redundancy:
                 header = file.header()
                 if header.state != COMMITTED or not header.sealed or header.step != step:
                     raise LookupError(f"step {step} of local rank {local} not sealed yet")
-                images.append((file.path, HEADER_SIZE + header.payload_len, header.checksum))
+                images.append((file, HEADER_SIZE + header.payload_len, header.checksum))
         return images
 
     def _blob_ranges(self, step: int, offset: int, length: int) -> list[FileRange | bytes]:
@@ -295,6 +328,88 @@ class Redundancy:
                 if held == step:
                     return index
         raise LookupError(f"no parity of step {step} on node {self.place.node}")
+
+    # -- relayed rebuilds (module doc) ----------------------------------------------------------------------------
+    def _relay(self, step: int, request: dict[str, Any]) -> bytearray:
+        """The answer to ``xor``: bytes ``[offset, offset + length)`` of the XOR of fragments ``parts`` of
+        ``stripe`` (data fragments and XOR parity k), parts[0] this node's: what the holder of parts[1] answers
+        for the rest, with this node's fragment XORed in."""
+        layout = self.layout
+        stripe, chunk_len = int(request["stripe"]), int(request["chunk_len"])
+        offset, length = int(request["offset"]), int(request["length"])
+        parts = [int(i) for i in request["parts"]]
+        if not (0 <= stripe < layout.group and 2 <= len(parts) == len(set(parts))
+                and all(0 <= i <= layout.k for i in parts) and layout.position(stripe, parts[0]) == self.place.position
+                and 0 < length <= RELAY_PART and 0 <= offset and offset + length <= chunk_len):
+            raise ValueError(f"bad xor request for stripe {stripe}, fragments {parts}, bytes {offset}+{length}")
+        out = bytearray(length)
+        view = memoryview(out)
+        self._fetch_fragments(step, stripe, parts[1:], chunk_len, offset, view)
+        self._xor_own(step, parts[0], chunk_len, offset, view)
+        return out
+
+    def _fetch_fragments(self, step: int, stripe: int, parts: list[int], chunk_len: int, offset: int,
+                   into: memoryview) -> None:
+        """Fill ``into`` with bytes from ``offset`` of fragment ``parts[0]`` of ``stripe``, from its holder; with
+        several parts, of the XOR of those fragments, relayed along their holders in order."""
+        k = self.layout.k
+        node = self._node(self.layout.position(stripe, parts[0]))
+        fields: dict[str, Any] = {"step": step, "offset": offset, "length": len(into), "rebuild": True}
+        if len(parts) > 1:
+            self._fetch_into(node, "xor", into, stripe=stripe, parts=parts, chunk_len=chunk_len, **fields)
+        elif parts[0] < k:
+            self._fetch_into(node, "chunk", into, chunk=parts[0], chunk_len=chunk_len, **fields)
+        else:
+            self._fetch_into(node, "parity", into, t=parts[0] - k, **fields)
+
+    def _xor_own(self, step: int, index: int, chunk_len: int, offset: int, into: memoryview) -> None:
+        """``into ^=`` bytes from ``offset`` of this node's fragment ``index`` (of the stripe a relay names): a
+        chunk of its blob (zeros past it), or its XOR parity, whose pieces are checked first."""
+        length = len(into)
+        if index < self.layout.k:
+            start, at = index * chunk_len + offset, 0
+            for file, size, _ in self._image_files(step):
+                lo, hi = max(start, at), min(start + length, at + size)
+                if lo < hi:
+                    xor_into(into[lo - start:hi - start], memoryview(file.map)[lo - at:hi - at])
+                at += size
+            return
+        file, at = self._parity_range(step, 0, offset, length, checked=True)  # fragment k: t = 0
+        xor_into(into, file.payload()[at:at + length])
+
+    def _parity_range(self, step: int, t: int, offset: int, length: int, checked: bool) -> tuple[SlotFile, int]:
+        """The parity file holding ``step`` and where in its payload bytes ``[offset, offset + length)`` of
+        fragment k + t are. ``checked``: the pieces they touch are checked first (:meth:`_check_parity`;
+        :class:`~ftrun.snapshot.erasure.CorruptFragment`): a rebuild never receives a corrupt one."""
+        file = self.files[self._parity_index(step)]
+        assert file is not None
+        header = file.header()
+        chunk_len = header.data_len // self.place.parity
+        if not 0 <= t < self.place.parity or offset < 0 or length < 0 or offset + length > chunk_len:
+            raise ValueError("parity range out of bounds")
+        if checked:
+            self._check_parity(file, header, step, t, offset, length)
+        return file, t * chunk_len + offset
+
+    def _check_parity(self, file: SlotFile, header: Header, step: int, t: int, offset: int, length: int) -> None:
+        """Check every parity piece that bytes ``[offset, offset + length)`` of fragment k + t touch, each whole
+        and once per parity file content, against the CRC-32 its metadata records."""
+        key = (file.path, header.step, header.checksum)
+        checked = self._checked  # one read: the server's threads may replace it meanwhile
+        if checked.key != key:
+            doc = json.loads(bytes(file.payload()[header.data_len:header.payload_len]))
+            layout = StripeLayout(int(doc["group"]), int(doc["parity"]), int(doc["piece"]))
+            checked = self._checked = _CheckedParity(key, layout.pieces(header.data_len // layout.parity),
+                                                     doc["piece_crcs"], set())
+        stripe = self.layout.parity_stripes(self.place.position)[t]
+        chunk_len = header.data_len // self.place.parity
+        for index, (start, n) in enumerate(checked.pieces):
+            if start < offset + length and offset < start + n and (t, index) not in checked.good:
+                if crc32(file.payload()[t * chunk_len + start:t * chunk_len + start + n]) != \
+                        int(checked.crcs[str(stripe)][index]):
+                    raise CorruptFragment(f"parity of stripe {stripe} of step {step}, bytes {start}..{start + n}, "
+                                          "fails its checksum")
+                checked.good.add((t, index))
 
     # -- parity pushed by the group (module doc) ----------------------------------------------------------------
     def _receive_push(self, request: dict[str, Any], length: int) -> tuple[memoryview, Callable[[bool], None]]:
@@ -671,29 +786,23 @@ class Redundancy:
         writer = self._take_prepared(step, images) or _BlobWriter(self.keeper, step, images)
         self.allocated_ahead = writer.memory.allocated
         t2 = time.perf_counter()
+        self.relayed = self.codec.xor_first and piece_layout.k > 1 and all(
+            self._node(piece_layout.position(stripe, i)) in complete
+            for chunk, stripe in enumerate(stripes) for i in xor_fragments(piece_layout.k, chunk))
         try:
-            for chunk, stripe in enumerate(stripes):
-                def fetch_into(index: int, offset: int, length: int, into: memoryview, stripe: int = stripe,
-                               base: int = chunk * chunk_len) -> None:
-                    writer.ready(min(base + offset + length, blob))  # ``into`` may be the slots' memory
-                    holder = self._node(piece_layout.position(stripe, index))
-                    if index < piece_layout.k:
-                        self._fetch_into(holder, "chunk", into, step=step, chunk=index, offset=offset, length=length,
-                                         chunk_len=chunk_len, rebuild=True)
-                    else:
-                        self._fetch_into(holder, "parity", into, step=step, t=index - piece_layout.k, offset=offset,
-                                         length=length, rebuild=True)
-
-                sources = [i for i in range(place.group)
-                           if self._node(piece_layout.position(stripe, i)) in complete]
-                held = meta_of(holders[stripe])
-                t = piece_layout.parity_stripes(holders[stripe]).index(stripe)
-                rebuild_chunk(self.codec, piece_layout, chunk, chunk_len, sources, fetch_into,
-                              writer.segments(chunk * chunk_len, chunk_len, piece_layout.piece_len),
-                              lambda offset, data, base=chunk * chunk_len: writer.write(base + offset, data),
-                              self._pool, self._scratch, {piece_layout.k + t: held["piece_crcs"][str(stripe)]})
-            t3 = time.perf_counter()
-            writer.finish()
+            if self.relayed:
+                try:
+                    self._rebuild_relayed(step, stripes, chunk_len, piece_layout, writer, blob)
+                    t3 = time.perf_counter()
+                    writer.finish()
+                except (PeerError, RedundancyError) as err:  # a survivor's content: the direct rebuild checks it
+                    self.keeper.events.emit("rebuild_relay_failed", f"relayed rebuild of step {step} failed ({err}); "
+                                            "rebuilding from each survivor directly", node=place.node, step=step)
+                    self.relayed = False
+            if not self.relayed:
+                self._rebuild_direct(step, complete, stripes, holders, chunk_len, piece_layout, writer, blob, meta_of)
+                t3 = time.perf_counter()
+                writer.finish()
         except BaseException:
             writer.abandon()
             raise
@@ -701,6 +810,53 @@ class Redundancy:
         self.phases = {"meta": t1 - t0, "claim": t2 - t1, "transfer": t3 - t2, "verify": t4 - t3,
                        "waited_for_memory": writer.memory.waited}
         return blob, t4 - t0
+
+    def _rebuild_relayed(self, step: int, stripes: list[int], chunk_len: int, layout: StripeLayout,
+                         writer: _BlobWriter, blob: int) -> None:
+        """Every chunk as the XOR of the other fragments of its stripe, summed along a chain of their holders
+        (module doc): this node receives each byte once. The chains start at a different survivor for each
+        chunk, so the survivors send alike; as many requests are in flight as the pool has threads."""
+        requests = []
+        for chunk, stripe in enumerate(stripes):  # chunk c's chain starts at the position c + 1 after this one
+            parts = sorted(xor_fragments(layout.k, chunk),
+                           key=lambda i: (layout.position(stripe, i) - self.place.position - 1 - chunk) % layout.group)
+            for segment in writer.segments(chunk * chunk_len, chunk_len, RELAY_PART):
+                if segment.into is not None:
+                    requests.append((chunk * chunk_len, stripe, parts, segment))
+
+        def fetch(base: int, stripe: int, parts: list[int], segment: Segment) -> None:
+            assert segment.into is not None
+            writer.ready(min(base + segment.offset + segment.length, blob))  # ``into`` is the slots' memory
+            self._fetch_fragments(step, stripe, parts, chunk_len, segment.offset, segment.into)
+
+        futures = [self._pool.submit(fetch, *request) for request in requests]
+        try:
+            for future in futures:
+                future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+            futures_wait(futures)  # none writes into the slots after this returns
+
+    def _rebuild_direct(self, step: int, complete: list[int], stripes: list[int], holders: dict[int, int],
+                        chunk_len: int, layout: StripeLayout, writer: _BlobWriter, blob: int,
+                        meta_of: Callable[[int], dict[str, Any]]) -> None:
+        """Every chunk from k fragments of its stripe, each fetched from its holder here
+        (:func:`~ftrun.snapshot.erasure.rebuild_chunk`; parity pieces checked against their CRC-32)."""
+        place = self.place
+        for chunk, stripe in enumerate(stripes):
+            def fetch_into(index: int, offset: int, length: int, into: memoryview, stripe: int = stripe,
+                           base: int = chunk * chunk_len) -> None:
+                writer.ready(min(base + offset + length, blob))  # ``into`` may be the slots' memory
+                self._fetch_fragments(step, stripe, [index], chunk_len, offset, into)
+
+            sources = [i for i in range(place.group) if self._node(layout.position(stripe, i)) in complete]
+            held = meta_of(holders[stripe])
+            t = layout.parity_stripes(holders[stripe]).index(stripe)
+            rebuild_chunk(self.codec, layout, chunk, chunk_len, sources, fetch_into,
+                          writer.segments(chunk * chunk_len, chunk_len, layout.piece_len),
+                          lambda offset, data, base=chunk * chunk_len: writer.write(base + offset, data),
+                          self._pool, self._scratch, {layout.k + t: held["piece_crcs"][str(stripe)]})
 
 
 def _infos_doc(infos: dict[int, tuple[list[int], list[int]]]) -> dict[str, list[list[int]]]:

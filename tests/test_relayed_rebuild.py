@@ -1,0 +1,204 @@
+"""Relayed rebuilds (XOR parity): a replacement's keeper receives each byte of its blob once, summed along a chain
+of the survivors, bit for bit what a direct rebuild gives; a corrupt or refused relay falls back to the direct
+rebuild, which checks every parity piece. Real keepers of one EC group in this process, with real slot files
+and real TCP between them; no job (the job-level cases are in test_erasure_recovery)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from ftrun.events import read_events
+from ftrun.snapshot.erasure import ALIGN, StripeLayout
+from ftrun.snapshot import redundancy
+from ftrun.snapshot.keeper import Keeper
+from ftrun.snapshot.slot import HEADER_SIZE, checksum
+from ftrun.snapshot.transport import PeerClient, PeerError
+from test_slots import shm, spec, write_snapshot  # noqa: F401 - shm: the fixture
+
+pytestmark = pytest.mark.timeout(60)
+
+STEP = 10
+PIECE = 16 * ALIGN  # small coding pieces, so a chunk has several and a segment can end inside one
+RELAY_PART = 5 * ALIGN  # relayed requests that start and end inside pieces
+SIZES = (5 * PIECE + 123, 2 * PIECE + 7)  # payload bytes of local ranks 0 and 1 (the blob spans two slot files)
+
+
+class Group:
+    """The keepers of one EC group of ``group`` nodes with ``parity`` parity, each holding ``STEP`` with its
+    parity; a lost node's replacement rebuilds it (:meth:`rebuild`). Events go to ``log_dir``."""
+
+    def __init__(self, group: int, parity: int, log_dir: str) -> None:
+        self.group, self.parity, self.log_dir = group, parity, log_dir
+        self.secret = os.urandom(32)
+        self.peers: dict[str, str] = {}
+        self.keepers = {node: self.start(node) for node in range(group)}
+        self.payloads: dict[tuple[int, int], bytes] = {}
+        for node, keeper in self.keepers.items():
+            keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0, "peers": self.peers})
+            for rank, size in enumerate(SIZES):
+                payload = self.payloads[node, rank] = os.urandom(size + 512 * node)  # blobs of other lengths
+                reply = keeper.handle({"op": "reserve", "rank": rank, "step": STEP, "generation": 0,
+                                       "size": len(payload)})
+                slot = keeper.ranks[rank].files[reply["slot"]]
+                write_snapshot(slot, STEP, payload)
+                keeper.handle({"op": "commit", "rank": rank, "slot": reply["slot"], "step": STEP})
+                slot.seal(checksum(slot.map, slot.header()))
+        encoders = [threading.Thread(target=k.redundancy.encode, args=(STEP, 0, 0, lambda: None))
+                    for k in self.keepers.values()]  # together: with m = 2 a position pushes to the others
+        for thread in encoders:
+            thread.start()
+        for thread in encoders:
+            thread.join()
+        assert all(STEP in k.redundancy.steps for k in self.keepers.values())
+
+    def start(self, node: int) -> Keeper:
+        keeper = Keeper(dataclasses.replace(spec(len(SIZES)), nnodes=self.group, node_rank=node,
+                                            ec_group=self.group, ec_parity=self.parity, log_dir=self.log_dir), [])
+        keeper.enable_redundancy(self.secret, socket.create_server(("127.0.0.1", 0)))
+        red = keeper.redundancy
+        red.layout = StripeLayout(self.group, self.parity, PIECE)
+        red.server.start()
+        host, port = red.server.address
+        self.peers[str(node)] = f"{host}:{port}"
+        return keeper
+
+    def lose(self, node: int) -> None:
+        self.close(self.keepers.pop(node))
+
+    def rebuild(self, node: int, received: list[int] | None = None, complete: list[int] | None = None
+                ) -> dict[str, Any]:
+        """``node``'s replacement rebuilds ``STEP`` from ``complete`` (default: every other node); the length of
+        every fetch it makes from a peer goes into ``received``."""
+        keeper = self.keepers[node] = self.start(node)
+        if received is not None:
+            fetch = keeper.redundancy._fetch_into
+
+            def counted(peer: int, op: str, into: memoryview, **fields: Any) -> None:
+                received.append(len(into))
+                fetch(peer, op, into, **fields)
+
+            keeper.redundancy._fetch_into = counted
+        complete = sorted(set(self.keepers) - {node}) if complete is None else complete
+        return keeper.handle({"op": "rebuild", "generation": 1, "step": STEP, "complete": complete,
+                              "peers": self.peers})
+
+    def blob(self, node: int) -> int:
+        return sum(HEADER_SIZE + len(self.payloads[node, rank]) for rank in range(len(SIZES)))
+
+    def holds(self, node: int) -> bool:
+        """Whether ``node``'s keeper holds ``STEP`` in every rank, bit for bit the payload written, verified."""
+        keeper = self.keepers[node]
+        for rank, _ in enumerate(SIZES):
+            index = keeper.ranks[rank].index_of(STEP)
+            if index is None:
+                return False
+            slot = keeper.ranks[rank].files[index]
+            payload = self.payloads[node, rank]
+            if bytes(slot.payload()[:len(payload)]) != payload or slot.verify() is not None:
+                return False
+        return True
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in read_events(self.log_dir) if e["event"] == name]
+
+    @staticmethod
+    def close(keeper: Keeper) -> None:
+        keeper.stop()
+        keeper.redundancy.close()
+        keeper.unlink_all()
+
+    def close_all(self) -> None:
+        for keeper in self.keepers.values():
+            self.close(keeper)
+
+
+@pytest.fixture
+def make_group(shm, tmp_path, monkeypatch) -> Iterator[Any]:
+    monkeypatch.setattr(redundancy, "RELAY_PART", RELAY_PART)
+    groups: list[Group] = []
+
+    def make(group: int, parity: int) -> Group:
+        groups.append(Group(group, parity, str(tmp_path / f"logs{len(groups)}")))
+        return groups[-1]
+
+    yield make
+    for group in groups:
+        group.close_all()
+
+
+@pytest.mark.parametrize("shape,lost", [((3, 1), 0), ((3, 1), 1), ((3, 1), 2), ((4, 1), 3), ((4, 2), 1)],
+                         ids=["k2-node0", "k2-node1", "k2-node2", "k3", "k2m2-one-lost"])
+def test_a_relayed_rebuild_is_bit_exact_and_receives_each_byte_once(make_group, shape, lost):
+    group = make_group(*shape)
+    group.lose(lost)
+    received: list[int] = []
+    reply = group.rebuild(lost, received)
+    assert reply.get("bytes") == group.blob(lost), reply
+    assert group.keepers[lost].redundancy.relayed and group.holds(lost)
+    assert sum(received) == group.blob(lost)  # the bytes past the blob (zeros) are never fetched
+    assert [e["relayed"] for e in group.events("rebuilt")] == [True]
+    assert not group.events("rebuild_relay_failed")
+
+
+def test_a_relay_that_fails_falls_back_to_the_direct_rebuild(make_group, monkeypatch):
+    group = make_group(3, 1)
+    group.lose(1)
+
+    def refuse(step: int, request: dict[str, Any]) -> bytearray:
+        raise OSError("the relay broke down")
+
+    monkeypatch.setattr(group.keepers[2].redundancy, "_relay", refuse)
+    received: list[int] = []
+    assert group.rebuild(1, received).get("bytes") == group.blob(1)
+    assert not group.keepers[1].redundancy.relayed and group.holds(1)
+    assert sum(received) >= 2 * group.blob(1)  # k = 2: every fragment fetched here, then XORed
+    fell = group.events("rebuild_relay_failed")
+    assert len(fell) == 1 and "the relay broke down" in fell[0]["message"], fell
+    assert [e["relayed"] for e in group.events("rebuilt")] == [False]
+
+
+def test_two_lost_of_two_parity_are_rebuilt_directly(make_group):
+    group = make_group(4, 2)
+    group.lose(1)
+    group.lose(2)
+    for node in (1, 2):  # both from the survivors, as in the generation after the loss
+        assert "error" not in group.rebuild(node, complete=[0, 3])
+        assert not group.keepers[node].redundancy.relayed and group.holds(node)
+
+
+def test_a_corrupt_parity_piece_stops_the_relay_and_the_direct_rebuild_names_it(make_group):
+    group = make_group(3, 1)
+    group.lose(1)
+    parity = group.keepers[0].redundancy  # node 0 holds the XOR parity of a stripe of node 1's chunks
+    file = parity.files[parity.steps.index(STEP)]
+    file.map[2 * HEADER_SIZE + 100] ^= 0x01  # parity of the tensor bytes of node 1's rank 0
+    reply = group.rebuild(1)
+    assert "fails its checksum" in reply.get("error", ""), reply
+    assert group.keepers[1].ranks[0].index_of(STEP) is None  # nothing corrupt is held
+    fell = group.events("rebuild_relay_failed")
+    assert len(fell) == 1 and "fails its checksum" in fell[0]["message"], fell
+
+
+def test_a_relay_refuses_requests_for_other_fragments_or_bytes_and_keeps_serving(make_group):
+    group = make_group(3, 1)
+    host, _, port = group.peers["0"].rpartition(":")
+    client = PeerClient(host, int(port), group.secret, timeout=10)
+    layout = StripeLayout(3, 1, PIECE)
+    mine = next(i for i in range(3) if layout.position(0, i) == 0)  # node 0's fragment of stripe 0
+    other = next(i for i in range(3) if layout.position(0, i) != 0)
+    good = {"step": STEP, "stripe": 0, "chunk_len": 4 * PIECE, "offset": 0, "length": ALIGN, "rebuild": True}
+    for fields in ({"parts": [other, mine]}, {"parts": [mine]}, {"parts": [mine, mine]}, {"parts": [mine, 3]},
+                   {"parts": [mine, other], "length": RELAY_PART + ALIGN}, {"parts": [mine, other], "offset": -ALIGN},
+                   {"parts": [mine, other], "offset": 4 * PIECE}, {"parts": [mine, other], "stripe": 3}):
+        with pytest.raises(PeerError, match="bad xor request"):
+            client.request("xor", into=memoryview(bytearray(ALIGN)), **{**good, **fields})
+    _, got = client.request("xor", into=memoryview(bytearray(ALIGN)), **{**good, "parts": [mine, other]})
+    assert got == ALIGN
+    client.close()
