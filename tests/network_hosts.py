@@ -105,6 +105,11 @@ class Hosts:
     def heal(self, i: int) -> None:
         _run("ip", "link", "set", self._outer(i), "up")
 
+    def received(self, i: int) -> int:
+        """Bytes host ``i`` has received so far (what its veth's other end sent)."""
+        with open(f"/sys/class/net/{self._outer(i)}/statistics/tx_bytes") as f:
+            return int(f.read())
+
     def pids(self, i: int) -> list[int]:
         done = _run("ip", "netns", "pids", self.names[i], check=False)
         return [int(p) for p in done.stdout.split()]

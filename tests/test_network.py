@@ -7,19 +7,21 @@ network changes nothing. Every job ends with the failure-free state."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
 
 import pytest
 
-from conftest import assert_job_left_nothing, gpt_args, primary_failures, restores
+from conftest import ROOT, assert_job_left_nothing, gpt_args, primary_failures, restores
 from network_hosts import Hosts, hosts_problem
 
 pytestmark = pytest.mark.timeout(300)
 
 PORT = 29400  # the control store's, on node 0's host (each host has its own ports)
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+WORKER = ROOT / "benchmarks" / "erasure_worker.py"  # state of a chosen size; checks its own final state
 
 
 @pytest.fixture
@@ -105,3 +107,56 @@ def test_a_slow_network_changes_nothing(start_job, hosts, tmp_path, gpt_baseline
     plan = restores(nodes[0])[1]
     assert plan["restored_from"] == "ram" and plan["step"] == 20, plan
     assert_left_nothing(hosts, *nodes)
+
+
+@pytest.mark.extended  # 80 s; make test: test_relayed_rebuild's silent survivor, test_erasure_recovery's serve-loss
+def test_a_survivor_cut_off_during_a_rebuild_is_one_more_lost_node(start_job, tmp_path):
+    """Node 1 is lost; while its standby rebuilds it from nodes 0 and 2 (slow NICs, 48 MiB per rank), node 2's
+    host is cut off: the rebuild's requests to it get no answer, not a refusal. The rebuild gives up on it as
+    lost, node 2 is declared lost and taken by the second standby, and with two nodes of a k=2 m=1 group lost the
+    job starts over from step 0, saying so; every rank ends bit for bit at the failure-free state. The rebuild
+    gives up after one to two node timeouts (here 5 s, the least: 10.1 s from the cut; 60.9 s at 9787fb9)."""
+    problem = hosts_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    hosts = Hosts(5)
+    try:
+        for i in range(5):
+            hosts.shape(i, rate_mbit=100)
+        out_dir, go = tmp_path / "out", tmp_path / "go"
+        out_dir.mkdir()
+        go.touch()
+        common = ("--nproc-per-node", "1", "--rdzv-endpoint", f"{hosts.address(0)}:{PORT}", "--node-timeout", "2",
+                  "--ec-group", "3", "--ec-parity", "1", "--inject", "node-loss@node=1,step=4", str(WORKER),
+                  "--size-mib", "48", "--steps", "8", "--hold-at", "1", "--step-time", "0.2", "--go", str(go),
+                  "--out-dir", str(out_dir))
+        start = dict(job_id="netcutrebuild", log_dir=tmp_path / "logs", env=ONE_THREAD)
+        nodes = [start_job("--nnodes", "3", "--node-rank", str(i), "--local-addr", hosts.address(i), *common,
+                           prefix=tuple(hosts.command(i)), **start) for i in range(3)]
+        spares = [start_job("--standby", "--local-addr", hosts.address(i), *common, prefix=tuple(hosts.command(i)),
+                            **start) for i in (3, 4)]
+        nodes[0].wait_for_event(lambda e: e["event"] == "rebuild_prepared" and e["node"] == 1, timeout=120)
+        before = hosts.received(3) + hosts.received(4)  # a standby's host (either may take rank 1)
+        deadline = time.monotonic() + 60
+        while hosts.received(3) + hosts.received(4) < before + (8 << 20):  # the rebuild is under way: 8 of 48 MiB
+            assert time.monotonic() < deadline, "the rebuild did not start"
+            time.sleep(0.02)
+        hosts.cut(2)
+        cut = time.time()
+        assert nodes[0].wait(240) == 0, nodes[0].output
+        events = nodes[0].events()
+        failed = [e for e in events if e["event"] == "rebuild_failed"]
+        assert failed and failed[0]["peer_lost"], failed
+        lost = [e["node"] for e in events if e["event"] == "failure" and e["kind"] == "node-lost"]
+        assert lost == [1, 2], lost
+        restarted = [e for e in events if e["event"] == "restore" and e["source"] == "node 0"][-1]
+        assert restarted["restored_from"] == "none" and "WARNING" in restarted["message"], restarted
+        final = [json.loads(p.read_text()) for p in out_dir.glob("rank*-gen*.json")]
+        assert sum(1 for r in final if r.get("exact")) == 3, final
+        print(f"rebuild gave up {failed[0]['time'] - cut:.1f} s after the cut")  # pytest -s shows it
+        hosts.heal(2)  # node 2's old supervisor learns it was replaced and leaves
+        assert nodes[2].wait(60) != 0 and all(job.wait(60) == 0 for job in spares)
+        nodes[1].wait(60)  # its node was killed: it ended when it did
+        assert_left_nothing(hosts, *nodes, *spares)
+    finally:
+        hosts.close()

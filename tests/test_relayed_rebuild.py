@@ -17,7 +17,8 @@ import pytest
 from ftrun.events import read_events
 from ftrun.snapshot.erasure import ALIGN, StripeLayout
 from ftrun.snapshot import redundancy
-from ftrun.snapshot.keeper import Keeper
+from ftrun.snapshot.keeper import MIN_PEER_TIMEOUT, Keeper, peer_timeout
+from ftrun.snapshot.protocol import PEER_LOST
 from ftrun.snapshot.slot import HEADER_SIZE, checksum
 from ftrun.snapshot.transport import PeerClient, PeerError
 from test_slots import shm, spec, write_snapshot  # noqa: F401 - shm: the fixture
@@ -202,3 +203,29 @@ def test_a_relay_refuses_requests_for_other_fragments_or_bytes_and_keeps_serving
     _, got = client.request("xor", into=memoryview(bytearray(ALIGN)), **{**good, "parts": [mine, other]})
     assert got == ALIGN
     client.close()
+
+
+def test_a_survivor_that_does_not_answer_a_relay_is_lost_without_a_direct_retry(make_group):
+    """Node 2 stops serving while node 0's replacement rebuilds: whether the replacement asks it itself or node 1
+    relays to it, the rebuild fails as a lost survivor (the link plans without it), and no direct rebuild spends
+    a second timeout on it."""
+    group = make_group(3, 1)
+    group.lose(0)
+    group.keepers[2].redundancy.server.close()
+    reply = group.rebuild(0)
+    assert PEER_LOST in reply.get("error", ""), reply
+    assert [e.get("peer_lost") for e in group.events("rebuild_failed")] == [True]
+    assert not group.events("rebuild_relay_failed")
+
+
+def test_a_keeper_waits_on_a_silent_peer_for_the_node_timeout(shm):
+    assert peer_timeout(1.0) == MIN_PEER_TIMEOUT and peer_timeout(30.0) == 30.0
+    keeper = Keeper(dataclasses.replace(spec(1), nnodes=2, ec_group=2, ec_parity=1, node_timeout=8.0), [])
+    keeper.enable_redundancy(os.urandom(32), socket.create_server(("127.0.0.1", 0)))
+    try:
+        assert keeper.redundancy.peer_timeout == 8.0
+        keeper.redundancy.peers = {1: "127.0.0.1:9"}
+        assert keeper.redundancy._client(1).timeout == 8.0
+    finally:
+        keeper.redundancy.close()
+        keeper.unlink_all()

@@ -73,6 +73,7 @@ ENV_EARLIER_RUN = "FTRUN_KEEPER_EARLIER_RUN"  # "1": segments found at start are
 STOP_SIGNAL = signal.SIGRTMIN + 3
 NODE_LOST_SIGNAL = signal.SIGRTMIN + 4  # keeper -> supervisor: kill every process of the node (an injected fault)
 ENCODE_RETRY = 0.2
+MIN_PEER_TIMEOUT = 5.0  # seconds: the least a keeper waits on a peer (see peer_timeout)
 # Advice printed with the /dev/shm capacity error.
 SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
 
@@ -181,7 +182,7 @@ class Keeper:
     def enable_redundancy(self, secret: bytes, listener: socket.socket) -> None:
         spec = self.spec
         place = GroupPlace(self.node, spec.ec_group, spec.ec_parity, spec.ec_backend)
-        self.redundancy = Redundancy(self, place, secret, listener)
+        self.redundancy = Redundancy(self, place, secret, listener, peer_timeout(spec.node_timeout))
         self.redundancy.serving_rebuild = self._fire_serve_fault
 
     # -- slot files -----------------------------------------------------------------------------------------
@@ -755,6 +756,15 @@ def find_segments(job: str, node: int | str = "*") -> list[tuple[str, int, int]]
         if match is not None:
             found.append((path, int(match.group(1)), int(match.group(2))))
     return found
+
+
+def peer_timeout(node_timeout: float) -> float:
+    """How long one receive or send of a keeper waits on a peer: the node timeout, after which the peer's
+    watchers declare its node lost (a host cut off the network answers nothing: its packets just vanish), and a
+    rebuild still waiting on it would hold the next generation back; at least :data:`MIN_PEER_TIMEOUT`. A payload
+    received in one call (``MSG_WAITALL``) that stops midway returns what came when the time is up, and the next
+    call waits once more: a silent peer is given up after one to two timeouts."""
+    return max(MIN_PEER_TIMEOUT, node_timeout)
 
 
 def unlink_segments(job: str, node: int | str = "*") -> list[str]:

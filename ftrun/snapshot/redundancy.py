@@ -115,6 +115,7 @@ PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are
 # bytes of a relayed request: each holder of a chain receives a part whole before it sends its sum on, so small
 # parts keep every link busy (NICs at 2 Gbit/s here: 8 MiB 1.46 x a TCP copy, 2 MiB 1.22 x, 1 MiB 1.07 x)
 RELAY_PART = 1 << 20
+PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
 
 
 class RedundancyError(RuntimeError):
@@ -182,8 +183,10 @@ class _CheckedParity:
 class Redundancy:
     """Parity encoding, peer serving and rebuilds of one keeper; see the module doc."""
 
-    def __init__(self, keeper: SlotHolder, place: GroupPlace, secret: bytes, listener: socket.socket) -> None:
+    def __init__(self, keeper: SlotHolder, place: GroupPlace, secret: bytes, listener: socket.socket,
+                 peer_timeout: float = PEER_TIMEOUT) -> None:
         self.keeper = keeper
+        self.peer_timeout = peer_timeout  # seconds a peer may leave a request without progress (then: lost)
         self.place = place
         self.layout = StripeLayout(place.group, place.parity)
         self.codec = Codec(self.layout.k, place.parity, place.backend)
@@ -349,14 +352,20 @@ class Redundancy:
         return out
 
     def _fetch_fragments(self, step: int, stripe: int, parts: list[int], chunk_len: int, offset: int,
-                   into: memoryview) -> None:
+                         into: memoryview) -> None:
         """Fill ``into`` with bytes from ``offset`` of fragment ``parts[0]`` of ``stripe``, from its holder; with
-        several parts, of the XOR of those fragments, relayed along their holders in order."""
+        several parts, of the XOR of those fragments, relayed along their holders in order. A holder further down
+        the chain that did not answer is :class:`PeerUnavailable` here too (a lost survivor, not a bad relay)."""
         k = self.layout.k
         node = self._node(self.layout.position(stripe, parts[0]))
         fields: dict[str, Any] = {"step": step, "offset": offset, "length": len(into), "rebuild": True}
         if len(parts) > 1:
-            self._fetch_into(node, "xor", into, stripe=stripe, parts=parts, chunk_len=chunk_len, **fields)
+            try:
+                self._fetch_into(node, "xor", into, stripe=stripe, parts=parts, chunk_len=chunk_len, **fields)
+            except PeerError as err:
+                if str(err).startswith(f"{PeerUnavailable.__name__}:"):
+                    raise PeerUnavailable(f"node {node} relayed: {err}") from err
+                raise
         elif parts[0] < k:
             self._fetch_into(node, "chunk", into, chunk=parts[0], chunk_len=chunk_len, **fields)
         else:
@@ -537,7 +546,7 @@ class Redundancy:
             client = self._clients.get(key)
             if client is None:
                 host, _, port = address.rpartition(":")
-                client = self._clients[key] = PeerClient(host, int(port), self.secret)
+                client = self._clients[key] = PeerClient(host, int(port), self.secret, self.peer_timeout)
         return client
 
     def _fetch_into(self, node: int, op: str, into: memoryview, **fields: Any) -> None:
@@ -824,10 +833,18 @@ class Redundancy:
                 if segment.into is not None:
                     requests.append((chunk * chunk_len, stripe, parts, segment))
 
+        failed = threading.Event()  # after a failure no request starts (a silent peer costs one timeout)
+
         def fetch(base: int, stripe: int, parts: list[int], segment: Segment) -> None:
             assert segment.into is not None
-            writer.ready(min(base + segment.offset + segment.length, blob))  # ``into`` is the slots' memory
-            self._fetch_fragments(step, stripe, parts, chunk_len, segment.offset, segment.into)
+            if failed.is_set():
+                return
+            try:
+                writer.ready(min(base + segment.offset + segment.length, blob))  # ``into`` is the slots' memory
+                self._fetch_fragments(step, stripe, parts, chunk_len, segment.offset, segment.into)
+            except BaseException:
+                failed.set()
+                raise
 
         futures = [self._pool.submit(fetch, *request) for request in requests]
         try:
