@@ -49,9 +49,12 @@ def hosts_problem() -> str | None:
 class Hosts:
     """``count`` hosts on one bridge (see the module doc)."""
 
+    made = 0  # Hosts made by this process: each gets names of its own
+
     def __init__(self, count: int, prefix: str | None = None) -> None:
-        self.prefix = prefix or f"ftn{os.getpid() % 100000}"
-        self.net = 16 + os.getpid() % 200  # 10.<net>.0.0/24: one subnet per test process
+        Hosts.made += 1
+        self.prefix = prefix or f"ftn{os.getpid() % 100000}x{Hosts.made % 100}"  # interface names: 15 characters
+        self.net = 16 + (os.getpid() + Hosts.made) % 200  # 10.<net>.0.0/24 inside the hosts
         self.names = [f"{self.prefix}-{i}" for i in range(count)]
         self._made: list[str] = []
         try:
