@@ -9,8 +9,9 @@ back. Processes run in a host through ``ip netns exec`` (:meth:`Hosts.command`):
 own (a directory of this machine's, :meth:`Hosts.shm`), as separate machines have; they share the other
 filesystems and the CPUs.
 
-Needs root and iproute2 (``ip``, ``tc``); :func:`hosts_problem` says why not in one line. :meth:`Hosts.close`
-kills what still runs in the namespaces and removes them and the bridge.
+Needs root and iproute2 (``ip``, ``tc``; Debian's package is installed with apt when missing): :func:`hosts_problem`
+says why not in one line. :meth:`Hosts.close` kills what still runs in the namespaces and removes them and the
+bridge.
 
 Run ``python tests/network_hosts.py 3`` to make three hosts by hand (it prints them) and remove them with Ctrl-C.
 """
@@ -36,8 +37,13 @@ def hosts_problem() -> str | None:
     """Why network namespaces cannot be made here (one line), or None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
+    if (shutil.which("ip") is None or shutil.which("tc") is None) and shutil.which("apt-get") is not None:
+        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")  # Debian's package, as etcd's and SLURM's
+        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
+        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "iproute2"], env=env,
+                       capture_output=True)
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
+        return "iproute2 (ip, tc) is not installed and apt-get could not install it"
     probe = f"ftrun-probe-{os.getpid()}"
     made = _run("ip", "netns", "add", probe, check=False)
     if made.returncode != 0:
