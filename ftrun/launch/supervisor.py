@@ -20,6 +20,9 @@ every node stops its trainers, persists the newest step and exits.
 
 A hung trainer's peers block in their next collective and fall silent too; the rank blamed is agreed job-wide
 (:meth:`Supervisor._attribute_hang`), so it is the one that stopped first whichever node's timeout fires first.
+Likewise a trainer that dies of a broken connection to another node waits for that node's loss to be declared,
+if it is lost (:meth:`Supervisor._wait_for_lost_node`). A supervisor checks that it still owns its node rank
+before it joins a generation and before it starts trainers: one that was cut off and replaced leaves.
 """
 
 from __future__ import annotations
