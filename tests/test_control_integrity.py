@@ -128,6 +128,25 @@ def test_a_replayed_older_generation_never_moves_the_job_backwards(server, signe
     assert won and Generation.decode(raw).gen == 3
 
 
+def test_two_nodes_moving_the_job_for_the_same_failure_at_the_same_instant_one_wins(server, signed, monkeypatch):
+    """A hang's culprit is agreed job-wide, so two nodes can bump with the same failure at once. A compare-and-set
+    tells success by the bytes stored afterwards: two equal documents (their times equal too; CI saw two bumps
+    0.7 us apart) made both nodes believe they won, and the failure was reported twice."""
+    store, _ = signed()
+    first = coordinator(store)
+    first.init_job({"nnodes": 2})
+    seen = first.current_raw()
+    monkeypatch.setattr("ftrun.control.coordination.time.time", lambda: 1795684767.5142207)
+    hang = Failure("hang", "rank 0 hung", 0, 0, "heartbeat", 45)
+    stale = [store.get_raw(first.key("gen"))]
+    second_store, _ = signed()
+    read = second_store.get_raw
+    second_store.get_raw = lambda key: stale.pop() if stale else read(key)  # read just before the first's write
+    wins = [won for _, won in (first.bump(seen, hang), coordinator(second_store, node=1).bump(seen, hang))]
+    assert wins == [True, False]
+    assert Generation.decode(first.current_raw()).gen == 1
+
+
 def test_counters_with_garbage_neither_raise_nor_drop_the_connection(server, signed):
     store, _ = signed()
     coord = coordinator(store)

@@ -29,8 +29,9 @@ Protocol of a run, in the order a generation goes through it:
 
 1. ``gen`` holds the current :class:`Generation` as JSON. Whoever first sees a failure moves it from
    generation g to g+1 by compare-and-set on the exact bytes it read (authentic or not), with the cause;
-   exactly one writer wins, everyone else reads the winner's document. ``history/<g>`` keeps every
-   generation's document.
+   exactly one writer wins, everyone else reads the winner's document (each proposal carries a random nonce:
+   the store tells the winner by the bytes it holds, and two nodes may propose the same cause at once).
+   ``history/<g>`` keeps every generation's document.
 2. Every supervisor watching ``gen`` stops its trainers when it changes, then marks ``gen/<g>/ready/<node>``
    with its incarnation (``node/<r>/owner`` names the supervisor that runs node rank r and counts those that
    ever did; see :mod:`ftrun.control.ownership`, which also has the hot spares' claims). Node 0
@@ -56,6 +57,7 @@ from __future__ import annotations
 
 import json
 import random
+import secrets
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, fields
@@ -88,6 +90,9 @@ class Generation:
     # and whether before any trainer of the generation had sent its first heartbeat (crash loops)
     signature: str = ""
     early: bool = False
+    # random, per proposal: a compare-and-set tells success by the bytes stored, so two nodes proposing the same
+    # failure at the same instant (a hang's culprit is agreed job-wide) must not write equal bytes
+    nonce: str = ""
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -323,7 +328,7 @@ class Coordinator:
                 return found[1], False
             new = Generation(old.gen + 1, failure.kind, failure.reason, failure.node, failure.rank,
                              failure.detected_by, time.time(), failure.step, failure.incarnation,
-                             failure.signature, failure.early)
+                             failure.signature, failure.early, secrets.token_hex(8))
             encoded = new.encode()
             if self.store.compare_set(key, stored, encoded)[0]:
                 self.store.set(self.key("history", new.gen), encoded)
