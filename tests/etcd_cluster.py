@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import pytest
 import requests
 
+from debian_packages import apt_install
+
 PACKAGE = "etcd-server"
 MEMBERS = 3
 START_TIMEOUT = 30.0
@@ -41,15 +43,10 @@ def ensure_etcd() -> str:
     found = shutil.which("etcd") or ("/usr/bin/etcd" if os.path.exists("/usr/bin/etcd") else None)
     if found:
         return found
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise EtcdUnavailable("etcd is not installed and apt-get as root is not available to install it")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-    done = subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", PACKAGE], env=env,
-                          capture_output=True, text=True)
+    problem = apt_install(PACKAGE)
     found = shutil.which("etcd")
-    if done.returncode != 0 or not found:
-        raise EtcdUnavailable(f"apt-get install {PACKAGE} failed: {done.stderr.strip()[-300:]}")
+    if problem is not None or not found:
+        raise EtcdUnavailable(f"etcd is not installed and {problem or f'apt-get install {PACKAGE} gave no etcd'}")
     return found
 
 

@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from debian_packages import apt_install
+
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     done = subprocess.run(argv, capture_output=True, text=True)
@@ -37,13 +39,10 @@ def hosts_problem() -> str | None:
     """Why network namespaces cannot be made here (one line), or None."""
     if os.geteuid() != 0:
         return "network namespaces need root"
-    if (shutil.which("ip") is None or shutil.which("tc") is None) and shutil.which("apt-get") is not None:
-        env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")  # Debian's package, as etcd's and SLURM's
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-        subprocess.run(["apt-get", "install", "-y", "-q", "--no-install-recommends", "iproute2"], env=env,
-                       capture_output=True)
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed and apt-get could not install it"
+        problem = apt_install("iproute2")  # Debian's package, as etcd's and SLURM's
+        if shutil.which("ip") is None or shutil.which("tc") is None:
+            return f"iproute2 (ip, tc) is not installed and {problem or 'apt-get install iproute2 gave no ip, tc'}"
     probe = f"ftrun-probe-{os.getpid()}"
     made = _run("ip", "netns", "add", probe, check=False)
     if made.returncode != 0:

@@ -21,6 +21,8 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from debian_packages import apt_install
+
 PACKAGES = ["munge", "slurm-wlm", "slurm-client"]
 DAEMONS = ["munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol"]
 START_TIMEOUT = 60.0
@@ -34,15 +36,9 @@ def install() -> None:
     """Install munge and SLURM with apt when a daemon or client is missing (as in CI's fresh machine)."""
     if all(shutil.which(name) or os.path.exists(f"/usr/sbin/{name}") for name in DAEMONS):
         return
-    if os.geteuid() != 0 or shutil.which("apt-get") is None:
-        raise SlurmUnavailable("SLURM is not installed and apt-get as root is not available to install it")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    command = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
-    if subprocess.run(command, env=env, capture_output=True).returncode != 0:
-        subprocess.run(["apt-get", "update", "-q"], env=env, capture_output=True)
-        done = subprocess.run(command, env=env, capture_output=True, text=True)
-        if done.returncode != 0:
-            raise SlurmUnavailable(f"apt-get install {' '.join(PACKAGES)} failed: {done.stderr.strip()[-300:]}")
+    problem = apt_install(*PACKAGES)
+    if problem is not None:
+        raise SlurmUnavailable(f"SLURM is not installed and {problem}")
 
 
 def _free_base(count: int) -> int:

@@ -19,6 +19,7 @@ import pytest
 from rich.console import Console
 
 from conftest import ROOT, TRAIN_GPT, free_port, job_processes, job_segments
+from debian_packages import apt_install
 from ftrun.control.spec import shm_dir
 from ftrun.ui.summary import Recovery
 from ftrun.ui.live import LiveView
@@ -284,10 +285,9 @@ def test_ended_job_at_a_standalone_store(start_job, tmp_path):
 def tmux():
     """Run a command in a detached tmux session of 100x30 on a private server; ``capture()`` reads its screen."""
     if shutil.which("tmux") is None:
-        subprocess.run(["apt-get", "update"], capture_output=True, timeout=300)
-        subprocess.run(["apt-get", "install", "-y", "tmux"], capture_output=True, timeout=300)
+        problem = apt_install("tmux", timeout=300)
         if shutil.which("tmux") is None:
-            pytest.skip("tmux is not installed and `apt-get install -y tmux` failed")
+            pytest.skip(f"tmux is not installed and {problem or 'apt-get install tmux gave no tmux'}")
     socket = f"ftrun-test-{uuid.uuid4().hex[:8]}"
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}  # the pane's size, not ours
 
