@@ -397,10 +397,11 @@ class Redundancy:
         if not 0 <= t < self.place.parity or offset < 0 or length < 0 or offset + length > chunk_len:
             raise ValueError("parity range out of bounds")
         if checked:
-            self._check_parity(file, header, step, t, offset, length)
+            self._check_parity(file, header, chunk_len, step, t, offset, length)
         return file, t * chunk_len + offset
 
-    def _check_parity(self, file: SlotFile, header: Header, step: int, t: int, offset: int, length: int) -> None:
+    def _check_parity(self, file: SlotFile, header: Header, chunk_len: int, step: int, t: int, offset: int,
+                      length: int) -> None:
         """Check every parity piece that bytes ``[offset, offset + length)`` of fragment k + t touch, each whole
         and once per parity file content, against the CRC-32 its metadata records."""
         key = (file.path, header.step, header.checksum)
@@ -408,10 +409,8 @@ class Redundancy:
         if checked.key != key:
             doc = json.loads(bytes(file.payload()[header.data_len:header.payload_len]))
             layout = StripeLayout(int(doc["group"]), int(doc["parity"]), int(doc["piece"]))
-            checked = self._checked = _CheckedParity(key, layout.pieces(header.data_len // layout.parity),
-                                                     doc["piece_crcs"], set())
+            checked = self._checked = _CheckedParity(key, layout.pieces(chunk_len), doc["piece_crcs"], set())
         stripe = self.layout.parity_stripes(self.place.position)[t]
-        chunk_len = header.data_len // self.place.parity
         for index, (start, n) in enumerate(checked.pieces):
             if start < offset + length and offset < start + n and (t, index) not in checked.good:
                 if crc32(file.payload()[t * chunk_len + start:t * chunk_len + start + n]) != \
