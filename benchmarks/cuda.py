@@ -13,7 +13,8 @@
    3 more into the live CUDA tensors and checks them bit for bit.
 4. Training with parity on the GPU: 3 simulated nodes x 1 trainer sharing the GPU (no collectives), each with
    ``--ec-size-mib`` of CUDA parameters and AdamW state and a snapshot every 10 steps, with parity (k=2 m=1) and
-   without (``--ec-parity 0``), alternating, twice each: steps/s of the slowest rank from its first snapshot on.
+   without (``--ec-parity 0``), alternating, twice each: steps/s of the slowest rank from its first snapshot on,
+   and how many snapshots each rank skipped (its newest one not yet secured) and how many steps were protected.
    The issue's target for parity: >= 0.97 x without.
 
     python benchmarks/cuda.py            # about 3 minutes on an H200
@@ -239,30 +240,37 @@ def train_worker(args: argparse.Namespace) -> None:
     torch.cuda.synchronize()
     assert t0 is not None
     rate = (args.train_steps - 10) / (time.perf_counter() - t0)
-    Path(args.out, f"rank{os.environ['RANK']}.json").write_text(json.dumps({"steps_per_second": rate}))
+    Path(args.out, f"rank{os.environ['RANK']}.json").write_text(json.dumps({"steps_per_second": rate,
+                                                                           "skipped": snap.skipped}))
 
 
 def training_with_parity(args: argparse.Namespace, workdir: Path) -> bool:
     """Section 4: steps/s with parity over without (slowest rank of each job), alternating."""
     rates: dict[int, list[float]] = {1: [], 0: []}
+    secured: dict[int, list[str]] = {1: [], 0: []}  # per job: snapshots skipped by the ranks; steps protected
     for rep in range(2):
         for parity in (1, 0):
             out = workdir / f"train-{parity}-{rep}"
             out.mkdir()
-            code, _, _ = ftrun(workdir, f"train-{parity}-{rep}", ["--nnodes", "3", "--nproc-per-node", "1",
+            code, _, events = ftrun(workdir, f"train-{parity}-{rep}", ["--nnodes", "3", "--nproc-per-node", "1",
                                                                   "--ec-parity", str(parity)],
                                [str(Path(__file__).resolve()), "--train-worker", "--out", str(out), "--ec-size-mib",
                                 str(args.ec_size_mib), "--batch", str(args.ec_batch), "--train-steps",
                                 str(args.train_steps)])
-            ranks = [json.loads(f.read_text())["steps_per_second"] for f in sorted(out.glob("rank*.json"))]
+            ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
             if code or len(ranks) != 3:
                 print(f"  training job (parity {parity}): FAIL (exit {code}, {len(ranks)} ranks reported)")
                 return False
-            rates[parity].append(min(ranks))
+            rates[parity].append(min(rank["steps_per_second"] for rank in ranks))
+            protected = len({e["step"] for e in events if e["event"] == "protected"})
+            secured[parity].append(f"{'/'.join(str(rank['skipped']) for rank in ranks)} skipped"
+                                   + (f", {protected} protected" if parity else ""))
     on, off = statistics.median(rates[1]), statistics.median(rates[0])
     runs = " / ".join(" ".join(f"{rate:.2f}" for rate in rates[parity]) for parity in (1, 0))
     print(f"  {on:.2f} steps/s with parity, {off:.2f} without ({runs}): {on / off:.3f}, "
           f"target >= 0.97: {'PASS' if on / off >= 0.97 else 'MISS'}")
+    print(f"  of {args.train_steps // 10} snapshot steps per job, with parity: {'; '.join(secured[1])}; "
+          f"without: {'; '.join(secured[0])}")
     return True
 
 

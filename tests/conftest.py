@@ -69,9 +69,10 @@ def restores(job) -> dict[int, dict]:
 
 
 def run_bitwise(start_job, tmp_path, expected: str, name: str, *flags: str, nodes: tuple[str, ...] = NODES,
-                **start: object):
-    """Run train_gpt with ``flags``: it succeeds, ends with the ``expected`` state hash and leaves nothing."""
-    args, out = gpt_args(tmp_path, name)
+                script: tuple[str, ...] = (), **start: object):
+    """Run train_gpt with ``flags`` (and ``script``, its own): it succeeds, ends with the ``expected`` state hash and
+    leaves nothing."""
+    args, out = gpt_args(tmp_path, name, *script)
     job = start_job(*nodes, *flags, *args, **start)
     assert job.wait(180) == 0, job.output
     assert out.read_text().strip() == expected, job.output

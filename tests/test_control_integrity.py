@@ -28,7 +28,7 @@ from ftrun.errors import UsageError
 from ftrun.events import EventLog, read_events
 from ftrun.launch.peers import PeerWatch
 from ftrun.launch.slurm import SlurmStep, agree_node_rank
-from ftrun.snapshot.link import Progress, ProgressTracker
+from ftrun.snapshot.link import Commits, Progress, ProgressTracker
 
 SECRET = "0123456789abcdef" * 4
 
@@ -268,9 +268,11 @@ def test_node_0_computes_the_progress_and_the_others_read_one_key(server, tmp_pa
     for tracker in trackers:
         tracker.start(10)
 
-    def publish(what: str, steps: dict[int, list[int]]) -> None:
+    def publish(what: str, steps: dict[int, list[int]], decided: int = 0) -> None:
         for node, held in steps.items():
-            coords[node].store.set(coords[node].key("gen", 1, what, node), json.dumps(held))
+            doc = (Commits(frozenset(held), frozenset(held), decided or max(held)).encode() if what == "commit"
+                   else json.dumps(held))
+            coords[node].store.set(coords[node].key("gen", 1, what, node), doc)
 
     publish("commit", {n: [10, 20] for n in range(6)})
     publish("parity", {n: [10, 20] if n < 3 else [10] for n in range(6)})  # group 1 still encodes step 20
@@ -291,6 +293,15 @@ def test_node_0_computes_the_progress_and_the_others_read_one_key(server, tmp_pa
         [(0, 20), (1, 10), (1, 20)]
     publish("commit", {n: [20] for n in range(6)})  # older steps dropped: what was learned stays
     assert trackers[0].look(1) == Progress(20, 20) and trackers[1].look(1) == Progress(20, 20)
+    # a rank of node 4 skipped step 30, which the others took: abandoned job-wide until a newer step is protected
+    publish("commit", {n: [20, 30] for n in range(6) if n != 4})
+    publish("commit", {4: [20]}, decided=29)  # not yet: its ranks may still take 30
+    assert trackers[0].look(1) == Progress(20, 20) == trackers[2].look(1)
+    publish("commit", {4: [20]}, decided=30)
+    assert trackers[0].look(1) == Progress(20, 20, frozenset({30})) == trackers[2].look(1)
+    publish("commit", {n: [30, 40] if n != 4 else [20, 40] for n in range(6)})
+    publish("parity", {n: [20, 40] for n in range(6)})
+    assert trackers[0].look(1) == Progress(40, 40) == trackers[2].look(1)
 
 
 def test_each_run_of_a_job_id_has_its_own_keys(server, signed):

@@ -118,6 +118,23 @@ def test_node_lost_while_parity_of_a_newer_step_is_computed_restores_a_protected
                    if e["node"] == 1 and e["time"] > rebuilt and e["step"] <= plan["step"]), job.output
 
 
+@pytest.mark.timeout(300)
+def test_snapshots_faster_than_parity_are_skipped_not_waited_for_and_a_lost_node_is_rebuilt_bitwise(
+        start_job, tmp_path, gpt_baselines):
+    """A snapshot every step, faster than the job protects them with parity: ranks skip snapshots instead of
+    waiting (a step some rank skipped is abandoned, and a rank that took it writes over it). Node 1, lost at step
+    40, is rebuilt at the newest protected step, and the job ends with the failure-free state."""
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(3, 1), "skip", "--inject", "node-loss@node=1,step=40",
+                      nodes=shape(3, 1), script=("--snapshot-every", "1"))
+    assert any(e["event"] == "snapshot_skipped" for e in job.events()), job.output
+    lost = min(f["time"] for f in primary_failures(job))
+    protected = [e["step"] for e in job.events() if e["event"] == "protected" and e["time"] < lost]
+    assert len(protected) < 39, protected  # some steps were never protected
+    last = restores(job)[max(restores(job))]
+    assert last["restored_from"] == "parity" and last["rebuilt"] == {"1": [0, 2]}, last
+    assert max(protected) <= last["step"] <= 40, (protected, last)  # the newest protected (maybe as it was lost)
+
+
 @pytest.mark.extended  # make test: test_durable's more-nodes-lost-than-parity (to disk)
 @pytest.mark.timeout(240)
 def test_more_lost_nodes_than_parity_starts_over_saying_what_was_lost(start_job, tmp_path, gpt_baselines):

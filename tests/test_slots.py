@@ -14,6 +14,7 @@ import time
 import pytest
 
 from ftrun.control.spec import ENV_SHM_DIR, NodeSpec
+from ftrun.events import read_events
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot import pinning
 from ftrun.snapshot.link import newest_common
@@ -92,25 +93,34 @@ def commit_via_keeper(keeper: Keeper, rank: int, step: int, generation: int = 0)
     return reply["slot"]
 
 
-def test_keeper_never_overwrites_the_newest_step_every_rank_holds(shm):
-    keeper = Keeper(spec(), [])
+def test_keeper_never_overwrites_the_newest_step_every_rank_holds_and_never_makes_a_trainer_wait(shm, tmp_path):
+    """A rank whose newest step is not restorable yet skips its snapshot at once (the keeper reports the step as
+    skipped); a step the job abandoned (some rank skipped it) is overwritten, the restorable one never."""
+    keeper = Keeper(dataclasses.replace(spec(), log_dir=str(tmp_path)), [])
     keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
     for rank in (0, 1):
         commit_via_keeper(keeper, rank, 10)
     assert keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})["local"] == [10]
-    # rank 0 goes on to step 20 while the job-wide restorable step is still 0: it must wait
-    done = threading.Event()
-    threading.Thread(target=lambda: (commit_via_keeper(keeper, 0, 20), done.set()), daemon=True).start()
-    time.sleep(0.3)
-    assert done.is_set()  # 20 goes into the empty second slot: 10 is kept
-    second = threading.Event()
-    threading.Thread(target=lambda: (commit_via_keeper(keeper, 0, 30), second.set()), daemon=True).start()
-    time.sleep(0.3)
-    assert not second.is_set(), "rank 0 overwrote a slot while its newest step 20 was not held by every rank"
-    assert keeper.ranks[0].held() == {10, 20}
-    commit_via_keeper(keeper, 1, 20)
-    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 20})
-    assert second.wait(5) and keeper.ranks[0].held() == {20, 30}
+    commit_via_keeper(keeper, 0, 20)  # into the empty second slot: 10 is kept
+    t0 = time.monotonic()
+    reply = keeper.handle({"op": "reserve", "rank": 0, "step": 30, "generation": 0, "size": 4096})
+    assert "skip" in reply and "step 20 is not yet held by every rank" in reply["skip"], reply
+    assert time.monotonic() - t0 < 0.5 and keeper.ranks[0].held() == {10, 20}
+    poll = keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10})
+    assert poll["local"] == [10] and poll["decided"] == 10  # rank 0 decided step 30 (skipped), rank 1 step 10
+    # a rank on another node skipped 20: the job abandons it, and rank 0 writes 40 over it, keeping 10
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10, "abandoned": [20]})
+    commit_via_keeper(keeper, 0, 40)
+    assert keeper.ranks[0].held() == {10, 40}
+    commit_via_keeper(keeper, 1, 40)
+    assert keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 40})["decided"] == 40
+    commit_via_keeper(keeper, 0, 50)
+    assert keeper.ranks[0].held() == {40, 50}
+    # a new generation takes its steps anew: what the last one skipped or abandoned is forgotten
+    keeper.handle({"op": "poll", "generation": 1, "plan": 40, "restorable": 40})
+    assert keeper.abandoned == set() and keeper.ranks[0].held() == {40} and keeper.ranks[0].decided == 40
+    events = [e for e in read_events(str(tmp_path)) if e["event"] == "snapshot_skipped"]
+    assert [(e["rank"], e["step"], e["newest"]) for e in events] == [(0, 30, 20)]
     keeper.stop()
 
 

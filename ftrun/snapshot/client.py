@@ -2,7 +2,8 @@
 
 ``save(step)`` captures the structure of the state (and clones of the few tensors that a forward pass may
 change: buffers, RNG states) and returns; a background thread asks the node's keeper for a slot, copies
-every tensor into it, writes the layout, marks the slot committed and tells the keeper. A GPU trainer's slots
+every tensor into it, writes the layout, marks the slot committed and tells the keeper (or skips the snapshot
+when the keeper says so: the previous one is not secured job-wide yet, and training never waits). A GPU trainer's slots
 are page-locked on their first use (:mod:`ftrun.snapshot.pinning`), so its copies run at DMA speed. Parameters and
 optimizer state are copied from the live tensors: they do not change before the next optimizer step, and a
 step pre-hook on every optimizer in the state waits for the copy. So a snapshot is exactly the state at
@@ -87,6 +88,7 @@ class Snapshotter:
         self._error: BaseException | None = None
         self._disabled = False
         self.last_copy_seconds = 0.0
+        self.skipped = 0  # snapshots skipped because the previous one was not yet secured job-wide
         self._window: tuple[BucketWarmup, LoaderSeedGuard] | None = None  # the resume window (module docstring)
         self._restored = 0
         self._told_uncaptured = False
@@ -167,9 +169,10 @@ class Snapshotter:
     def wait(self) -> None:
         """Block until the snapshot being copied is committed (the optimizer pre-hook calls this).
 
-        While the copy waits for the keeper to give it a slot (until every rank holds this rank's newest
-        snapshot, and with parity until the job has protected it) the trainer beats: it is waiting for the
-        job, not hung. It does not beat while the copy itself runs.
+        While the copy waits for the keeper's reply to its ``reserve`` (at a generation's start, until the job has
+        agreed its restore step) the trainer beats: it is waiting for the job, not hung. It does not beat while
+        the copy itself runs. The keeper never makes it wait for an older snapshot to be secured: it skips this
+        one instead (:mod:`ftrun.snapshot.keeper`).
         """
         if not self.active or (job := self._job) is None:
             return
@@ -206,6 +209,9 @@ class Snapshotter:
                                              size=slot_capacity(layout.nbytes + len(meta)))
             finally:
                 self._awaiting_slot.clear()
+            if "skip" in reply:  # the rank's newest snapshot is not restorable yet: training does not wait for it
+                self.skipped += 1
+                return
             slot = self._map(reply["path"])
             half = len(layout.entries) // 2
             stream = torch.cuda.Stream() if ready is not None else None

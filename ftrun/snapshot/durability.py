@@ -17,13 +17,14 @@ by the time it reads the name. So a persist is a *round* in two phases, under ``
    request that lifts the hold, writes them, and the node answers ``round/<T>/<node>`` with the outcome. Node 0
    finishes the step when every node has answered (:func:`ftrun.snapshot.persist.finalize`) and prunes old ones.
 
-A hold lasts about two link ticks; a trainer waits in it only if it commits two more steps meanwhile (one
-slot is free; a pinned slot in the way brings in the spare third slot). Memory: at most three slots per rank,
-the third only while a persist is written.
+A hold lasts about two link ticks; a trainer skips a snapshot in it only if it commits two more steps meanwhile
+(one slot is free; a pinned slot in the way brings in the spare third slot). Memory: at most three slots per
+rank, the third only while a persist is written.
 
-Rounds run one at a time. Node 0 opens the next once ``persist_every`` globally committed steps have passed
-since it opened the previous one and that one is closed; so at any instant the newest complete step on disk is
-at most ``persist_every`` committed steps plus one round behind the newest committed step, at any snapshot rate.
+Rounds run one at a time. Node 0 opens the next once its ranks have passed ``persist_every`` snapshot steps
+(taken, or skipped because the one before was not secured yet) since it opened the previous one and that one
+is closed; so at any instant the newest complete step on disk is at most ``persist_every`` snapshot steps plus
+one round plus the time the job takes to secure a snapshot behind training, at any snapshot rate.
 A generation change cancels the open round (``"step": -1``; a node lifts its hold when its generation changes);
 the next round opens in the new generation. The final persist (``final``: every trainer has stopped, slots no
 longer change) skips the hold and names the newest committed step at once.
@@ -99,7 +100,7 @@ class Durability:
         # node 0's side
         self.open: Round | None = None  # the round in progress
         self.done = number(coord.get("persist", "done")) or 0  # a replacement node 0 goes on from the store
-        self._commits = 0  # globally committed steps seen since the last round was opened
+        self._snapshots = 0  # snapshot steps its ranks passed since the last round was opened
         self._final = 0  # the step of the final persist, once asked
         self._final_opened = False
         self._degraded: str | None = None
@@ -123,7 +124,7 @@ class Durability:
             if self.open.step:
                 remove_partial(self.root, self.open.step)
             self.open = None
-            self._commits = self.spec.persist_every  # due again in the new generation
+            self._snapshots = self.spec.persist_every  # due again in the new generation
 
     def tick(self, outcome: dict[str, Any], restorable: int) -> None:
         """Publish the keeper's outcome, follow the round document (updates :attr:`persist` and :attr:`hold`),
@@ -156,9 +157,9 @@ class Durability:
             self.persist = (current.round, current.step)
 
     # -- node 0 ----------------------------------------------------------------------------------------------
-    def committed(self, step: int) -> None:
-        """Node 0: a new globally committed step."""
-        self._commits += 1
+    def snapshot_passed(self) -> None:
+        """Node 0: its ranks passed one more snapshot step (every one took or skipped it)."""
+        self._snapshots += 1
 
     def ask_final(self, step: int) -> None:
         """Node 0: every trainer has stopped; persist ``step``, the newest committed one, after the open round."""
@@ -171,8 +172,8 @@ class Durability:
             if self._final > self.done and not self._final_opened:
                 self._final_opened = True
                 self._open(Round(self._round_number() + 1, self.generation, self._final, final=True))
-            elif self._commits >= self.spec.persist_every and self.generation >= 0 and not self._final:
-                self._commits = 0
+            elif self._snapshots >= self.spec.persist_every and self.generation >= 0 and not self._final:
+                self._snapshots = 0
                 self._open(Round(self._round_number() + 1, self.generation))
             return
         if opened.step is None:  # node 0 answers last, as it names the step: it never holds

@@ -11,6 +11,12 @@ committed step is the newest step every rank of the job holds (``restorable``, t
 gathers every node's holdings from the control store). So a slot holding the newest globally
 restorable step is never overwritten, and a crash at any point (mid-copy: the slot stays WRITING; between
 one rank's commit and another's: the older step is still held by all) leaves a consistent step.
+A trainer never waits for that: if its newest step is not restorable yet, it skips the snapshot of s (training
+goes on; snapshots come as fast as the job secures them). Ranks may disagree on a skip, so a step that some
+rank has passed (committed or skipped a newer one, ``decided``) without holding it is *abandoned*: it can never
+become restorable. The supervisors publish each node's holdings with its ranks' oldest ``decided`` step and
+tell every keeper the job's abandoned steps (:mod:`ftrun.snapshot.link`); a rank holding one as its newest
+writes its next snapshot over it.
 A rank's first commit (or restored slot) has its other slot allocated, below the trainers' priority, before the
 trainer asks for it (``allocate_other``): only a rank's first snapshot waits for /dev/shm pages.
 
@@ -117,6 +123,7 @@ class RankSlots:
     last: dict[str, Any] = field(default_factory=dict)  # the last commit: step, time, bytes, copy_gbs (status)
     sizing: threading.Lock = field(default_factory=threading.Lock)  # held while one of its files is made or grown
     asking: int = 0  # callers of ensure_slot waiting for or holding ``sizing`` (the allocation ahead yields to them)
+    decided: int = 0  # the newest step it committed or skipped in this generation (from the plan's step on)
 
     def held(self) -> set[int]:
         return {s for s in self.steps if s is not None}
@@ -134,15 +141,18 @@ class RankSlots:
         empty = [i for i in usable if self.steps[i] is None]
         return empty[0] if empty else min(usable, key=lambda i: self.steps[i])  # type: ignore[arg-type, return-value]
 
-    def pick(self, restorable: int, pinned: set[int]) -> int | None:
-        """The slot to write the next snapshot into, or None to wait: an empty slot; else, once the newest step
-        held is restorable, the oldest unpinned slot that does not hold it; else the spare slot, allocated
-        the first time a pinned slot (being persisted) is in the way."""
+    def pick(self, restorable: int, pinned: set[int], abandoned: set[int]) -> int | None:
+        """The slot to write the next snapshot into, or None to skip it: an empty slot; else the slot of the
+        newest step held if that step is abandoned (some rank skipped it: it never becomes restorable); else,
+        once the newest step held is restorable, the oldest unpinned slot that does not hold it; else the spare
+        slot, allocated the first time a pinned slot (being persisted) is in the way."""
         usable = [i for i in range(SPARE_SLOT + 1) if i not in pinned]
         empty = [i for i in usable if self.steps[i] is None and (i < SLOTS_PER_RANK or self.files[i] is not None)]
         if empty:
             return empty[0]
         newest = self.newest()
+        if newest in abandoned and self.index_of(newest) in usable:
+            return self.index_of(newest)
         if newest > restorable:
             return None
         older = [i for i in usable if self.steps[i] is not None and self.steps[i] != newest]
@@ -168,6 +178,8 @@ class Keeper:
         self.plans: dict[int, int] = {}
         self.restorable = 0
         self.committed = 0
+        self.abandoned: set[int] = set()  # steps > restorable that some rank of the job passed without holding
+        self._told_skip = -1  # the generation whose first skipped snapshot was logged
         self.fatal: str | None = None
         self.seals: queue.Queue[tuple[int, int, int]] = queue.Queue()
         self.allocations: queue.Queue[tuple[int, int, int]] = queue.Queue()  # (rank, slot now holding a step, payload)
@@ -355,10 +367,14 @@ class Keeper:
                         slot.set_state(EMPTY)
         self.plans[generation] = step
         self.restorable = self.committed = step
+        self.abandoned = set()  # the steps after the plan are taken anew
+        for rank in self.ranks:
+            rank.decided = step
         self.cond.notify_all()
 
     def op_poll(self, generation: int, plan: int, restorable: int, committed: int = 0,
-                peers: dict[str, str] | None = None, persist_round: int = 0, persist: int = 0) -> dict[str, Any]:
+                peers: dict[str, str] | None = None, persist_round: int = 0, persist: int = 0,
+                abandoned: list[int] | None = None) -> dict[str, Any]:
         with self.cond:
             self._apply_plan(generation, plan)
             if persist_round > self.persist_request[0]:  # pinned before restorable moves: see durability
@@ -374,9 +390,12 @@ class Keeper:
                     self.restorable = restorable
                 if committed > self.committed:
                     self.committed = committed
+                self.abandoned = {s for s in abandoned or () if s > self.restorable}
                 self.cond.notify_all()
             local = set.intersection(*(rank.held() for rank in self.ranks)) if self.ranks else set()
-            return {"local": sorted(local), "fatal": self.fatal, "persisted": self.persisted,
+            return {"local": sorted(local), "some": sorted(set().union(*(rank.held() for rank in self.ranks))),
+                    "decided": min((rank.decided for rank in self.ranks), default=0),
+                    "fatal": self.fatal, "persisted": self.persisted,
                     "ranks": [rank.last for rank in self.ranks], "shm_bytes": self._shm_bytes(),
                     **self._redundancy_state()}
 
@@ -492,13 +511,36 @@ class Keeper:
         slots = self.ranks[rank]
         with self.cond:
             self._wait_for_plan(generation)
-            while (index := slots.pick(self.restorable, self._pinned(rank))) is None:
-                self._check_current(generation)
-                self.cond.wait(1.0)
+            self._check_current(generation)
+            index = slots.pick(self.restorable, self._pinned(rank), self._abandoned())
+            if index is None:
+                return self._skip(rank, step)
             slots.steps[index] = None
         slot = self.ensure_slot(rank, index, size)
         slot.set_state(WRITING)
         return {"slot": index, "path": slot.path}
+
+    def _abandoned(self) -> set[int]:
+        """The steps no rank of the job can restore any more: those the link told, and those a local rank passed
+        without holding them (known here before the link can tell it); caller holds the lock."""
+        held = set().union(*(rank.held() for rank in self.ranks))
+        return self.abandoned | {s for s in held if any(r.decided >= s and s not in r.held() for r in self.ranks)}
+
+    def _skip(self, rank: int, step: int) -> dict[str, Any]:
+        """Local rank ``rank`` skips its snapshot of ``step``: its newest is not restorable yet, and waiting for
+        it would stall training. The step is abandoned job-wide (see the module doc); caller holds the lock."""
+        slots = self.ranks[rank]
+        newest = slots.newest()
+        why = (f"its step {newest} is not yet "
+               f"{'protected by parity' if self.redundancy is not None else 'held by every rank'}")
+        slots.decided = max(slots.decided, step)
+        if self._told_skip < self.generation:  # the first of the generation on this node: one line, not one each
+            self._told_skip = self.generation
+            self.events.emit("snapshot_skipped", f"rank {self.global_rank(rank)} skipped its snapshot of step "
+                             f"{step}: {why} (training never waits for it; snapshots are taken as fast as the job "
+                             f"secures them)", console=self.node == 0, node=self.node, rank=self.global_rank(rank),
+                             step=step, newest=newest)
+        return {"skip": why}
 
     def op_commit(self, rank: int, slot: int, step: int, seconds: float = 0.0) -> dict[str, Any]:
         slots = self.ranks[rank]
@@ -511,6 +553,7 @@ class Keeper:
         with self.cond:
             slots.steps[slot] = step
             slots.generations[slot] = header.generation
+            slots.decided = max(slots.decided, step)
             slots.last = {"step": step, "time": time.time(), "bytes": header.payload_len,
                           "copy_gbs": header.payload_len / seconds / 1e9 if seconds > 0 else None}
             self.cond.notify_all()

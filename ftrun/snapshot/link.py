@@ -11,13 +11,18 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
   disk step every node's keeper loads and verifies it first (``load/<step>/<node>``). If any of them fails,
   every node excludes that source for that step and plans again within g: a failed source is never tried
   twice and never costs a restart. Only then do they tell their keeper the plan; trainers wait for it.
-- ``commit/<node>``, ``parity/<node>``: JSON ``[steps]``, the steps every rank of the node holds now and the
-  steps its keeper holds complete parity of; the link publishes them whenever they change.
-- ``progress``: JSON :class:`Progress`, the newest step every rank holds (*committed*: the encoders start on it)
-  and the newest one that is also covered by parity on every node (*protected*: trainers may then overwrite the
-  older slot); without erasure coding the two are the same. While node 0 holds a step newer than the protected
-  one, its link reads every node's ``commit`` and ``parity`` and publishes ``progress`` when it advances; while
-  another node does, its link reads ``progress`` alone (:class:`ProgressTracker`). So a look costs node 0 two
+- ``commit/<node>``: JSON :class:`Commits`, the steps every rank of the node holds now, those some rank of it
+  holds, and the newest step that every rank of the node has committed or skipped (*decided*);
+  ``parity/<node>``: JSON ``[steps]``, the steps its keeper holds complete parity of. The link publishes them
+  whenever they change.
+- ``progress``: JSON :class:`Progress`, the newest step every rank holds (*committed*: the encoders start on it),
+  the newest one that is also covered by parity on every node (*protected*: trainers may then overwrite the
+  older slot; without erasure coding the two are the same), and the *abandoned* steps newer than that: steps a
+  node holds that another node has decided without holding (a rank skipped it), which never become committed,
+  so a rank holding one overwrites it. While node 0 holds or has decided a step newer than the protected one,
+  its link reads every node's ``commit`` and ``parity`` and
+  publishes ``progress`` when it changes; while another node does, its link reads ``progress`` alone
+  (:class:`ProgressTracker`). So a look costs node 0 two
   reads of N keys and every other node one read of one key: the store serves O(N) keys per poll interval for the
   whole job, not O(N^2), and each node checks the signature of one value, not 2N. Each link tells its keeper.
 
@@ -86,19 +91,46 @@ class Holdings:
 
 
 @dataclass(frozen=True)
+class Commits:
+    """What the ranks of one node hold now (``held``: every rank; ``some``: at least one), and the newest step
+    they have all committed or skipped (the ``commit`` document; see the module doc). A step up to ``decided``
+    that is not held by every rank never will be."""
+
+    held: frozenset[int]
+    some: frozenset[int] = frozenset()
+    decided: int = 0
+
+    def encode(self) -> str:
+        return json.dumps({"held": sorted(self.held), "some": sorted(self.some), "decided": self.decided})
+
+    @classmethod
+    def decode(cls, raw: str | bytes) -> Commits:
+        doc = json.loads(raw)
+        return cls(frozenset(int(s) for s in doc["held"]), frozenset(int(s) for s in doc["some"]),
+                   int(doc["decided"]))
+
+    def passed(self, step: int) -> bool:
+        """Whether a rank of the node went past ``step`` without it: then it never becomes committed."""
+        return step <= self.decided and step not in self.held
+
+
+@dataclass(frozen=True)
 class Progress:
-    """The job's committed and protected steps (the ``progress`` document; see the module doc)."""
+    """The job's committed and protected steps, and the abandoned steps newer than the protected one (the
+    ``progress`` document; see the module doc)."""
 
     committed: int
     protected: int
+    abandoned: frozenset[int] = frozenset()
 
     def encode(self) -> str:
-        return json.dumps({"committed": self.committed, "protected": self.protected})
+        return json.dumps({"committed": self.committed, "protected": self.protected,
+                           "abandoned": sorted(self.abandoned)})
 
     @classmethod
     def decode(cls, raw: str | bytes) -> Progress:
         doc = json.loads(raw)
-        return cls(int(doc["committed"]), int(doc["protected"]))
+        return cls(int(doc["committed"]), int(doc["protected"]), frozenset(int(s) for s in doc["abandoned"]))
 
 
 class ProgressTracker:
@@ -121,8 +153,9 @@ class ProgressTracker:
         """The progress known after one look (node 0 computes, the others read)."""
         found = self._compute(gen) if self.coord.node_rank == 0 else self._read(gen)
         if found is not None:
-            self.known = Progress(max(self.known.committed, found.committed),
-                                  max(self.known.protected, found.protected))
+            protected = max(self.known.protected, found.protected)
+            self.known = Progress(max(self.known.committed, found.committed), protected,
+                                  frozenset(s for s in self.known.abandoned | found.abandoned if s > protected))
         return self.known
 
     def _read(self, gen: int) -> Progress | None:
@@ -130,21 +163,24 @@ class ProgressTracker:
         return Progress.decode(raw) if raw is not None else None
 
     def _compute(self, gen: int) -> Progress | None:
-        commits = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "commit").items()}
-        if len(commits) < self.nnodes:
-            return None
+        docs = {n: Commits.decode(raw) for n, raw in self.coord.marks(gen, "commit").items()}
+        held = set().union(*(doc.some for doc in docs.values()))
+        dead = self.known.abandoned | {s for s in held if any(doc.passed(s) for doc in docs.values())}
+        if len(docs) < self.nnodes:
+            return Progress(self.known.committed, self.known.protected, frozenset(dead))
+        commits = {n: set(doc.held) for n, doc in docs.items()}
         committed = max(self.known.committed, newest_common(list(commits.values())))
         protected = committed
         if self.parity:
             parities = {n: set(json.loads(raw)) for n, raw in self.coord.marks(gen, "parity").items()}
             if len(parities) < self.nnodes:
-                return Progress(committed, self.known.protected)
+                return Progress(committed, self.known.protected, frozenset(dead))
             covered = {n: commits[n] & parities[n] for n in commits}
             protected = max(self.known.protected, newest_common(list(covered.values())))
             for first in range(0, self.nnodes, self.group):
                 self._group_protected(first // self.group, newest_common([covered[n] for n in
                                                                            group_of(first, self.group)]))
-        found = Progress(committed, protected)
+        found = Progress(committed, protected, frozenset(s for s in dead if s > protected))
         if found != self.known:
             self.coord.store.set(self.coord.key("gen", gen, "progress"), found.encode())
         return found
@@ -235,7 +271,8 @@ class KeeperLink(threading.Thread):
         self._plans: dict[int, int] = {}
         self.progress = ProgressTracker(self.coord, self.nnodes, self.group, self.parity, events)
         self._peers: dict[str, str] = {}
-        self._published: dict[str, list[int]] = {}
+        self._published: dict[str, str] = {}  # commit and parity: the document last published
+        self._decided = 0  # the newest snapshot step every local rank took or skipped (durability counts them)
         self.durability = Durability(spec, self.coord, events) if spec.ckpt_dir else None
         self._finish_by: float | None = None  # set by finish(): the deadline of the final persist
         self.rebuilding = False  # its keeper is rebuilding this node's snapshots from parity (status)
@@ -302,7 +339,7 @@ class KeeperLink(threading.Thread):
                 held = {n: Holdings.decode(raw) for n, raw in self.coord.marks(gen, "held").items() if n in group}
                 # what each holds now (published while the generation ran), else what it held at its start
                 commits, parities = (self.coord.marks(gen, what) for what in ("commit", "parity"))
-                complete = {n: (set(json.loads(commits[n])) if n in commits else h.steps)
+                complete = {n: (set(Commits.decode(commits[n]).held) if n in commits else h.steps)
                             & (set(json.loads(parities[n])) if n in parities else h.parity)
                             for n, h in held.items()}
                 step, holders = rebuild_candidate(complete, self.group - self.parity)
@@ -333,6 +370,7 @@ class KeeperLink(threading.Thread):
         self._plans[gen] = plan.step
         self.progress.start(plan.step)
         self._published = {}
+        self._decided = plan.step
         self.coord.publish_restore(gen, plan.step, {"parity": "RAM + parity", "disk": "disk"}.get(plan.source, "RAM"))
         if self.durability is not None:
             self.durability.begin(gen)
@@ -439,26 +477,24 @@ class KeeperLink(threading.Thread):
                 restorable = min(restorable, self.durability.hold)
         reply = self.keeper.request("poll", generation=gen, plan=self._plans[gen], restorable=restorable,
                                     committed=known.committed, peers=self._peers, persist_round=persist[0],
-                                    persist=persist[1])
+                                    persist=persist[1], abandoned=sorted(known.abandoned))
         if self.durability is not None:
             self.durability.tick(reply["persisted"], known.protected)
         if reply.get("fatal") and self.fatal is None:
             self.fatal = reply["fatal"]
         self.keeper_status = {"ranks": reply["ranks"], "shm_bytes": reply["shm_bytes"], "committed": known.committed}
-        local = [int(s) for s in reply["local"]]
-        for what, steps in (("commit", local), ("parity", [int(s) for s in reply["parity"]])):
-            if self._published.get(what) != steps:
-                self.coord.store.set(self.coord.key("gen", gen, what, self.node), json.dumps(steps))
-                self._published[what] = steps
-        if max(local, default=0) > known.protected:
-            self._catch_up(gen)
-
-    def _catch_up(self, gen: int) -> None:
-        """One look at the job's progress: the committed and protected steps (see the module doc)."""
-        committed = self.progress.known.committed
-        progress = self.progress.look(gen)
-        if progress.committed > committed and self.durability is not None:
-            self.durability.committed(progress.committed)
+        commits = Commits(frozenset(int(s) for s in reply["local"]), frozenset(int(s) for s in reply["some"]),
+                          int(reply["decided"]))
+        for what, doc in (("commit", commits.encode()), ("parity", json.dumps([int(s) for s in reply["parity"]]))):
+            if self._published.get(what) != doc:
+                self.coord.store.set(self.coord.key("gen", gen, what, self.node), doc)
+                self._published[what] = doc
+        if commits.decided > self._decided:
+            self._decided = commits.decided
+            if self.durability is not None:
+                self.durability.snapshot_passed()
+        if max(commits.held, default=0) > known.protected or commits.decided > known.protected:
+            self.progress.look(gen)
 
     def _finishing(self, gen: int) -> None:
         """The final persist (see :meth:`finish`): node 0 asks for the newest committed step once every node has
@@ -471,7 +507,7 @@ class KeeperLink(threading.Thread):
         if self.node == 0 and not self._asked_final:
             everyone = self.coord.marked(gen, "stopped") is not None
             if everyone or now > self._finish_by - self._final_grace / 2:
-                self._catch_up(gen)
+                self.progress.look(gen)
                 self._asked_final = True
                 self.durability.ask_final(self.progress.known.committed)
         outcome = self.durability.final_outcome()

@@ -7,15 +7,17 @@ replies carry ``error`` when the request failed. Nothing is unpickled. Requests,
 trainer     ``restore {rank, generation}`` -> ``{step, slot, path}`` (step 0 and no slot: start from scratch);
             waits until the supervisor has told the keeper the generation's agreed step.
             ``reserve {rank, step, generation, size}`` -> ``{slot, path}``: the slot to copy into, of at least
-            ``size`` payload bytes; waits until overwriting it keeps the newest globally restorable step.
+            ``size`` payload bytes, or ``{skip}`` (why) when every slot it could overwrite is still needed for
+            the newest globally restorable step: the trainer skips this snapshot (it never waits for one).
             ``commit {rank, slot, step}`` -> ``{}`` after the trainer marked the slot committed.
             ``corrupt {rank, slot, reason}`` -> ``{}``: the trainer found the slot invalid at restore.
             ``restored {rank, step, nbytes, seconds}`` -> ``{}``: for the events log.
 supervisor  ``held {generation}`` -> ``{held: {rank: [steps]}}``: verified steps of every local rank.
-            ``poll {generation, plan, restorable}`` -> ``{local: [steps], fatal}``: tells the agreed restore
-            step of the generation (the first time: slots of newer steps from older generations are discarded)
-            and the newest step every rank of the job holds; answers the steps every local rank holds, and a
-            fatal error if any.
+            ``poll {generation, plan, restorable, abandoned, ...}`` -> ``{local, some, decided, fatal, ...}``:
+            tells the agreed restore step of the generation (the first time: slots of newer steps from older
+            generations are discarded), the newest step every rank of the job holds and the steps the job
+            abandoned; answers the steps every local rank holds, those some local rank holds, the newest step
+            every local rank took or skipped, and a fatal error if any.
 """
 
 from __future__ import annotations
