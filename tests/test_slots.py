@@ -124,6 +124,25 @@ def test_keeper_never_overwrites_the_newest_step_every_rank_holds_and_never_make
     keeper.stop()
 
 
+def test_a_snapshot_a_few_bytes_larger_keeps_its_slot_files(shm):
+    """A slot is made with the trainers' headroom: snapshots whose metadata grows by a few bytes (a step counter, a
+    loss value) keep writing into the same files instead of a new allocation (and a new page-locking) each time."""
+    keeper = Keeper(spec(1), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    inodes = set()
+    for step in range(1, 7):
+        size = (1 << 20) + step * 7
+        reply = keeper.handle({"op": "reserve", "rank": 0, "step": step, "generation": 0, "size": size})
+        slot = keeper.ranks[0].files[reply["slot"]]
+        assert slot.capacity >= size
+        inodes.add(os.stat(slot.path).st_ino)
+        write_snapshot(slot, step, os.urandom(size))
+        keeper.handle({"op": "commit", "rank": 0, "slot": reply["slot"], "step": step})
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": step})
+    assert len(inodes) == 2 and keeper.ranks[0].held() == {5, 6}
+    keeper.unlink_all()
+
+
 def test_a_ranks_other_slot_is_allocated_after_its_first_commit_and_a_held_step_is_never_touched(shm):
     keeper = Keeper(spec(), [])
     keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})

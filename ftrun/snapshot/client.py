@@ -44,7 +44,7 @@ from ftrun.snapshot.layout import Capture, Entry, LayoutChanged, capture, decode
 from ftrun.snapshot.loader_seed import LoaderSeedGuard
 from ftrun.snapshot.pinning import PinnedMappings
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
-from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile, slot_capacity
+from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile
 
 SLOT_WAIT_BEAT_SECONDS = 0.5  # how often a trainer whose snapshot waits for a slot beats
 
@@ -206,7 +206,7 @@ class Snapshotter:
             self._awaiting_slot.set()
             try:
                 reply = self._keeper.request("reserve", rank=self._rank, step=step, generation=self._generation,
-                                             size=slot_capacity(layout.nbytes + len(meta)))
+                                             size=layout.nbytes + len(meta))
             finally:
                 self._awaiting_slot.clear()
             if "skip" in reply:  # the rank's newest snapshot is not restorable yet: training does not wait for it

@@ -236,8 +236,9 @@ class Keeper:
                              node=self.node, kept=kept, dropped=dropped)
 
     def ensure_slot(self, local: int, index: int, payload: int, allocate: bool = True) -> SlotFile:
-        """The slot file with room for ``payload`` bytes; allocated (all pages) here, after a capacity check.
-        ``allocate=False``: a new file gets its header page only, for a caller that allocates as it writes (a
+        """The slot file with room for ``payload`` bytes: as it is if it has the room, else made anew with
+        :func:`slot_capacity` (the trainers' headroom, so a snapshot whose metadata grows by a few bytes keeps its
+        file); allocated (all pages) here, after a capacity check. ``allocate=False``: a new file gets its header page only, for a caller that allocates as it writes (a
         rebuild); a file left so is completed the next time it is asked for with ``allocate``."""
         rank = self.ranks[local]
         with self.cond:
@@ -260,7 +261,7 @@ class Keeper:
                     raise MemoryError(capacity_problem(self.node, local, len(self.ranks), slot.size, slot.size, 0,
                                                        self.dir) + f" ({err.strerror})") from err
             return slot
-        size = HEADER_SIZE + payload
+        size = HEADER_SIZE + slot_capacity(payload)
         missing = size - (slot.size if slot else 0)
         other = rank.files[1 - index] if index < SLOTS_PER_RANK else None
         missing_both = missing + max(0, size - (other.size if other else 0))
@@ -288,7 +289,7 @@ class Keeper:
             rank = self.ranks[local]
             index = rank.vacant(self._pinned(local))
             rank.steps[index] = None
-        slot = self.ensure_slot(local, index, slot_capacity(image - HEADER_SIZE), allocate)
+        slot = self.ensure_slot(local, index, image - HEADER_SIZE, allocate)
         slot.set_state(WRITING)
         return index, slot
 
@@ -629,13 +630,13 @@ class Keeper:
         No room is left for that ``reserve`` to report (it names what is missing)."""
         if committed >= SLOTS_PER_RANK:
             return
-        rank, other, capacity = self.ranks[local], 1 - committed, slot_capacity(payload)
+        rank, other = self.ranks[local], 1 - committed
         with self.cond:
             if rank.steps[other] is not None:
                 return
         with rank.sizing:  # a file already big enough is returned as it is, and the loop ends at once if allocated
             try:
-                file = self._ensure_slot(local, other, capacity, allocate=False)
+                file = self._ensure_slot(local, other, payload, allocate=False)
             except MemoryError:
                 return
         for offset in range(0, file.size, ALLOCATE_STEP):
