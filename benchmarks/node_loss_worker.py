@@ -37,7 +37,7 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     weights = torch.full(((args.size_mib << 20) // 4,), float(rank), dtype=torch.float32)
-    snap = ftrun.Snapshotter({"weights": weights}, every=args.every, rng=False)
+    snap = ftrun.Snapshotter({"weights": weights}, every=args.every, rng=False, skip=False)  # each one measured
     start = snap.restore()
     for step in range(start, args.steps):
         train_step(weights, step, rank)

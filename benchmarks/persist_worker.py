@@ -48,7 +48,7 @@ class Trainer:
 
     def __init__(self, size: int, batch: int) -> None:
         self.model, self.optimizer = build(size)
-        self.snap = Snapshotter({"model": self.model, "optim": self.optimizer}, every=1, rng=False)
+        self.snap = Snapshotter({"model": self.model, "optim": self.optimizer}, every=1, rng=False, skip=False)
         self.step = self.snap.restore()
         self.batch = torch.randn(batch, self.model[0].in_features)
 

@@ -148,7 +148,7 @@ def main() -> None:
     args = parser.parse_args()
     dist.init_process_group("gloo")
     model, optimizer = build(args.size_mib << 20)
-    snap = Snapshotter({"model": model, "optim": optimizer}, every=1)
+    snap = Snapshotter({"model": model, "optim": optimizer}, every=1, skip=False)  # each snapshot measured
     generation = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     rank = dist.get_rank()
     if generation == 0:

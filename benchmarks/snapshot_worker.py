@@ -122,7 +122,7 @@ def torch_io(state: dict[str, Any], live: Model, path: str, disk: bool, into: di
 
 def generation0(args: argparse.Namespace, results: dict[str, Any]) -> None:
     model, optimizer = live = build(args.size_mib << 20)
-    snap = Snapshotter({"model": model, "optim": optimizer}, every=1, rng=False)
+    snap = Snapshotter({"model": model, "optim": optimizer}, every=1, rng=False, skip=False)
     snap.restore()
     taken = capture({"model": model, "optim": optimizer}, rng=False)  # the layout the Snapshotter copies
     results.update(bytes=taken.layout.nbytes, layers=len(model), width=WIDTH, threads=torch.get_num_threads())
@@ -198,7 +198,7 @@ def train_blocks(model: nn.Module, optimizer: torch.optim.Optimizer, snap: Snaps
 
 def generation1(args: argparse.Namespace, results: dict[str, Any]) -> None:
     model, optimizer = build(args.size_mib << 20)
-    snap = Snapshotter({"model": model, "optim": optimizer}, every=1, rng=False)
+    snap = Snapshotter({"model": model, "optim": optimizer}, every=1, rng=False, skip=False)
     t0 = time.perf_counter()
     step = snap.restore()
     results["restore_first"] = time.perf_counter() - t0

@@ -84,8 +84,9 @@ def spec(nproc: int = 2) -> NodeSpec:
                     1.0, 1.0, 1.0, 1.0, 1.0, False)
 
 
-def commit_via_keeper(keeper: Keeper, rank: int, step: int, generation: int = 0) -> int:
-    reply = keeper.handle({"op": "reserve", "rank": rank, "step": step, "generation": generation, "size": 4096})
+def commit_via_keeper(keeper: Keeper, rank: int, step: int, generation: int = 0, skip: bool = True) -> int:
+    reply = keeper.handle({"op": "reserve", "rank": rank, "step": step, "generation": generation, "size": 4096,
+                           "skip": skip})
     assert "error" not in reply, reply
     slot = keeper.ranks[rank].files[reply["slot"]]
     write_snapshot(slot, step, os.urandom(1000), generation)
@@ -93,9 +94,11 @@ def commit_via_keeper(keeper: Keeper, rank: int, step: int, generation: int = 0)
     return reply["slot"]
 
 
-def test_keeper_never_overwrites_the_newest_step_every_rank_holds_and_never_makes_a_trainer_wait(shm, tmp_path):
+def test_keeper_never_overwrites_the_newest_step_every_rank_holds_and_skips_rather_than_wait(shm, tmp_path):
     """A rank whose newest step is not restorable yet skips its snapshot at once (the keeper reports the step as
-    skipped); a step the job abandoned (some rank skipped it) is overwritten, the restorable one never."""
+    decided) while its newest is at most STALE_INTERVALS of its intervals old, and waits beyond (or always, asked
+    not to skip); a step the job abandoned (some rank skipped it) is overwritten, the restorable one
+    never."""
     keeper = Keeper(dataclasses.replace(spec(), log_dir=str(tmp_path)), [])
     keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
     for rank in (0, 1):
@@ -106,19 +109,30 @@ def test_keeper_never_overwrites_the_newest_step_every_rank_holds_and_never_make
     reply = keeper.handle({"op": "reserve", "rank": 0, "step": 30, "generation": 0, "size": 4096})
     assert "skip" in reply and "step 20 is not yet held by every rank" in reply["skip"], reply
     assert time.monotonic() - t0 < 0.5 and keeper.ranks[0].held() == {10, 20}
+    assert keeper.ranks[0].interval == 10
     poll = keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10})
     assert poll["local"] == [10] and poll["decided"] == 10  # rank 0 decided step 30 (skipped), rank 1 step 10
-    # a rank on another node skipped 20: the job abandons it, and rank 0 writes 40 over it, keeping 10
-    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10, "abandoned": [20]})
-    commit_via_keeper(keeper, 0, 40)
-    assert keeper.ranks[0].held() == {10, 40}
-    commit_via_keeper(keeper, 1, 40)
-    assert keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 40})["decided"] == 40
-    commit_via_keeper(keeper, 0, 50)
-    assert keeper.ranks[0].held() == {40, 50}
+    # asked not to skip, rank 0 waits, until a rank elsewhere is known to have skipped 20 (the job abandoned it):
+    # then it writes 40 over 20, keeping 10
+    for step, skip, abandoned in ((40, False, [20]), (90, True, [20, 40])):
+        done = threading.Event()
+        threading.Thread(target=lambda: (commit_via_keeper(keeper, 0, step, skip=skip), done.set()),
+                         daemon=True).start()
+        time.sleep(0.3)
+        assert not done.is_set(), f"rank 0 overwrote a slot for step {step} while its newest was not restorable"
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10, "abandoned": abandoned})
+        assert done.wait(5) and keeper.ranks[0].held() == {10, step}
+        if step == 40:  # 80 is STALE_INTERVALS intervals past rank 0's newest 40: skipped; 90 waits (below)
+            assert "skip" in keeper.handle({"op": "reserve", "rank": 0, "step": 80, "generation": 0, "size": 4096})
+            assert keeper.ranks[0].held() == {10, 40} and keeper.ranks[0].decided == 80
+    commit_via_keeper(keeper, 1, 90)
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 90})
+    commit_via_keeper(keeper, 0, 100)
+    assert keeper.ranks[0].held() == {90, 100}
     # a new generation takes its steps anew: what the last one skipped or abandoned is forgotten
-    keeper.handle({"op": "poll", "generation": 1, "plan": 40, "restorable": 40})
-    assert keeper.abandoned == set() and keeper.ranks[0].held() == {40} and keeper.ranks[0].decided == 40
+    keeper.handle({"op": "poll", "generation": 1, "plan": 90, "restorable": 90})
+    assert keeper.abandoned == set() and keeper.ranks[0].held() == {90} and keeper.ranks[0].decided == 90
+    assert keeper.ranks[0].interval == 0
     events = [e for e in read_events(str(tmp_path)) if e["event"] == "snapshot_skipped"]
     assert [(e["rank"], e["step"], e["newest"]) for e in events] == [(0, 30, 20)]
     keeper.stop()

@@ -3,11 +3,11 @@
 ``save(step)`` captures the structure of the state (and clones of the few tensors that a forward pass may
 change: buffers, RNG states) and returns; a background thread asks the node's keeper for a slot, copies
 every tensor into it, writes the layout, marks the slot committed and tells the keeper (or skips the snapshot
-when the keeper says so: the previous one is not secured job-wide yet, and training never waits). A GPU trainer's slots
-are page-locked on their first use (:mod:`ftrun.snapshot.pinning`), so its copies run at DMA speed. Parameters and
-optimizer state are copied from the live tensors: they do not change before the next optimizer step, and a
-step pre-hook on every optimizer in the state waits for the copy. So a snapshot is exactly the state at
-``step``, and the copy overlaps the next forward and backward.
+when the keeper says so: the previous one is not secured job-wide yet, and training does not wait). A GPU
+trainer's slots are page-locked on their first use (:mod:`ftrun.snapshot.pinning`), so its copies run at DMA
+speed. Parameters and optimizer state are copied from the live tensors: they do not change before the next
+optimizer step, and a step pre-hook on every optimizer in the state waits for the copy. So a snapshot is
+exactly the state at ``step``, and the copy overlaps the next forward and backward.
 
 ``restore()`` asks the keeper for the step the job agreed on (it waits for the agreement), maps the slot,
 checks its header (committed, sealed, the agreed step, the layout's digest) and copies it into the live
@@ -25,6 +25,7 @@ loaders draw their resume iterator's seed from a throwaway generator, not from t
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import os
@@ -47,6 +48,7 @@ from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
 from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile
 
 SLOT_WAIT_BEAT_SECONDS = 0.5  # how often a trainer whose snapshot waits for a slot beats
+_PENDING: set[Snapshotter] = set()  # Snapshotters whose newest save() was skipped (taken at exit)
 
 
 class SnapshotCorrupt(RuntimeError):
@@ -59,16 +61,24 @@ class Snapshotter:
     ``state`` maps names to modules, optimizers, LR schedulers, anything with ``state_dict()`` and
     ``load_state_dict()``, tensors, numpy arrays and plain values (plain values are restored into this
     dict). RNG states are included unless ``rng=False``. Outside ftrun it warns once and does nothing.
+    While the job has not yet secured this rank's newest snapshot (held by every rank, protected by parity), a
+    snapshot is skipped rather than waited for, unless that newest one is more than a few intervals old
+    (:mod:`ftrun.snapshot.keeper`); ``skip=False`` always waits: a snapshot at exactly every ``every``
+    steps, the training paced by the job's protection. :attr:`skipped` counts the skipped ones.
     """
 
     _warned = False
 
-    def __init__(self, state: MutableMapping[str, Any], every: int = 1, *, rng: bool = True) -> None:
+    def __init__(self, state: MutableMapping[str, Any], every: int = 1, *, rng: bool = True,
+                 skip: bool = True) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         self.state = state
         self.every = every
         self.rng = rng
+        self.skip = skip
+        self.skipped = 0  # snapshots skipped because the previous one was not yet secured job-wide
+        self._pending: tuple[int, Capture, bytes, Any] | None = None  # the newest save() if skipped (see wait())
         name = os.environ.get(ENV_KEEPER_SOCKET)
         self.active = bool(name)
         if not self.active:
@@ -88,7 +98,6 @@ class Snapshotter:
         self._error: BaseException | None = None
         self._disabled = False
         self.last_copy_seconds = 0.0
-        self.skipped = 0  # snapshots skipped because the previous one was not yet secured job-wide
         self._window: tuple[BucketWarmup, LoaderSeedGuard] | None = None  # the resume window (module docstring)
         self._restored = 0
         self._told_uncaptured = False
@@ -146,7 +155,8 @@ class Snapshotter:
             self._end_resume_window()
         if self._disabled or step % self.every:
             return
-        self.wait()
+        self._join()
+        self._drop_pending()
         taken = capture(self.state, rng=self.rng)
         if taken.uncaptured and not self._told_uncaptured:
             self._told_uncaptured = True
@@ -162,18 +172,39 @@ class Snapshotter:
         # in SIGABRT at exit ("terminate called without an active exception") under ftrun only.
         # Started before it is published: another thread's wait() (DCP's async save in thread mode saves in its
         # own thread while the optimizer pre-hook waits in the training thread) must never join an unstarted one.
-        job = threading.Thread(target=self._copy, args=(step, taken, meta, ready), name="ftrun-snapshot")
+        job = threading.Thread(target=self._copy, args=(step, taken, meta, ready, self.skip), name="ftrun-snapshot")
         job.start()
         self._job = job
 
     def wait(self) -> None:
-        """Block until the snapshot being copied is committed (the optimizer pre-hook calls this).
+        """Block until the newest ``save()``'s snapshot is committed; if it was skipped, take it now, waiting for a
+        slot (no optimizer step ran since, so the state is still that step's). Called at exit too, so the state
+        at the end of training is in RAM (and persisted with ``--ckpt-dir``).
 
-        While the copy waits for the keeper's reply to its ``reserve`` (at a generation's start, until the job has
-        agreed its restore step) the trainer beats: it is waiting for the job, not hung. It does not beat while
-        the copy itself runs. The keeper never makes it wait for an older snapshot to be secured: it skips this
-        one instead (:mod:`ftrun.snapshot.keeper`).
+        While the copy waits for the keeper to give it a slot (until the job has agreed its restore step; and when
+        it does not skip, until every rank holds this rank's newest snapshot, with parity until the job has
+        protected it) the trainer beats: it is waiting for the job, not hung. It does not beat while the copy
+        itself runs.
         """
+        self._join()
+        self._take_pending(threaded=True)
+
+    def _take_pending(self, threaded: bool) -> None:
+        """Take the skipped snapshot of the newest ``save()``, if any, waiting for a slot: in a thread, so the
+        trainer beats meanwhile, or (at interpreter exit, where no thread starts) in this one."""
+        if self._pending is None:
+            return
+        args = (*self._pending, False)
+        self._drop_pending()
+        if not threaded:
+            self._copy(*args)
+        else:
+            self._job = threading.Thread(target=self._copy, args=args, name="ftrun-snapshot")
+            self._job.start()
+        self._join()
+
+    def _join(self) -> None:
+        """Block until the snapshot being copied is committed or skipped (the optimizer pre-hook calls this)."""
         if not self.active or (job := self._job) is None:
             return
         job.join(SLOT_WAIT_BEAT_SECONDS)
@@ -188,9 +219,15 @@ class Snapshotter:
             raise RuntimeError(f"ftrun snapshot failed: {error}") from error
 
     def _before_step(self) -> None:
-        """Every optimizer step waits for the copy; the first one after a restore ends the resume window."""
+        """Every optimizer step waits for the copy (a skipped snapshot is then given up: the state changes); the
+        first one after a restore ends the resume window."""
         self._end_resume_window()
-        self.wait()
+        self._join()
+        self._drop_pending()
+
+    def _drop_pending(self) -> None:
+        self._pending = None
+        _PENDING.discard(self)
 
     def _end_resume_window(self) -> None:
         if self._window is not None:
@@ -199,18 +236,20 @@ class Snapshotter:
             warmup.disarm()
             loaders.release()
 
-    def _copy(self, step: int, taken: Capture, meta: bytes, ready: Any) -> None:
+    def _copy(self, step: int, taken: Capture, meta: bytes, ready: Any, skip: bool) -> None:
         try:
             t0 = time.perf_counter()
             layout = taken.layout
             self._awaiting_slot.set()
             try:
                 reply = self._keeper.request("reserve", rank=self._rank, step=step, generation=self._generation,
-                                             size=layout.nbytes + len(meta))
+                                             size=layout.nbytes + len(meta), skip=skip)
             finally:
                 self._awaiting_slot.clear()
             if "skip" in reply:  # the rank's newest snapshot is not restorable yet: training does not wait for it
                 self.skipped += 1
+                self._pending = step, taken, meta, ready
+                _PENDING.add(self)  # kept alive for the exit (a script run by runpy drops its globals first)
                 return
             slot = self._map(reply["path"])
             half = len(layout.entries) // 2
@@ -259,6 +298,18 @@ class Snapshotter:
                 print(f"ftrun: injected {kind} at snapshot step {step} (pid {os.getpid()})", file=sys.stderr,
                       flush=True)
                 os.kill(os.getpid(), signal.SIGKILL)
+
+
+@atexit.register
+def _take_skipped_at_exit() -> None:
+    """At interpreter exit, each Snapshotter whose newest ``save()`` was skipped takes it (as :meth:`wait` would):
+    the state at the end of training is in RAM, and persisted with ``--ckpt-dir``."""
+    for snap in list(_PENDING):
+        try:
+            snap._join()
+            snap._take_pending(threaded=False)
+        except Exception as err:  # noqa: BLE001 - one line at exit, not a traceback
+            print(f"ftrun: the last snapshot was not taken at exit: {err}", file=sys.stderr, flush=True)
 
 
 def _data(slot: SlotFile, nbytes: int) -> torch.Tensor:

@@ -11,12 +11,17 @@ committed step is the newest step every rank of the job holds (``restorable``, t
 gathers every node's holdings from the control store). So a slot holding the newest globally
 restorable step is never overwritten, and a crash at any point (mid-copy: the slot stays WRITING; between
 one rank's commit and another's: the older step is still held by all) leaves a consistent step.
-A trainer never waits for that: if its newest step is not restorable yet, it skips the snapshot of s (training
-goes on; snapshots come as fast as the job secures them). Ranks may disagree on a skip, so a step that some
-rank has passed (committed or skipped a newer one, ``decided``) without holding it is *abandoned*: it can never
-become restorable. The supervisors publish each node's holdings with its ranks' oldest ``decided`` step and
-tell every keeper the job's abandoned steps (:mod:`ftrun.snapshot.link`); a rank holding one as its newest
-writes its next snapshot over it.
+A trainer does not wait for that: if its newest step is not restorable yet, it skips the snapshot of s (training
+goes on; snapshots come as fast as the job secures them), as long as its newest snapshot is at most
+:data:`STALE_INTERVALS` of its snapshot intervals behind s (the least step difference between its reserves).
+Beyond, it waits for the job to secure that one, so the restore point never falls further behind: ranks that
+drift apart (no collectives, a slow start) are paced to the slowest again, and parity slower than several
+intervals paces training as it must.
+``Snapshotter(skip=False)`` always waits (a snapshot at exactly every N steps). Ranks may disagree on a skip, so
+a step that some rank has passed (committed or skipped a newer one, ``decided``) without holding it is
+*abandoned*: it can never become restorable. The supervisors publish each node's holdings with its ranks' oldest
+``decided`` step and tell every keeper the job's abandoned steps (:mod:`ftrun.snapshot.link`); a rank holding
+one as its newest writes its next snapshot over it.
 A rank's first commit (or restored slot) has its other slot allocated, below the trainers' priority, before the
 trainer asks for it (``allocate_other``): only a rank's first snapshot waits for /dev/shm pages.
 
@@ -79,6 +84,9 @@ ENV_EARLIER_RUN = "FTRUN_KEEPER_EARLIER_RUN"  # "1": segments found at start are
 STOP_SIGNAL = signal.SIGRTMIN + 3
 NODE_LOST_SIGNAL = signal.SIGRTMIN + 4  # keeper -> supervisor: kill every process of the node (an injected fault)
 ENCODE_RETRY = 0.2
+# A trainer skips a snapshot rather than wait for a slot only while its newest snapshot is at most this many of its
+# snapshot intervals behind the step it saves; beyond, it waits for the job to secure that one (see the module doc).
+STALE_INTERVALS = 4
 MIN_PEER_TIMEOUT = 5.0  # seconds: the least a keeper waits on a peer (see peer_timeout)
 # Advice printed with the /dev/shm capacity error.
 SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
@@ -124,6 +132,8 @@ class RankSlots:
     sizing: threading.Lock = field(default_factory=threading.Lock)  # held while one of its files is made or grown
     asking: int = 0  # callers of ensure_slot waiting for or holding ``sizing`` (the allocation ahead yields to them)
     decided: int = 0  # the newest step it committed or skipped in this generation (from the plan's step on)
+    asked: int = 0  # the step of its last reserve in this generation (from the plan's step on)
+    interval: int = 0  # its snapshot interval: the least step difference between two reserves (0: not known)
 
     def held(self) -> set[int]:
         return {s for s in self.steps if s is not None}
@@ -238,8 +248,9 @@ class Keeper:
     def ensure_slot(self, local: int, index: int, payload: int, allocate: bool = True) -> SlotFile:
         """The slot file with room for ``payload`` bytes: as it is if it has the room, else made anew with
         :func:`slot_capacity` (the trainers' headroom, so a snapshot whose metadata grows by a few bytes keeps its
-        file); allocated (all pages) here, after a capacity check. ``allocate=False``: a new file gets its header page only, for a caller that allocates as it writes (a
-        rebuild); a file left so is completed the next time it is asked for with ``allocate``."""
+        file); allocated (all pages) here, after a capacity check. ``allocate=False``: a new file gets its header
+        page only, for a caller that allocates as it writes (a rebuild); a file left so is completed the next time
+        it is asked for with ``allocate``."""
         rank = self.ranks[local]
         with self.cond:
             rank.asking += 1
@@ -370,7 +381,8 @@ class Keeper:
         self.restorable = self.committed = step
         self.abandoned = set()  # the steps after the plan are taken anew
         for rank in self.ranks:
-            rank.decided = step
+            rank.decided = rank.asked = step
+            rank.interval = 0
         self.cond.notify_all()
 
     def op_poll(self, generation: int, plan: int, restorable: int, committed: int = 0,
@@ -508,14 +520,18 @@ class Keeper:
                     return {"step": step, "slot": index, "path": slot.path}
         return {"error": f"agreed step {step} is not held by local rank {rank}"}
 
-    def op_reserve(self, rank: int, step: int, generation: int, size: int) -> dict[str, Any]:
+    def op_reserve(self, rank: int, step: int, generation: int, size: int, skip: bool = True) -> dict[str, Any]:
         slots = self.ranks[rank]
         with self.cond:
             self._wait_for_plan(generation)
-            self._check_current(generation)
-            index = slots.pick(self.restorable, self._pinned(rank), self._abandoned())
-            if index is None:
-                return self._skip(rank, step)
+            if step > slots.asked:
+                slots.interval = min(slots.interval or step, step - slots.asked)
+                slots.asked = step
+            while (index := slots.pick(self.restorable, self._pinned(rank), self._abandoned())) is None:
+                self._check_current(generation)
+                if skip and step - slots.newest() <= STALE_INTERVALS * slots.interval:
+                    return self._skip(rank, step)
+                self.cond.wait(1.0)
             slots.steps[index] = None
         slot = self.ensure_slot(rank, index, size)
         slot.set_state(WRITING)

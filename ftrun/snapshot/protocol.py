@@ -6,9 +6,10 @@ replies carry ``error`` when the request failed. Nothing is unpickled. Requests,
 
 trainer     ``restore {rank, generation}`` -> ``{step, slot, path}`` (step 0 and no slot: start from scratch);
             waits until the supervisor has told the keeper the generation's agreed step.
-            ``reserve {rank, step, generation, size}`` -> ``{slot, path}``: the slot to copy into, of at least
-            ``size`` payload bytes, or ``{skip}`` (why) when every slot it could overwrite is still needed for
-            the newest globally restorable step: the trainer skips this snapshot (it never waits for one).
+            ``reserve {rank, step, generation, size, skip}`` -> ``{slot, path}``: the slot to copy into, of at
+            least ``size`` payload bytes, once overwriting it keeps the newest globally restorable step; or
+            ``{skip}`` (why), with ``skip`` true, when that would mean waiting while the restorable step is
+            recent enough: the trainer skips this snapshot.
             ``commit {rank, slot, step}`` -> ``{}`` after the trainer marked the slot committed.
             ``corrupt {rank, slot, reason}`` -> ``{}``: the trainer found the slot invalid at restore.
             ``restored {rank, step, nbytes, seconds}`` -> ``{}``: for the events log.

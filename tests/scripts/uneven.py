@@ -1,6 +1,7 @@
 """Ranks at uneven paces, no collectives: rank 1 takes --slow seconds per step (beating all the while), the
-others 0.05 s. A fast rank never waits for rank 1: it skips its snapshots while its newest one is not held by
-rank 1 yet. After a restore each rank checks that its state is the restored step's; at the end it prints it."""
+others 0.05 s. A fast rank skips its snapshots while its newest one is not held by rank 1 yet, and waits for rank
+1 once it is far enough ahead. After a restore each rank checks that its state is the restored step's; at the
+end it prints it."""
 
 import argparse
 import os
@@ -13,6 +14,7 @@ import ftrun
 parser = argparse.ArgumentParser()
 parser.add_argument("--steps", type=int, default=4)
 parser.add_argument("--slow", type=float, default=3.0)
+parser.add_argument("--no-wait", action="store_true", help="end without Snapshotter.wait() (it runs at exit)")
 args = parser.parse_args()
 rank = int(os.environ["RANK"])
 state = {"weights": torch.zeros(1024)}
@@ -26,6 +28,7 @@ for step in range(start, args.steps):
         ftrun.heartbeat(step)
         time.sleep(0.05)
     snap.save(step + 1)
-snap.wait()
+if not args.no_wait:
+    snap.wait()
 print(f"rank {rank} done at step {args.steps} with weights {int(state['weights'][0])}, restored from step {start}, "
       f"{snap.skipped} snapshots skipped", flush=True)
