@@ -554,8 +554,9 @@ class Keeper:
         if self._told_skip < self.generation:  # the first of the generation on this node: one line, not one each
             self._told_skip = self.generation
             self.events.emit("snapshot_skipped", f"rank {self.global_rank(rank)} skipped its snapshot of step "
-                             f"{step}: {why} (training never waits for it; snapshots are taken as fast as the job "
-                             f"secures them)", console=self.node == 0, node=self.node, rank=self.global_rank(rank),
+                             f"{step}: {why} (training goes on: snapshots are taken as fast as the job secures "
+                             f"them; a rank waits only once its newest is {STALE_INTERVALS} snapshots old)",
+                             console=self.node == 0, node=self.node, rank=self.global_rank(rank),
                              step=step, newest=newest)
         return {"skip": why}
 
