@@ -132,7 +132,6 @@ class RankSlots:
     sizing: threading.Lock = field(default_factory=threading.Lock)  # held while one of its files is made or grown
     asking: int = 0  # callers of ensure_slot waiting for or holding ``sizing`` (the allocation ahead yields to them)
     decided: int = 0  # the newest step it committed or skipped in this generation (from the plan's step on)
-    asked: int = 0  # the step of its last reserve in this generation (from the plan's step on)
     interval: int = 0  # its snapshot interval: the least step difference between two reserves (0: not known)
 
     def held(self) -> set[int]:
@@ -143,6 +142,11 @@ class RankSlots:
 
     def index_of(self, step: int) -> int | None:
         return next((i for i, held in enumerate(self.steps) if held == step), None)
+
+    def passed(self, step: int) -> bool:
+        """Whether it went past ``step`` without holding it: then it never will (as :meth:`Commits.passed
+        <ftrun.snapshot.link.Commits.passed>` for a node)."""
+        return step <= self.decided and step not in self.held()
 
     def vacant(self, pinned: set[int]) -> int:
         """A slot to restore a step into (from disk or parity) that evicts nothing needed: an empty slot, else
@@ -161,8 +165,8 @@ class RankSlots:
         if empty:
             return empty[0]
         newest = self.newest()
-        if newest in abandoned and self.index_of(newest) in usable:
-            return self.index_of(newest)
+        if newest in abandoned and (index := self.index_of(newest)) in usable:
+            return index
         if newest > restorable:
             return None
         older = [i for i in usable if self.steps[i] is not None and self.steps[i] != newest]
@@ -381,7 +385,7 @@ class Keeper:
         self.restorable = self.committed = step
         self.abandoned = set()  # the steps after the plan are taken anew
         for rank in self.ranks:
-            rank.decided = rank.asked = step
+            rank.decided = step
             rank.interval = 0
         self.cond.notify_all()
 
@@ -524,9 +528,8 @@ class Keeper:
         slots = self.ranks[rank]
         with self.cond:
             self._wait_for_plan(generation)
-            if step > slots.asked:
-                slots.interval = min(slots.interval or step, step - slots.asked)
-                slots.asked = step
+            if step > slots.decided:  # the rank decided its previous snapshot (taken or skipped) before this one
+                slots.interval = min(slots.interval or step, step - slots.decided)
             while (index := slots.pick(self.restorable, self._pinned(rank), self._abandoned())) is None:
                 self._check_current(generation)
                 if skip and step - slots.newest() <= STALE_INTERVALS * slots.interval:
@@ -541,7 +544,7 @@ class Keeper:
         """The steps no rank of the job can restore any more: those the link told, and those a local rank passed
         without holding them (known here before the link can tell it); caller holds the lock."""
         held = set().union(*(rank.held() for rank in self.ranks))
-        return self.abandoned | {s for s in held if any(r.decided >= s and s not in r.held() for r in self.ranks)}
+        return self.abandoned | {s for s in held if any(rank.passed(s) for rank in self.ranks)}
 
     def _skip(self, rank: int, step: int) -> dict[str, Any]:
         """Local rank ``rank`` skips its snapshot of ``step``: its newest is not restorable yet, and waiting for
