@@ -20,11 +20,10 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
   older slot; without erasure coding the two are the same), and the *abandoned* steps newer than that: steps a
   node holds that another node has decided without holding (a rank skipped it), which never become committed,
   so a rank holding one overwrites it. While node 0 holds or has decided a step newer than the protected one,
-  its link reads every node's ``commit`` and ``parity`` and
-  publishes ``progress`` when it changes; while another node does, its link reads ``progress`` alone
-  (:class:`ProgressTracker`). So a look costs node 0 two
-  reads of N keys and every other node one read of one key: the store serves O(N) keys per poll interval for the
-  whole job, not O(N^2), and each node checks the signature of one value, not 2N. Each link tells its keeper.
+  its link reads every node's ``commit`` and ``parity`` and publishes ``progress`` when it changes; while another
+  node does, its link reads ``progress`` alone (:class:`ProgressTracker`). So a look costs node 0 two reads of N
+  keys and every other node one read of one key: the store serves O(N) keys per poll interval for the whole job,
+  not O(N^2), and each node checks the signature of one value, not 2N. Each link tells its keeper.
 
 ``group/<X>/protected`` (job-wide key): group X's protected step, for the status view (node 0 writes it too).
 

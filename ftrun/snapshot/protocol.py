@@ -8,8 +8,8 @@ trainer     ``restore {rank, generation}`` -> ``{step, slot, path}`` (step 0 and
             waits until the supervisor has told the keeper the generation's agreed step.
             ``reserve {rank, step, generation, size, skip}`` -> ``{slot, path}``: the slot to copy into, of at
             least ``size`` payload bytes, once overwriting it keeps the newest globally restorable step; or
-            ``{skip}`` (why), with ``skip`` true, when that would mean waiting while the restorable step is
-            recent enough: the trainer skips this snapshot.
+            ``{skip}`` (why), with ``skip`` true, when that would mean waiting while the rank's newest snapshot
+            is at most ``STALE_INTERVALS`` of its intervals old: the trainer skips this snapshot.
             ``commit {rank, slot, step}`` -> ``{}`` after the trainer marked the slot committed.
             ``corrupt {rank, slot, reason}`` -> ``{}``: the trainer found the slot invalid at restore.
             ``restored {rank, step, nbytes, seconds}`` -> ``{}``: for the events log.
