@@ -112,6 +112,7 @@ def test_keeper_never_overwrites_the_newest_step_every_rank_holds_and_skips_rath
     assert keeper.ranks[0].interval == 10
     poll = keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10})
     assert poll["local"] == [10] and poll["decided"] == 10  # rank 0 decided step 30 (skipped), rank 1 step 10
+    assert [keeper.ranks[r].passes for r in (0, 1)] == [3, 1] and poll["passes"] == 1  # snapshot steps decided
     # asked not to skip, rank 0 waits, until a rank elsewhere is known to have skipped 20 (the job abandoned it):
     # then it writes 40 over 20, keeping 10
     for step, skip, abandoned in ((40, False, [20]), (90, True, [20, 40])):
@@ -132,7 +133,7 @@ def test_keeper_never_overwrites_the_newest_step_every_rank_holds_and_skips_rath
     # a new generation takes its steps anew: what the last one skipped or abandoned is forgotten
     keeper.handle({"op": "poll", "generation": 1, "plan": 90, "restorable": 90})
     assert keeper.abandoned == set() and keeper.ranks[0].held() == {90} and keeper.ranks[0].decided == 90
-    assert keeper.ranks[0].interval == 0
+    assert keeper.ranks[0].interval == 0 and keeper.ranks[0].passes == 0
     events = [e for e in read_events(str(tmp_path)) if e["event"] == "snapshot_skipped"]
     assert [(e["rank"], e["step"], e["newest"]) for e in events] == [(0, 30, 20)]
     keeper.stop()

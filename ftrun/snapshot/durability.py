@@ -17,7 +17,9 @@ by the time it reads the name. So a persist is a *round* in two phases, under ``
    request that lifts the hold, writes them, and the node answers ``round/<T>/<node>`` with the outcome. Node 0
    finishes the step when every node has answered (:func:`ftrun.snapshot.persist.finalize`) and prunes old ones.
 
-A hold lasts about two link ticks; a trainer skips a snapshot in it only if it commits two more steps meanwhile
+A node reads the round document every ``READ_INTERVAL``, and at every link tick once its ranks passed
+``persist_every`` snapshot steps since its last hold (a round is due), so a round's hold starts within a tick or two
+of its opening. A hold lasts about two link ticks; a trainer skips a snapshot in it only if it commits two more steps meanwhile
 (one slot is free; a pinned slot in the way brings in the spare third slot). Memory: at most three slots per
 rank, the third only while a persist is written.
 
@@ -97,10 +99,10 @@ class Durability:
         self._holding = 0  # the round it holds for
         self._reported = 0  # the newest round whose outcome it published
         self._next_read = 0.0
+        self._snapshots = 0  # snapshot steps its ranks passed since it opened (node 0) or held for the last round
         # node 0's side
         self.open: Round | None = None  # the round in progress
         self.done = number(coord.get("persist", "done")) or 0  # a replacement node 0 goes on from the store
-        self._snapshots = 0  # snapshot steps its ranks passed since the last round was opened
         self._final = 0  # the step of the final persist, once asked
         self._final_opened = False
         self._degraded: str | None = None
@@ -139,7 +141,8 @@ class Durability:
             if self.copies is not None:
                 self.copies.poll()
         now = time.monotonic()
-        if self.hold is None and now < self._next_read and not self.leader:
+        due = self._snapshots >= self.spec.persist_every  # node 0 opens a round about now: hold for it at once
+        if self.hold is None and now < self._next_read and not self.leader and not due:
             return
         self._next_read = now + READ_INTERVAL
         current = self._read_round()
@@ -147,7 +150,7 @@ class Durability:
             return
         if current.step is None:
             if current.generation == self.generation and current.round > self._holding and not self.leader:
-                self._holding, self.hold = current.round, restorable
+                self._holding, self.hold, self._snapshots = current.round, restorable, 0
                 self.coord.store.set(self.coord.key("persist", "round", current.round, "hold", self.spec.node_rank),
                                      str(restorable))
             return
@@ -156,10 +159,11 @@ class Durability:
         if current.step > 0 and current.round > self.persist[0]:
             self.persist = (current.round, current.step)
 
+    def snapshot_passed(self, count: int) -> None:
+        """Its ranks passed ``count`` more snapshot steps (every one took or skipped each)."""
+        self._snapshots += count
+
     # -- node 0 ----------------------------------------------------------------------------------------------
-    def snapshot_passed(self) -> None:
-        """Node 0: its ranks passed one more snapshot step (every one took or skipped it)."""
-        self._snapshots += 1
 
     def ask_final(self, step: int) -> None:
         """Node 0: every trainer has stopped; persist ``step``, the newest committed one, after the open round."""

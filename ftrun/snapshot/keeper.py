@@ -133,6 +133,7 @@ class RankSlots:
     asking: int = 0  # callers of ensure_slot waiting for or holding ``sizing`` (the allocation ahead yields to them)
     decided: int = 0  # the newest step it committed or skipped in this generation (from the plan's step on)
     interval: int = 0  # its snapshot interval: the least step difference between two reserves (0: not known)
+    passes: int = 0  # how many snapshot steps it decided (committed or skipped) in this generation
 
     def held(self) -> set[int]:
         return {s for s in self.steps if s is not None}
@@ -142,6 +143,12 @@ class RankSlots:
 
     def index_of(self, step: int) -> int | None:
         return next((i for i, held in enumerate(self.steps) if held == step), None)
+
+    def decide(self, step: int) -> None:
+        """It committed or skipped its snapshot of ``step``."""
+        if step > self.decided:
+            self.decided = step
+            self.passes += 1
 
     def passed(self, step: int) -> bool:
         """Whether it went past ``step`` without holding it: then it never will (as :meth:`Commits.passed
@@ -387,6 +394,7 @@ class Keeper:
         for rank in self.ranks:
             rank.decided = step
             rank.interval = 0
+            rank.passes = 0
         self.cond.notify_all()
 
     def op_poll(self, generation: int, plan: int, restorable: int, committed: int = 0,
@@ -412,6 +420,7 @@ class Keeper:
             local = set.intersection(*(rank.held() for rank in self.ranks)) if self.ranks else set()
             return {"local": sorted(local), "some": sorted(set().union(*(rank.held() for rank in self.ranks))),
                     "decided": min((rank.decided for rank in self.ranks), default=0),
+                    "passes": min((rank.passes for rank in self.ranks), default=0),
                     "fatal": self.fatal, "persisted": self.persisted,
                     "ranks": [rank.last for rank in self.ranks], "shm_bytes": self._shm_bytes(),
                     **self._redundancy_state()}
@@ -553,7 +562,7 @@ class Keeper:
         newest = slots.newest()
         why = (f"its step {newest} is not yet "
                f"{'protected by parity' if self.redundancy is not None else 'held by every rank'}")
-        slots.decided = max(slots.decided, step)
+        slots.decide(step)
         if self._told_skip < self.generation:  # the first of the generation on this node: one line, not one each
             self._told_skip = self.generation
             self.events.emit("snapshot_skipped", f"rank {self.global_rank(rank)} skipped its snapshot of step "
@@ -574,7 +583,7 @@ class Keeper:
         with self.cond:
             slots.steps[slot] = step
             slots.generations[slot] = header.generation
-            slots.decided = max(slots.decided, step)
+            slots.decide(step)
             slots.last = {"step": step, "time": time.time(), "bytes": header.payload_len,
                           "copy_gbs": header.payload_len / seconds / 1e9 if seconds > 0 else None}
             self.cond.notify_all()

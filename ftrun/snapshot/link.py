@@ -271,7 +271,7 @@ class KeeperLink(threading.Thread):
         self.progress = ProgressTracker(self.coord, self.nnodes, self.group, self.parity, events)
         self._peers: dict[str, str] = {}
         self._published: dict[str, str] = {}  # commit and parity: the document last published
-        self._decided = 0  # the newest snapshot step every local rank took or skipped (durability counts them)
+        self._passes = 0  # how many snapshot steps every local rank took or skipped (durability counts them)
         self.durability = Durability(spec, self.coord, events) if spec.ckpt_dir else None
         self._finish_by: float | None = None  # set by finish(): the deadline of the final persist
         self.rebuilding = False  # its keeper is rebuilding this node's snapshots from parity (status)
@@ -369,7 +369,7 @@ class KeeperLink(threading.Thread):
         self._plans[gen] = plan.step
         self.progress.start(plan.step)
         self._published = {}
-        self._decided = plan.step
+        self._passes = 0
         self.coord.publish_restore(gen, plan.step, {"parity": "RAM + parity", "disk": "disk"}.get(plan.source, "RAM"))
         if self.durability is not None:
             self.durability.begin(gen)
@@ -488,10 +488,10 @@ class KeeperLink(threading.Thread):
             if self._published.get(what) != doc:
                 self.coord.store.set(self.coord.key("gen", gen, what, self.node), doc)
                 self._published[what] = doc
-        if commits.decided > self._decided:
-            self._decided = commits.decided
+        if int(reply["passes"]) > self._passes:
             if self.durability is not None:
-                self.durability.snapshot_passed()
+                self.durability.snapshot_passed(int(reply["passes"]) - self._passes)
+            self._passes = int(reply["passes"])
         if max(commits.held, default=0) > known.protected or commits.decided > known.protected:
             self.progress.look(gen)
 
