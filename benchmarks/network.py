@@ -4,10 +4,11 @@ Each node runs on a host of its own (a network namespace with a veth NIC limited
 second each way, and a /dev/shm of its own: ``tests/network_hosts.py``), as on a cluster whose NICs, not its
 memory or cores, bound how fast bytes move between machines. For each shape, a real ftrun job of
 :mod:`erasure_worker` (``--size-mib`` of state per rank, a snapshot every step): one launcher per host
-(``--node-rank``, ``--local-addr``) and a ``--standby`` on one more host. ``--inject node-loss`` kills node 1 whole
-at step ``--loss-at``; the standby takes its rank and its keeper rebuilds node 1's slots from the survivors.
+(``--node-rank``, ``--local-addr``) and a ``--standby`` on one more host per lost node. ``--inject node-loss`` kills
+node 1 whole at step ``--loss-at`` (nodes 1 and 2 with m = 2); a standby takes each lost rank and its keeper
+rebuilds the lost node's slots from the survivors.
 
-Reported per shape: the ``rebuilt`` event (seconds; relayed through the survivors or fetched directly) against a
+Reported per shape: the slowest ``rebuilt`` event (seconds; relayed through the survivors or fetched directly) against a
 plain TCP copy of as many bytes from one host to another through the same NICs (``sendfile`` from /dev/shm into
 ``recv_into``; best of ``--reps``), and whether every rank ended bit for bit as without the failure. With
 ``--compare TREE``, each job runs first with another checkout of ftrun (``PYTHONPATH=TREE``: a git worktree of
@@ -79,10 +80,12 @@ class Shape:
     name: str
     nnodes: int
     flags: tuple[str, ...]
+    lost: tuple[int, ...] = (1,)  # the nodes lost at once, each replaced by a standby
 
 
 SHAPES = (Shape("EC k=2 m=1", 3, ("--ec-group", "3", "--ec-parity", "1")),
-          Shape("replication k=1", 2, ()))
+          Shape("replication k=1", 2, ()),
+          Shape("EC k=4 m=2", 6, ("--ec-group", "6", "--ec-parity", "2"), (1, 2)))
 
 
 def tcp_copy(hosts: Hosts, nbytes: int, reps: int) -> float:
@@ -101,7 +104,8 @@ def tcp_copy(hosts: Hosts, nbytes: int, reps: int) -> float:
 
 def run_job(hosts: Hosts, shape: Shape, args: argparse.Namespace, workdir: str, tree: str | None
             ) -> dict[str, Any]:
-    """One job of ``shape`` with ftrun from ``tree`` (None: this checkout); its rebuilt event and records."""
+    """One job of ``shape`` with ftrun from ``tree`` (None: this checkout); its slowest rebuilt event and
+    records."""
     job = f"bench-net-{shape.nnodes}n-{len(os.listdir(workdir))}"
     base = os.path.join(workdir, job)
     log_dir, out_dir, go = f"{base}-logs", f"{base}-out", Path(f"{base}-go")
@@ -111,14 +115,15 @@ def run_job(hosts: Hosts, shape: Shape, args: argparse.Namespace, workdir: str, 
     common = ["--rdzv-id", job, "--log-dir", log_dir, "--nproc-per-node", "1", *shape.flags,
               "--rdzv-endpoint", f"{hosts.address(0)}:{PORT}", "--node-timeout", "2", "--max-restarts", "3",
               "--hang-timeout", "600", "--hang-timeout-initial", "600",
-              "--inject", f"node-loss@node=1,step={args.loss_at}",
+              *(x for node in shape.lost for x in ("--inject", f"node-loss@node={node},step={args.loss_at}")),
               str(WORKER), "--size-mib", str(args.size_mib), "--steps", str(args.steps), "--hold-at", "1",
               "--step-time", str(args.step_time), "--go", str(go), "--out-dir", out_dir]
     launchers = [[*hosts.command(i, sys.executable, "-m", "ftrun", "--nnodes", str(shape.nnodes), "--node-rank",
                                  str(i), "--local-addr", hosts.address(i), *common)]
                  for i in range(shape.nnodes)]
-    launchers.append(hosts.command(shape.nnodes, sys.executable, "-m", "ftrun", "--standby", "--local-addr",
-                                   hosts.address(shape.nnodes), *common))
+    launchers += [hosts.command(host, sys.executable, "-m", "ftrun", "--standby", "--local-addr",
+                                hosts.address(host), *common)
+                  for host in range(shape.nnodes, shape.nnodes + len(shape.lost))]
     procs = []
     with open(f"{base}.log", "wb") as log:
         for argv in launchers:
@@ -126,7 +131,7 @@ def run_job(hosts: Hosts, shape: Shape, args: argparse.Namespace, workdir: str, 
                                           start_new_session=True, env=env))
         try:
             codes = [proc.wait(JOB_TIMEOUT) for proc in procs[:1]]
-            codes += [proc.wait(60) for proc in procs[2:]]  # node 1's launcher died with its node
+            codes += [proc.wait(60) for i, proc in enumerate(procs[1:], 1) if i not in shape.lost]  # died with them
         except subprocess.TimeoutExpired:
             codes = [-1]
         finally:
@@ -138,10 +143,11 @@ def run_job(hosts: Hosts, shape: Shape, args: argparse.Namespace, workdir: str, 
     rebuilt = [e for e in events if e["event"] == "rebuilt"]
     records = [json.loads(p.read_text()) for p in Path(out_dir).glob("rank*-gen*.json")]
     final = [r for r in records if "exact" in r]
-    if any(codes) or len(rebuilt) != 1:
+    if any(codes) or len(rebuilt) != len(shape.lost):
         tail = "\n".join(Path(f"{base}.log").read_text(errors="replace").splitlines()[-30:])
         raise SystemExit(f"the job failed (exit codes {codes}, {len(rebuilt)} rebuilt events):\n{tail}")
-    return {"rebuilt": rebuilt[0], "exact": f"{sum(r['exact'] for r in final)} of {len(final)} bit-exact",
+    return {"rebuilt": max(rebuilt, key=lambda e: e["seconds"]),
+            "exact": f"{sum(r['exact'] for r in final)} of {len(final)} bit-exact",
             "failures": [e["kind"] for e in events if e["event"] == "failure" and e.get("primary", True)]}
 
 
@@ -163,20 +169,22 @@ def main() -> int:
         raise SystemExit(f"cannot make the hosts: {problem}")
     shapes = [s for s in SHAPES if args.shapes is None or s.name in args.shapes]
     trees = {"this checkout": None, **({f"--compare {args.compare}": args.compare} if args.compare else {})}
-    hosts = Hosts(max(s.nnodes for s in shapes) + 1)
+    hosts = Hosts(max(s.nnodes + len(s.lost) for s in shapes))
     workdir = tempfile.mkdtemp(prefix="ftrun-bench-network-")
     try:
         for i in range(len(hosts.names)):
             hosts.shape(i, rate_mbit=args.rate_mbit)
         print(f"{len(hosts.names)} hosts, NICs of {args.rate_mbit:g} Mbit/s each way; {args.size_mib} MiB per rank, "
-              f"one rank per node; node 1 lost at step {args.loss_at}; a standby takes its rank", flush=True)
+              f"one rank per node; the shape's lost nodes lost at step {args.loss_at}; a standby takes the rank of "
+              "each", flush=True)
         for shape in shapes:
             copy: float | None = None
             for label, tree in trees.items():
                 runs = [run_job(hosts, shape, args, workdir, tree) for _ in range(args.reps)]
                 if copy is None:
                     copy = tcp_copy(hosts, runs[0]["rebuilt"]["bytes"], args.reps)
-                    print(f"\n{shape.name} ({' '.join(shape.flags) or 'default groups'}): TCP copy of "
+                    print(f"\n{shape.name} ({' '.join(shape.flags) or 'default groups'}; nodes "
+                          f"{','.join(map(str, shape.lost))} lost): TCP copy of "
                           f"{runs[0]['rebuilt']['bytes'] / MIB:.0f} MiB between two hosts {copy:.3f} s")
                 seconds = [r["rebuilt"]["seconds"] for r in runs]
                 how = {"relayed" if r["rebuilt"].get("relayed") else "direct" for r in runs}
@@ -186,9 +194,13 @@ def main() -> int:
                       f"{'/'.join(sorted(how))}, {median(seconds) / copy:.2f} x the TCP copy; "
                       f"{', '.join(r['exact'] for r in runs)}; failures {runs[0]['failures']}\n"
                       f"    the median run's phases (s): {phases}", flush=True)
+    except BaseException:
+        print(f"the jobs' logs are kept in {workdir}", file=sys.stderr)
+        raise
+    else:
+        subprocess.run(["rm", "-rf", workdir], check=False)
     finally:
         hosts.close()
-        subprocess.run(["rm", "-rf", workdir], check=False)
     return 0
 
 

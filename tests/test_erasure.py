@@ -137,6 +137,29 @@ def test_parity_is_pyeclibs_own_bytes(backend, k, m):
     assert codec.xor_first == (k == 1 or backend != "isa_l_rs_cauchy")
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("k,m", [(2, 2), (4, 2), (3, 3)])
+def test_the_xor_of_the_sources_terms_is_pyeclibs_reconstruction(backend, k, m):
+    """Each lost data fragment is the XOR of the terms of k survivors (what a relayed rebuild sums along their
+    holders), over any range that starts aligned, a short last one included; bad terms never reach pyeclib."""
+    driver = ECDriver(k=k, m=m, ec_type=backend)
+    length = 3 * CODE_PART + 5 * ALIGN
+    fragments = [bytes(f[80:]) for f in driver.encode(os.urandom(k * length))]
+    codec = Codec(k, m, backend)
+    lost = (0, k - 1)
+    sources = [i for i in range(k + m) if i not in lost][:k]
+    for want in lost:
+        for start, end in ((0, length), (2 * ALIGN, 2 * ALIGN + 1000)):
+            out = bytearray(end - start)
+            for i in sources:
+                codec.add_term(sources, i, fragments[i][start:end], want, memoryview(out))
+            assert bytes(out) == fragments[want][start:end], (want, start)
+    for bad_sources, index, want in ((sources[:-1], sources[0], 0), (sources, lost[0], 0),
+                                     ([lost[0], *sources[1:]], lost[0], lost[0]), (sources, sources[0], k + m)):
+        with pytest.raises(ValueError, match="term of fragment"):
+            codec.add_term(bad_sources, index, fragments[0][:ALIGN], want, memoryview(bytearray(ALIGN)))
+
+
 def test_malformed_pieces_never_reach_pyeclib():
     codec = Codec(2, 1, "isa_l_rs_cauchy")  # no XOR path: pyeclib computes
 

@@ -165,22 +165,35 @@ def test_a_relay_that_fails_falls_back_to_the_direct_rebuild(make_group, monkeyp
     assert [e["relayed"] for e in group.events("rebuilt")] == [False]
 
 
-def test_two_lost_of_two_parity_are_rebuilt_directly(make_group):
-    group = make_group(4, 2)
-    group.lose(1)
-    group.lose(2)
-    for node in (1, 2):  # both from the survivors, as in the generation after the loss
-        assert "error" not in group.rebuild(node, complete=[0, 3])
-        assert not group.keepers[node].redundancy.relayed and group.holds(node)
+@pytest.mark.parametrize("shape,lost", [((4, 2), (1, 2)), ((5, 2), (0, 3)), ((4, 2), (0, 1))])
+def test_two_lost_of_two_parity_are_relayed_as_pyeclibs_terms_and_receive_each_byte_once(make_group, shape, lost):
+    """With two of a stripe's fragments lost, a chunk is not an XOR of survivors: each holder of its chain adds
+    its fragment's term of the reconstruction (pyeclib), and the replacement still receives only its blob."""
+    group = make_group(*shape)
+    for node in lost:
+        group.lose(node)
+    survivors = sorted(set(range(shape[0])) - set(lost))
+    for node in lost:  # both from the survivors, as in the generation after the loss
+        received: list[int] = []
+        assert "error" not in group.rebuild(node, received, complete=survivors)
+        assert group.keepers[node].redundancy.relayed and group.holds(node)
+        assert sum(received) == group.blob(node)
+    assert not group.events("rebuild_relay_failed"), group.events("rebuild_relay_failed")
 
 
-def test_a_corrupt_parity_piece_stops_the_relay_and_the_direct_rebuild_names_it(make_group):
-    group = make_group(3, 1)
-    group.lose(1)
-    parity = group.keepers[0].redundancy  # node 0 holds the XOR parity of a stripe of node 1's chunks
+@pytest.mark.parametrize("shape,lost,t", [((3, 1), (1,), 0), ((4, 2), (1, 2), 1)])
+def test_a_corrupt_parity_piece_stops_the_relay_and_the_direct_rebuild_names_it(make_group, shape, lost, t):
+    """Node 0 holds parity fragment k + t of the stripe of node 1's chunk 0: XOR parity (m = 1), or with two
+    lost, a term of the reconstruction."""
+    group = make_group(*shape)
+    for node in lost:
+        group.lose(node)
+    parity = group.keepers[0].redundancy
+    assert parity.layout.parity_stripes(0)[t] == parity.layout.chunk_stripe(1, 0)
     file = parity.files[parity.steps.index(STEP)]
-    file.map[2 * HEADER_SIZE + 100] ^= 0x01  # parity of the tensor bytes of node 1's rank 0
-    reply = group.rebuild(1)
+    chunk_len = file.header().data_len // shape[1]
+    file.map[HEADER_SIZE + t * chunk_len + HEADER_SIZE + 100] ^= 0x01  # of the tensor bytes of node 1's rank 0
+    reply = group.rebuild(1, complete=sorted(set(range(shape[0])) - set(lost)))
     assert "fails its checksum" in reply.get("error", ""), reply
     assert group.keepers[1].ranks[0].index_of(STEP) is None  # nothing corrupt is held
     fell = group.events("rebuild_relay_failed")
@@ -201,6 +214,14 @@ def test_a_relay_refuses_requests_for_other_fragments_or_bytes_and_keeps_serving
         with pytest.raises(PeerError, match="bad xor request"):
             client.request("xor", into=memoryview(bytearray(ALIGN)), **{**good, **fields})
     _, got = client.request("xor", into=memoryview(bytearray(ALIGN)), **{**good, "parts": [mine, other]})
+    assert got == ALIGN
+    want = next(i for i in range(2) if i != mine)  # a data fragment that is not node 0's: the others are terms
+    terms = {"want": want, "sources": [i for i in range(3) if i != want], "parts": [mine]}
+    for fields in ({"sources": [mine]}, {"sources": [want, mine]}, {"want": 2}, {"want": mine},
+                   {"sources": [mine, 7]}, {"sources": [mine, mine]}, {"parts": [mine, want]}, {"parts": []}):
+        with pytest.raises(PeerError, match="bad xor request"):
+            client.request("xor", into=memoryview(bytearray(ALIGN)), **{**good, **terms, **fields})
+    _, got = client.request("xor", into=memoryview(bytearray(ALIGN)), **{**good, **terms})
     assert got == ALIGN
     client.close()
 
@@ -225,7 +246,7 @@ def test_a_keeper_waits_on_a_silent_peer_for_the_node_timeout(shm):
     try:
         assert keeper.redundancy.peer_timeout == 8.0
         keeper.redundancy.peers = {1: "127.0.0.1:9"}
-        assert keeper.redundancy._client(1).timeout == 8.0
+        assert keeper.redundancy._connections.timeout == 8.0
     finally:
         keeper.redundancy.close()
         keeper.unlink_all()

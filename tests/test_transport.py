@@ -26,6 +26,7 @@ from ftrun.snapshot.transport import (
     MAX_JSON,
     FileRange,
     PeerClient,
+    PeerPool,
     PeerError,
     PeerServer,
     PeerUnavailable,
@@ -419,3 +420,34 @@ def test_a_request_payload_is_received_where_the_sink_says(make_server, make_cli
     sock.shutdown(socket.SHUT_WR)
     assert sink.called.wait(CLOSE_WITHIN) and sink.done[-1] == (0, False)
     assert_closed_by_server(sock)
+
+
+def test_a_pool_holds_connections_for_the_requests_in_flight_and_a_few_idle(make_server):
+    """Threads that come and go (a keeper's server threads relaying a rebuild) share a pool's connections: a peer
+    that admits 6 never refuses one, and once the requests end at most ``idle`` stay open."""
+    server, events = make_server(max_connections=6)
+    pool = PeerPool(SECRET, timeout=10.0, idle=2)
+    address = f"{server.address[0]}:{server.address[1]}"
+    answers: list[bytes | int] = []
+    try:
+        for _ in range(20):
+            threads = [threading.Thread(target=lambda n=n: answers.append(
+                pool.request(address, "echo", text=str(n))[1])) for n in range(6)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+        assert sorted(answers) == sorted(str(n).encode() for n in range(6) for _ in range(20))  # type: ignore
+        assert not [line for line in events.lines if "refused" in line], events.lines
+        with pytest.raises(PeerError, match="no such step"):
+            pool.request(address, "fail")  # an error reply keeps the connection
+        deadline = time.monotonic() + CLOSE_WITHIN
+        while len(server._connections) > 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(server._connections) <= 2
+    finally:
+        pool.close()
+    deadline = time.monotonic() + CLOSE_WITHIN
+    while server._connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not server._connections

@@ -18,10 +18,10 @@ by the time it reads the name. So a persist is a *round* in two phases, under ``
    finishes the step when every node has answered (:func:`ftrun.snapshot.persist.finalize`) and prunes old ones.
 
 A node reads the round document every ``READ_INTERVAL``, and at every link tick once its ranks passed
-``persist_every`` snapshot steps since its last hold (a round is due), so a round's hold starts within a tick or two
-of its opening. A hold lasts about two link ticks; a trainer skips a snapshot in it only if it commits two more steps meanwhile
-(one slot is free; a pinned slot in the way brings in the spare third slot). Memory: at most three slots per
-rank, the third only while a persist is written.
+``persist_every`` snapshot steps since its last hold (a round is due), so a round's hold starts within a tick or
+two of its opening. A hold lasts about two link ticks; a trainer skips a snapshot in it only if it commits two
+more steps meanwhile (one slot is free; a pinned slot in the way brings in the spare third slot). Memory: at most
+three slots per rank, the third only while a persist is written.
 
 Rounds run one at a time. Node 0 opens the next once its ranks have passed ``persist_every`` snapshot steps
 (taken, or skipped because the one before was not secured yet) since it opened the previous one and that one

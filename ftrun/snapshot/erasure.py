@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -154,6 +155,8 @@ class Codec:
     def __init__(self, k: int, m: int, backend: str = DEFAULT_BACKEND) -> None:
         self.k, self.m, self.backend = k, m, backend
         self._headers: dict[int, list[bytes]] = {}
+        self._zeros = b""  # add_term's stand-in for the other fragments (read only)
+        self._terms = threading.local()  # add_term's output before it is XORed in: a buffer per thread
         if k > 1:
             sample = [bytes((b * (3 + i)) & 0xFF for b in range(256)) * (ALIGN // 256) * k for i in range(2)]
             first, second = (self._driver.encode(raw) for raw in sample)
@@ -197,6 +200,33 @@ class Codec:
             raise ValueError(f"{len(available)} fragments available, {self.k} needed")
         self._reconstruct({i: available[i] for i in sorted(available)[:self.k]}, want, into)
 
+    def add_term(self, sources: Sequence[int], index: int, piece: Buffer, want: int, into: memoryview) -> None:
+        """``into ^=`` the term of fragment ``index`` (``piece``: the bytes of it at the same offsets as ``into``'s,
+        starting at a multiple of :data:`ALIGN`) in the reconstruction of fragment ``want`` from the k fragments
+        ``sources``. Reconstruction is linear over GF(2^8), byte by byte: fragment ``want`` is the XOR of the
+        terms of its k sources, and pyeclib computes one term from that fragment with zeros in place of the
+        others (no Galois-field arithmetic here). A relayed rebuild sums the terms along their holders
+        (:mod:`ftrun.snapshot.redundancy`)."""
+        length = len(into)
+        if sorted(set(sources)) != sorted(sources) or len(sources) != self.k or index not in sources \
+                or want in sources or not 0 <= want < self.k + self.m or len(piece) != length \
+                or not all(0 <= i < self.k + self.m for i in sources):
+            raise ValueError(f"fragment {index}'s term of fragment {want} from fragments {list(sources)}")
+        padded = align(length)  # pyeclib codes whole multiples of ALIGN: the bytes past ``into`` are zeros
+        if len(self._zeros) < padded:
+            self._zeros = bytes(padded)
+        zeros = memoryview(self._zeros)[:padded]
+        buffers = self._terms
+        if len(getattr(buffers, "term", b"")) < 2 * padded:
+            buffers.term = bytearray(2 * padded)
+        term, source = memoryview(buffers.term)[:padded], memoryview(buffers.term)[padded:2 * padded]
+        if padded != length:
+            source[length:] = zeros[length:]
+            source[:length] = piece
+            piece = source
+        self._reconstruct({i: piece if i == index else zeros for i in sorted(sources)}, want, term)
+        xor_into(into, term[:length])
+
     def _reconstruct(self, pieces: Mapping[int, Buffer], want: int, into: memoryview) -> None:
         length = len(into)
         if len(pieces) != self.k or any(len(p) != length for p in pieces.values()) or length <= 0 or length % ALIGN:
@@ -225,6 +255,15 @@ def xor_into(target: memoryview, source: Buffer) -> None:
 def xor_fragments(k: int, chunk: int) -> list[int]:
     """The fragments of a stripe whose XOR is its data fragment ``chunk`` (XOR parity): parity k, the other data."""
     return [k] + [i for i in range(k) if i != chunk]
+
+
+@dataclass(frozen=True)
+class Terms:
+    """Fragment ``want`` of a stripe as the XOR of the terms (:meth:`Codec.add_term`) of its ``k`` fragments
+    ``sources``: how a relayed rebuild sums a chunk that XOR parity cannot give (pyeclib's reconstruction)."""
+
+    want: int
+    sources: tuple[int, ...]
 
 
 @dataclass(frozen=True)

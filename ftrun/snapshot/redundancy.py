@@ -22,13 +22,17 @@ slots' memory is allocated by a thread of its own ahead of the transfer
 (:class:`ftrun.snapshot.slot.AheadAllocator`): allocating /dev/shm pages costs about as much as receiving their
 bytes, and the two overlap.
 
-A rebuild from XOR parity (m = 1, or one lost of several with ``*_rs_vand``) is *relayed* through the survivors:
-each chunk of the lost node is the XOR of the k other fragments of its stripe, and instead of receiving all k
-(k x the lost bytes through its NIC), the replacement asks the first holder of a chain for the sum (``xor``):
-each holder asks the next one for the sum of the rest, XORs its own fragment in and answers, and the last one
-answers with its fragment. The replacement receives each byte once, straight into its slots, and every holder
-sends and receives about one blob's worth (the chains of the k chunks start at different survivors), so on a
-cluster whose NICs limit a rebuild it takes about as long as copying the blob (repair pipelining, as in ECPipe).
+A rebuild is *relayed* through the survivors. Each chunk of the lost node is the XOR of the k other fragments
+of its stripe (XOR parity: m = 1, or one lost of several with ``*_rs_vand``), or else the XOR of the *terms* of
+k surviving fragments in pyeclib's reconstruction (two lost of a stripe, or Cauchy parity; reconstruction is
+linear, so a holder computes its term from its own fragment alone: :meth:`~ftrun.snapshot.erasure.Codec.add_term`).
+Instead of receiving all k fragments (k x the lost bytes through its NIC), the replacement asks the first holder
+of a chain for the sum (``xor``): each holder asks the next one for the sum of the rest, adds its own fragment
+(or term) and answers, and the last one answers with its fragment (or term). The replacement receives each byte
+once, straight into its slots, and every holder sends about one blob's worth per lost node (the chains of the
+k chunks start at different survivors), so on a cluster whose NICs limit a rebuild it takes about as long as
+copying the blob (repair pipelining, as in ECPipe), and twice as long with two lost (the survivors send for both;
+fetched directly, each replacement would receive k blobs' worth).
 A holder checks each whole parity piece it reads against its CRC-32; a relay that fails (a corrupt piece, a
 survivor answering with an error, a rebuilt image that fails its checksum) is done again directly, every
 fragment fetched by the replacement, which checks what it receives and reports the fragment at fault.
@@ -54,8 +58,9 @@ Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths a
 keeper holds parity of the step already (then it pushes none: its holders do not wait for it);
 ``chunk {step, chunk, offset, length, chunk_len}`` -> bytes of a chunk of the blob (zeros past its end);
 ``parity_meta {step}`` -> the parity file's JSON; ``parity {step, t, offset, length}`` -> parity bytes;
-``xor {step, stripe, parts, chunk_len, offset, length}`` -> the XOR of those bytes of fragments ``parts`` of
-``stripe`` (parts[0] this node's; relayed); ``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece;
+``xor {step, stripe, parts, chunk_len, offset, length[, want, sources]}`` -> the XOR of those bytes of fragments
+``parts`` of ``stripe`` (parts[0] this node's; relayed), or of their terms in the reconstruction of fragment
+``want`` from ``sources``; ``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece;
 ``parity_put_end {step, t, infos}``.
 """
 
@@ -78,10 +83,10 @@ from isal.isal_zlib import crc32
 
 from ftrun.events import EventLog
 from ftrun.snapshot.priority import lower_to_background
-from ftrun.snapshot.erasure import (Buffer, Codec, CorruptFragment, Scratch, Segment, SendPiece, StripeLayout,
+from ftrun.snapshot.erasure import (Buffer, Codec, CorruptFragment, Scratch, Segment, SendPiece, StripeLayout, Terms,
                                     encode_parity, rebuild_chunk, xor_fragments, xor_into)
 from ftrun.snapshot.slot import COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header, SlotFile
-from ftrun.snapshot.transport import FileRange, PeerClient, PeerError, PeerServer, PeerUnavailable, Reply
+from ftrun.snapshot.transport import FileRange, PeerError, PeerPool, PeerServer, PeerUnavailable, Reply
 
 
 class HeldSlots(Protocol):
@@ -194,7 +199,7 @@ class Redundancy:
         self.files: list[SlotFile | None] = [None] * PARITY_FILES
         self.steps: list[int | None] = [None] * PARITY_FILES  # complete parity held per file
         self.peers: dict[int, str] = {}  # node -> "host:port"
-        self._clients: dict[tuple[str, int], PeerClient] = {}
+        self._connections = PeerPool(secret, peer_timeout)
         self._lock = threading.Lock()
         # two pieces in flight (erasure's pipeline), k fetches each; encoding is background work, a rebuild is not
         self._pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-rebuild-fetch")
@@ -206,6 +211,7 @@ class Redundancy:
         self._prepared: _BlobWriter | None = None  # slots being allocated for a rebuild not asked for yet
         self._prepared_lock = threading.Lock()
         self._checked = _CheckedParity(None, [], {}, set())  # parity pieces checked for relays and rebuilds
+        self._relay_buffers = threading.local()  # a relaying thread's copy of its own fragment (_add_own)
         self.relayed = False  # whether the last rebuild was relayed through the survivors (module doc)
         self.serving_rebuild: Callable[[int], None] = lambda step: None  # told each piece served to a rebuild
         self.pushing = place.parity > 1 and self.layout.k > 1  # stripes' other parity pushed (module doc)
@@ -250,8 +256,7 @@ class Redundancy:
         self._pool.shutdown(wait=False)
         self._encode_pool.shutdown(wait=False)
         self.server.close()
-        for client in self._clients.values():
-            client.close()
+        self._connections.close()
         for file in self.files:
             if file is not None:
                 file.close()
@@ -336,30 +341,41 @@ class Redundancy:
     def _relay(self, step: int, request: dict[str, Any]) -> bytearray:
         """The answer to ``xor``: bytes ``[offset, offset + length)`` of the XOR of fragments ``parts`` of
         ``stripe`` (data fragments and XOR parity k), parts[0] this node's: what the holder of parts[1] answers
-        for the rest, with this node's fragment XORed in."""
+        for the rest, with this node's fragment XORed in. With ``want`` and ``sources`` (:class:`Terms`), of
+        their terms in the reconstruction of fragment ``want`` from ``sources`` instead (one part: this node's
+        term alone)."""
         layout = self.layout
         stripe, chunk_len = int(request["stripe"]), int(request["chunk_len"])
         offset, length = int(request["offset"]), int(request["length"])
         parts = [int(i) for i in request["parts"]]
-        if not (0 <= stripe < layout.group and 2 <= len(parts) == len(set(parts))
-                and all(0 <= i <= layout.k for i in parts) and layout.position(stripe, parts[0]) == self.place.position
+        terms = None
+        if request.get("sources") is not None:
+            terms = Terms(int(request["want"]), tuple(int(i) for i in request["sources"]))
+        if not (0 <= stripe < layout.group and len(parts) == len(set(parts)) >= (1 if terms else 2)
+                and (set(parts) <= set(terms.sources) if terms else all(0 <= i <= layout.k for i in parts))
+                and (terms is None or _terms_problem(terms, layout) is None)
+                and layout.position(stripe, parts[0]) == self.place.position
                 and 0 < length <= RELAY_PART and 0 <= offset and offset + length <= chunk_len):
             raise ValueError(f"bad xor request for stripe {stripe}, fragments {parts}, bytes {offset}+{length}")
         out = bytearray(length)
         view = memoryview(out)
-        self._fetch_fragments(step, stripe, parts[1:], chunk_len, offset, view)
-        self._xor_own(step, parts[0], chunk_len, offset, view)
+        if len(parts) > 1:
+            self._fetch_fragments(step, stripe, parts[1:], chunk_len, offset, view, terms)
+        self._add_own(step, parts[0], chunk_len, offset, view, terms)
         return out
 
     def _fetch_fragments(self, step: int, stripe: int, parts: list[int], chunk_len: int, offset: int,
-                         into: memoryview) -> None:
+                         into: memoryview, terms: Terms | None = None) -> None:
         """Fill ``into`` with bytes from ``offset`` of fragment ``parts[0]`` of ``stripe``, from its holder; with
-        several parts, of the XOR of those fragments, relayed along their holders in order. A holder further down
-        the chain that did not answer is :class:`PeerUnavailable` here too (a lost survivor, not a bad relay)."""
+        several parts (or ``terms``), of the XOR of those fragments (or of their terms), relayed along their
+        holders in order. A holder further down the chain that did not answer is :class:`PeerUnavailable` here
+        too (a lost survivor, not a bad relay)."""
         k = self.layout.k
         node = self._node(self.layout.position(stripe, parts[0]))
         fields: dict[str, Any] = {"step": step, "offset": offset, "length": len(into), "rebuild": True}
-        if len(parts) > 1:
+        if len(parts) > 1 or terms is not None:
+            if terms is not None:
+                fields.update(want=terms.want, sources=list(terms.sources))
             try:
                 self._fetch_into(node, "xor", into, stripe=stripe, parts=parts, chunk_len=chunk_len, **fields)
             except PeerError as err:
@@ -371,20 +387,41 @@ class Redundancy:
         else:
             self._fetch_into(node, "parity", into, t=parts[0] - k, **fields)
 
-    def _xor_own(self, step: int, index: int, chunk_len: int, offset: int, into: memoryview) -> None:
-        """``into ^=`` bytes from ``offset`` of this node's fragment ``index`` (of the stripe a relay names): a
-        chunk of its blob (zeros past it), or its XOR parity, whose pieces are checked first."""
+    def _add_own(self, step: int, index: int, chunk_len: int, offset: int, into: memoryview,
+                 terms: Terms | None) -> None:
+        """``into ^=`` bytes from ``offset`` of this node's fragment ``index`` (of the stripe a relay names), or
+        of its term in ``terms``' reconstruction (computed from a copy of those bytes)."""
+        if terms is None:
+            self._own_fragment(step, index, chunk_len, offset, into, xor_into)
+            return
+        local = self._relay_buffers
+        if len(getattr(local, "buffer", b"")) < len(into):
+            local.buffer = bytearray(len(into))
+        own = memoryview(local.buffer)[:len(into)]
+        if index < self.layout.k:
+            own[:] = bytes(len(own))  # a chunk's bytes past the blob are zeros
+
+        def copy(target: memoryview, source: Buffer) -> None:
+            target[:] = source
+
+        self._own_fragment(step, index, chunk_len, offset, own, copy)
+        self.codec.add_term(terms.sources, index, own, terms.want, into)
+
+    def _own_fragment(self, step: int, index: int, chunk_len: int, offset: int, into: memoryview,
+                      combine: Callable[[memoryview, Buffer], None]) -> None:
+        """``combine(part of into, the same bytes of this node's fragment index)`` for bytes from ``offset``: a
+        chunk of its blob (parts past it left alone), or a parity fragment, whose pieces are checked first."""
         length = len(into)
         if index < self.layout.k:
             start, at = index * chunk_len + offset, 0
             for file, size, _ in self._image_files(step):
                 lo, hi = max(start, at), min(start + length, at + size)
                 if lo < hi:
-                    xor_into(into[lo - start:hi - start], memoryview(file.map)[lo - at:hi - at])
+                    combine(into[lo - start:hi - start], memoryview(file.map)[lo - at:hi - at])
                 at += size
             return
-        file, at = self._parity_range(step, 0, offset, length, checked=True)  # fragment k: t = 0
-        xor_into(into, file.payload()[at:at + length])
+        file, at = self._parity_range(step, index - self.layout.k, offset, length, checked=True)
+        combine(into, file.payload()[at:at + length])
 
     def _parity_range(self, step: int, t: int, offset: int, length: int, checked: bool) -> tuple[SlotFile, int]:
         """The parity file holding ``step`` and where in its payload bytes ``[offset, offset + length)`` of
@@ -527,7 +564,7 @@ class Redundancy:
             if t in failed:
                 return
             try:
-                self._client(node).request("parity_put", payload=piece, step=step, t=t, offset=offset,
+                self._request(node, "parity_put", payload=piece, step=step, t=t, offset=offset,
                                            chunk_len=chunk_len, crc=crc)
             except (PeerUnavailable, PeerError) as err:
                 failed[t] = err
@@ -535,29 +572,23 @@ class Redundancy:
         return send
 
     # -- talking to peers -------------------------------------------------------------------------------------
-    def _client(self, node: int) -> PeerClient:
-        """The connection to ``node``'s keeper of this thread (connections carry one request at a time)."""
+    def _request(self, node: int, op: str, **fields: Any) -> tuple[dict[str, Any], bytes | int]:
+        """``op`` to ``node``'s keeper over a pooled connection (:class:`~ftrun.snapshot.transport.PeerPool`)."""
         address = self.peers.get(node)
         if address is None:
             raise PeerUnavailable(f"address of node {node}'s keeper unknown")
-        key = (address, threading.get_ident())
-        with self._lock:
-            client = self._clients.get(key)
-            if client is None:
-                host, _, port = address.rpartition(":")
-                client = self._clients[key] = PeerClient(host, int(port), self.secret, self.peer_timeout)
-        return client
+        return self._connections.request(address, op, **fields)
 
     def _fetch_into(self, node: int, op: str, into: memoryview, **fields: Any) -> None:
         """Receive ``node``'s answer to ``op`` straight into ``into``, which it must fill exactly."""
-        _, got = self._client(node).request(op, into=into, **fields)
+        _, got = self._request(node, op, into=into, **fields)
         if got != len(into):
             raise RedundancyError(f"node {node} sent {got} bytes of {op}, expected {len(into)}")
 
     def _info(self, node: int, step: int, parity_held: set[int] | None = None) -> tuple[list[int], list[int]]:
         """``node``'s image lengths and checksums of ``step``; adds it to ``parity_held`` if it holds parity of
         ``step`` already."""
-        reply, _ = self._client(node).request("info", step=step)
+        reply, _ = self._request(node, "info", step=step)
         if parity_held is not None and reply.get("parity") is True:
             parity_held.add(node)
         return [int(n) for n in reply["images"]], [int(c) for c in reply["crcs"]]
@@ -682,7 +713,7 @@ class Redundancy:
         """Tells the holder of parity k + t of this position's stripe that every piece was sent, from the data
         ``read`` (unchanged since): it may use them. A holder gone or not listening computes its own."""
         try:
-            self._client(self._holder(t)).request("parity_put_end", step=step, t=t, infos=read)
+            self._request(self._holder(t), "parity_put_end", step=step, t=t, infos=read)
         except (PeerUnavailable, PeerError):
             pass
 
@@ -748,7 +779,7 @@ class Redundancy:
         return writer
 
     def _parity_meta(self, node: int, step: int) -> dict[str, Any]:
-        _, raw = self._client(node).request("parity_meta", step=step)
+        _, raw = self._request(node, "parity_meta", step=step)
         meta = json.loads(raw)
         if not isinstance(meta, dict):
             raise RedundancyError(f"node {node} sent parity metadata that is not a JSON object")
@@ -794,13 +825,12 @@ class Redundancy:
         writer = self._take_prepared(step, images) or _BlobWriter(self.keeper, step, images)
         self.allocated_ahead = writer.memory.allocated
         t2 = time.perf_counter()
-        self.relayed = self.codec.xor_first and piece_layout.k > 1 and all(
-            self._node(piece_layout.position(stripe, i)) in complete
-            for chunk, stripe in enumerate(stripes) for i in xor_fragments(piece_layout.k, chunk))
+        chains = self._chains(stripes, complete, piece_layout)
+        self.relayed = chains is not None
         try:
-            if self.relayed:
+            if chains is not None:
                 try:
-                    self._rebuild_relayed(step, stripes, chunk_len, piece_layout, writer, blob)
+                    self._rebuild_relayed(step, stripes, chains, chunk_len, writer, blob)
                     t3 = time.perf_counter()
                     writer.finish()
                 except (PeerError, RedundancyError) as err:  # a survivor's content: the direct rebuild checks it
@@ -819,28 +849,49 @@ class Redundancy:
                        "waited_for_memory": writer.memory.waited}
         return blob, t4 - t0
 
-    def _rebuild_relayed(self, step: int, stripes: list[int], chunk_len: int, layout: StripeLayout,
-                         writer: _BlobWriter, blob: int) -> None:
-        """Every chunk as the XOR of the other fragments of its stripe, summed along a chain of their holders
-        (module doc): this node receives each byte once. The chains start at a different survivor for each
-        chunk, so the survivors send alike; as many requests are in flight as the pool has threads."""
+    def _chains(self, stripes: list[int], complete: list[int], layout: StripeLayout
+                ) -> list[tuple[list[int], Terms | None]] | None:
+        """For each chunk of this node (of ``stripes``), the fragments whose holders sum it along a chain, in
+        chain order, and how: XOR (None: parity k and the other data fragments survive) or the terms of k
+        surviving fragments (:class:`~ftrun.snapshot.erasure.Terms`). None when no chunk is to be relayed (k = 1:
+        a copy) or one cannot be (fewer than k survive). Chunk c's chain starts at the position c + 1 after this
+        one, so the survivors send alike."""
+        if layout.k < 2:
+            return None
+        chains: list[tuple[list[int], Terms | None]] = []
+        for chunk, stripe in enumerate(stripes):
+            alive = [i for i in range(layout.group)
+                     if i != chunk and self._node(layout.position(stripe, i)) in complete]
+            terms = None
+            fragments = xor_fragments(layout.k, chunk)
+            if not (self.codec.xor_first and set(fragments) <= set(alive)):
+                if len(alive) < layout.k:
+                    return None
+                terms = Terms(chunk, tuple(alive[:layout.k]))  # data fragments first: no parity to check
+                fragments = list(terms.sources)
+            chains.append((sorted(fragments, key=lambda i, s=stripe, c=chunk: (
+                layout.position(s, i) - self.place.position - 1 - c) % layout.group), terms))
+        return chains
+
+    def _rebuild_relayed(self, step: int, stripes: list[int], chains: list[tuple[list[int], Terms | None]],
+                         chunk_len: int, writer: _BlobWriter, blob: int) -> None:
+        """Every chunk summed along its chain (:meth:`_chains`; module doc): this node receives each byte once.
+        As many requests are in flight as the pool has threads."""
         requests = []
-        for chunk, stripe in enumerate(stripes):  # chunk c's chain starts at the position c + 1 after this one
-            parts = sorted(xor_fragments(layout.k, chunk),
-                           key=lambda i: (layout.position(stripe, i) - self.place.position - 1 - chunk) % layout.group)
+        for chunk, (stripe, (parts, terms)) in enumerate(zip(stripes, chains)):
             for segment in writer.segments(chunk * chunk_len, chunk_len, RELAY_PART):
                 if segment.into is not None:
-                    requests.append((chunk * chunk_len, stripe, parts, segment))
+                    requests.append((chunk * chunk_len, stripe, parts, terms, segment))
 
         failed = threading.Event()  # after a failure no request starts (a silent peer costs one timeout)
 
-        def fetch(base: int, stripe: int, parts: list[int], segment: Segment) -> None:
+        def fetch(base: int, stripe: int, parts: list[int], terms: Terms | None, segment: Segment) -> None:
             assert segment.into is not None
             if failed.is_set():
                 return
             try:
                 writer.ready(min(base + segment.offset + segment.length, blob))  # ``into`` is the slots' memory
-                self._fetch_fragments(step, stripe, parts, chunk_len, segment.offset, segment.into)
+                self._fetch_fragments(step, stripe, parts, chunk_len, segment.offset, segment.into, terms)
             except BaseException:
                 failed.set()
                 raise
@@ -873,6 +924,16 @@ class Redundancy:
                           writer.segments(chunk * chunk_len, chunk_len, layout.piece_len),
                           lambda offset, data, base=chunk * chunk_len: writer.write(base + offset, data),
                           self._pool, self._scratch, {layout.k + t: held["piece_crcs"][str(stripe)]})
+
+
+def _terms_problem(terms: Terms, layout: StripeLayout) -> str | None:
+    """Why ``terms`` cannot rebuild a chunk of a stripe of ``layout`` (k distinct fragments, a data one wanted)."""
+    if len(terms.sources) != layout.k or len(set(terms.sources)) != layout.k \
+            or not all(0 <= i < layout.group for i in terms.sources):
+        return f"need {layout.k} distinct fragments of {layout.group}, got {list(terms.sources)}"
+    if not 0 <= terms.want < layout.k or terms.want in terms.sources:
+        return f"fragment {terms.want} is not a data fragment missing from {list(terms.sources)}"
+    return None
 
 
 def _infos_doc(infos: dict[int, tuple[list[int], list[int]]]) -> dict[str, list[list[int]]]:

@@ -54,6 +54,7 @@ MAX_PAYLOAD = 512 << 20
 MAX_ERROR_LEN = 4096  # an error reply's message is cut to this many characters
 HANDSHAKE_TIMEOUT = 5.0
 LISTEN_BACKLOG = 128
+IDLE_CONNECTIONS = 4  # idle connections a PeerPool keeps per peer
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}  # drops a vanished peer in ~1 min
 
 
@@ -451,6 +452,10 @@ class PeerClient:
             raise PeerError(str(reply[0]["error"]))
         return reply
 
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
     def close(self) -> None:
         with self._lock:
             self._close()
@@ -485,3 +490,46 @@ class PeerClient:
             sock.close()
             raise
         return sock
+
+
+class PeerPool:
+    """Connections to peers' servers for many threads: a request takes an idle connection to its peer (or opens
+    one) and gives it back once answered, so a keeper holds about as many connections to a peer as it has
+    requests in flight to it, never one per thread that ever asked (a peer refuses connections beyond its
+    ``max_connections``). At most ``idle`` idle connections per peer are kept; a failed one is closed."""
+
+    def __init__(self, secret: bytes, timeout: float = 30.0, idle: int = IDLE_CONNECTIONS) -> None:
+        _check_secret(secret)
+        self.secret, self.timeout, self.idle = secret, timeout, idle
+        self._idle: dict[str, list[PeerClient]] = {}  # "host:port" -> connections not in use
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def request(self, address: str, op: str, into: memoryview | None = None, payload: Buffer | None = None,
+                **fields: Any) -> tuple[dict[str, Any], bytes | int]:
+        """:meth:`PeerClient.request` to the peer at ``address`` ("host:port")."""
+        with self._lock:
+            idle = self._idle.get(address)
+            client = idle.pop() if idle else None
+        if client is None:
+            host, _, port = address.rpartition(":")
+            client = PeerClient(host, int(port), self.secret, self.timeout)
+        try:
+            return client.request(op, into=into, payload=payload, **fields)
+        finally:
+            with self._lock:
+                idle = self._idle.setdefault(address, [])
+                kept = not self._closed and client.connected and len(idle) < self.idle
+                if kept:
+                    idle.append(client)
+            if not kept:
+                client.close()
+
+    def close(self) -> None:
+        """Closes the idle connections; a connection in use is closed when its request ends."""
+        with self._lock:
+            self._closed = True
+            clients = [c for idle in self._idle.values() for c in idle]
+            self._idle = {}
+        for client in clients:
+            client.close()
