@@ -1,6 +1,6 @@
 """A running 2-node job under attack. It listens on loopback only and keeps its secret from trainers. An intruder
 writes garbage, unsigned, copied and wrongly signed generation documents and garbage counters into its control
-store; then 15 s of hostile traffic go to every TCP port it listens on (control store, trainer store, keepers'
+store; then 10 s of hostile traffic go to every TCP port it listens on (control store, trainer store, keepers'
 peer sockets, the trainers' gloo sockets): random bytes, frames announcing oversized lengths, and well-formed
 frames with random contents (TCPStore requests setting random keys, some under the job's own prefix with values
 that look signed; keeper frames and handshakes with random MACs). The job must finish with the failure-free
@@ -33,7 +33,7 @@ from ftrun.control.signed import TAG_MARK
 from ftrun.control.spec import shm_dir
 from ftrun.snapshot.transport import FRAME, FRAME_MAGIC, HELLO, MAC_LEN, NONCE_LEN
 
-FUZZ_SECONDS = 15.0
+FUZZ_SECONDS = 10.0
 MAX_SENDS = 6000  # connections opened in all
 MAX_CHUNK = 64 << 10  # bytes sent on one connection at most
 RESCAN_EVERY = 1.0  # seconds between looks for the job's listening ports (trainer stores change per generation)
