@@ -146,7 +146,7 @@ def run_job(hosts: Hosts, shape: Shape, args: argparse.Namespace, workdir: str, 
     if any(codes) or len(rebuilt) != len(shape.lost):
         tail = "\n".join(Path(f"{base}.log").read_text(errors="replace").splitlines()[-30:])
         raise SystemExit(f"the job failed (exit codes {codes}, {len(rebuilt)} rebuilt events):\n{tail}")
-    return {"rebuilt": max(rebuilt, key=lambda e: e["seconds"]),
+    return {"rebuilt": max(rebuilt, key=lambda e: e["seconds"]), "each": [e["seconds"] for e in rebuilt],
             "exact": f"{sum(r['exact'] for r in final)} of {len(final)} bit-exact",
             "failures": [e["kind"] for e in events if e["event"] == "failure" and e.get("primary", True)]}
 
@@ -193,6 +193,8 @@ def main() -> int:
                 print(f"  {label}: rebuild {median(seconds):.3f} s ({' '.join(f'{s:.3f}' for s in seconds)}), "
                       f"{'/'.join(sorted(how))}, {median(seconds) / copy:.2f} x the TCP copy; "
                       f"{', '.join(r['exact'] for r in runs)}; failures {runs[0]['failures']}\n"
+                      f"    each lost node's rebuild (s): "
+                      f"{'; '.join(' '.join(f'{x:.3f}' for x in r['each']) for r in runs)}\n"
                       f"    the median run's phases (s): {phases}", flush=True)
     except BaseException:
         print(f"the jobs' logs are kept in {workdir}", file=sys.stderr)

@@ -35,8 +35,8 @@ class Group:
     """The keepers of one EC group of ``group`` nodes with ``parity`` parity, each holding ``STEP`` with its
     parity; a lost node's replacement rebuilds it (:meth:`rebuild`). Events go to ``log_dir``."""
 
-    def __init__(self, group: int, parity: int, log_dir: str) -> None:
-        self.group, self.parity, self.log_dir = group, parity, log_dir
+    def __init__(self, group: int, parity: int, log_dir: str, one_host: bool = False) -> None:
+        self.group, self.parity, self.log_dir, self.one_host = group, parity, log_dir, one_host
         self.secret = os.urandom(32)
         self.peers: dict[str, str] = {}
         self.keepers = {node: self.start(node) for node in range(group)}
@@ -62,7 +62,8 @@ class Group:
     def start(self, node: int) -> Keeper:
         keeper = Keeper(dataclasses.replace(spec(len(SIZES)), nnodes=self.group, node_rank=node,
                                             ec_group=self.group, ec_parity=self.parity, log_dir=self.log_dir), [])
-        keeper.enable_redundancy(self.secret, socket.create_server(("127.0.0.1", 0)))
+        host = "127.0.0.1" if self.one_host else f"127.0.0.{node + 1}"  # a loopback address per simulated host
+        keeper.enable_redundancy(self.secret, socket.create_server((host, 0)))
         red = keeper.redundancy
         red.layout = StripeLayout(self.group, self.parity, PIECE)
         red.server.start()
@@ -87,6 +88,8 @@ class Group:
 
             keeper.redundancy._fetch_into = counted
         complete = sorted(set(self.keepers) - {node}) if complete is None else complete
+        for other in self.keepers.values():  # as every link tells its keeper (replacements have new addresses)
+            other.redundancy.peers = {int(n): address for n, address in self.peers.items()}
         return keeper.handle({"op": "rebuild", "generation": 1, "step": STEP, "complete": complete,
                               "peers": self.peers})
 
@@ -125,8 +128,8 @@ def make_group(shm, tmp_path, monkeypatch) -> Iterator[Any]:
     monkeypatch.setattr(redundancy, "RELAY_PART", RELAY_PART)
     groups: list[Group] = []
 
-    def make(group: int, parity: int) -> Group:
-        groups.append(Group(group, parity, str(tmp_path / f"logs{len(groups)}")))
+    def make(group: int, parity: int, one_host: bool = False) -> Group:
+        groups.append(Group(group, parity, str(tmp_path / f"logs{len(groups)}"), one_host))
         return groups[-1]
 
     yield make
@@ -179,6 +182,21 @@ def test_two_lost_of_two_parity_are_relayed_as_pyeclibs_terms_and_receive_each_b
         assert group.keepers[node].redundancy.relayed and group.holds(node)
         assert sum(received) == group.blob(node)
     assert not group.events("rebuild_relay_failed"), group.events("rebuild_relay_failed")
+
+
+def test_two_lost_on_one_host_are_rebuilt_directly_one_reconstruction_per_byte(make_group):
+    """With no NIC in the way, k fragments fetched and reconstructed once cost less than a term at every holder."""
+    group = make_group(4, 2, one_host=True)
+    for node in (1, 2):
+        group.lose(node)
+    for node in (1, 2):
+        received: list[int] = []
+        assert "error" not in group.rebuild(node, received, complete=[0, 3])
+        assert not group.keepers[node].redundancy.relayed and group.holds(node)
+        assert sum(received) >= 2 * group.blob(node)  # k = 2 fragments per byte
+    xor = make_group(3, 1, one_host=True)  # XOR chains cost no more than fetching: relayed on one host too
+    xor.lose(1)
+    assert "error" not in xor.rebuild(1) and xor.keepers[1].redundancy.relayed and xor.holds(1)
 
 
 @pytest.mark.parametrize("shape,lost,t", [((3, 1), (1,), 0), ((4, 2), (1, 2), 1)])

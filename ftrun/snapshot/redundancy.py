@@ -32,7 +32,9 @@ of a chain for the sum (``xor``): each holder asks the next one for the sum of t
 once, straight into its slots, and every holder sends about one blob's worth per lost node (the chains of the
 k chunks start at different survivors), so on a cluster whose NICs limit a rebuild it takes about as long as
 copying the blob (repair pipelining, as in ECPipe), and twice as long with two lost (the survivors send for both;
-fetched directly, each replacement would receive k blobs' worth).
+fetched directly, each replacement would receive k blobs' worth). A term costs its holder a whole pyeclib
+reconstruction, so when every survivor is on the replacement's host (no NIC in the way) chunks that need terms
+are rebuilt directly instead.
 A holder checks each whole parity piece it reads against its CRC-32; a relay that fails (a corrupt piece, a
 survivor answering with an error, a rebuilt image that fails its checksum) is done again directly, every
 fragment fetched by the replacement, which checks what it receives and reports the fragment at fault.
@@ -118,7 +120,10 @@ PUSH_WAIT = 1.0  # seconds a pushed piece waits for this keeper to start encodin
 PUSH_IDLE = 3.0  # seconds without a pushed piece or end before a holder computes the missing parity itself
 PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are awaited
 # bytes of a relayed request: each holder of a chain receives a part whole before it sends its sum on, so small
-# parts keep every link busy (NICs at 2 Gbit/s here: 8 MiB 1.46 x a TCP copy, 2 MiB 1.22 x, 1 MiB 1.07 x)
+# parts keep every link busy, down to where the cost per request shows. x the TCP copy, benchmarks/network.py (NICs
+# of 1 Gbit/s, 128 MiB per rank): k=2 m=1 1 MiB 1.11, 256 KiB 1.04; k=4 m=2 two lost 1 MiB 2.85-3.05, 256 KiB
+# 2.49-2.61, 128 KiB 2.89. On 2 cores over loopback (benchmarks/erasure.py, k=2 m=1) 256 KiB doubles it: 7.09 and
+# 5.38 against 3.54 with 1 MiB
 RELAY_PART = 1 << 20
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
 
@@ -854,10 +859,15 @@ class Redundancy:
         """For each chunk of this node (of ``stripes``), the fragments whose holders sum it along a chain, in
         chain order, and how: XOR (None: parity k and the other data fragments survive) or the terms of k
         surviving fragments (:class:`~ftrun.snapshot.erasure.Terms`). None when no chunk is to be relayed (k = 1:
-        a copy) or one cannot be (fewer than k survive). Chunk c's chain starts at the position c + 1 after this
-        one, so the survivors send alike."""
+        a copy) or one cannot be (fewer than k survive), or terms are needed and every survivor is on this host:
+        a term costs its holder a whole pyeclib reconstruction (zeros for the other fragments), so with no NIC in
+        the way the direct rebuild, one reconstruction per byte, is cheaper (benchmarks/erasure.py, k=4 m=2, two
+        lost, on 2 cores: relayed 3.6 s, direct 1.0-1.2 s). Chunk c's chain starts at the position c + 1 after
+        this one, so the survivors send alike."""
         if layout.k < 2:
             return None
+        host = self.peers.get(self.place.node, "").rpartition(":")[0]
+        one_host = bool(host) and all(self.peers.get(node, "").rpartition(":")[0] == host for node in complete)
         chains: list[tuple[list[int], Terms | None]] = []
         for chunk, stripe in enumerate(stripes):
             alive = [i for i in range(layout.group)
@@ -865,7 +875,7 @@ class Redundancy:
             terms = None
             fragments = xor_fragments(layout.k, chunk)
             if not (self.codec.xor_first and set(fragments) <= set(alive)):
-                if len(alive) < layout.k:
+                if len(alive) < layout.k or one_host:
                     return None
                 terms = Terms(chunk, tuple(alive[:layout.k]))  # data fragments first: no parity to check
                 fragments = list(terms.sources)
