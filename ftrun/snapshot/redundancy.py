@@ -200,12 +200,10 @@ class Redundancy:
         self.place = place
         self.layout = StripeLayout(place.group, place.parity)
         self.codec = Codec(self.layout.k, place.parity, place.backend)
-        self.secret = secret
         self.files: list[SlotFile | None] = [None] * PARITY_FILES
         self.steps: list[int | None] = [None] * PARITY_FILES  # complete parity held per file
         self.peers: dict[int, str] = {}  # node -> "host:port"
         self._connections = PeerPool(secret, peer_timeout)
-        self._lock = threading.Lock()
         # two pieces in flight (erasure's pipeline), k fetches each; encoding is background work, a rebuild is not
         self._pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-rebuild-fetch")
         self._encode_pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-encode-fetch",
@@ -569,8 +567,8 @@ class Redundancy:
             if t in failed:
                 return
             try:
-                self._request(node, "parity_put", payload=piece, step=step, t=t, offset=offset,
-                                           chunk_len=chunk_len, crc=crc)
+                self._request(node, "parity_put", payload=piece, step=step, t=t, offset=offset, chunk_len=chunk_len,
+                              crc=crc)
             except (PeerUnavailable, PeerError) as err:
                 failed[t] = err
 
