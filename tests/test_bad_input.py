@@ -73,7 +73,8 @@ def listening_port():
     (["--ckpt-format", "zip", "--ckpt-dir", "x", str(TRAIN_PLAIN)], ["--ckpt-format must be one of ftrun, dcp"]),
     (["--log-dir", "/proc/ftrun-no-such-dir", str(TRAIN_PLAIN)],
      ["--log-dir /proc/ftrun-no-such-dir: cannot create the directory (No such file or directory)"]),
-    (["--ckpt-dir", "/proc/ftrun-no-such-dir", str(TRAIN_PLAIN)], ["--ckpt-dir /proc/ftrun-no-such-dir: cannot create"]),
+    (["--ckpt-dir", "/proc/ftrun-no-such-dir", str(TRAIN_PLAIN)],
+     ["--ckpt-dir /proc/ftrun-no-such-dir: cannot create"]),
     (["--nnodes", "100000", "--nproc-per-node", "100000", str(TRAIN_PLAIN)],
      ["100000 node(s) and 10000000000 trainer(s) on this host", "core(s)", "available", "--node-rank N", "srun"]),
 ])

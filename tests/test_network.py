@@ -47,7 +47,8 @@ def start_nodes(start_job, hosts: Hosts, tmp_path, name: str, nnodes: int, *flag
                        job_id=name, log_dir=tmp_path / "logs", prefix=tuple(hosts.command(i)), env=ONE_THREAD)
              for i in range(nnodes)]
     spare = start_job("--standby", "--local-addr", hosts.address(nnodes), *common, job_id=name,
-                      log_dir=tmp_path / "logs", prefix=tuple(hosts.command(nnodes)), env=ONE_THREAD) if standby else None
+                      log_dir=tmp_path / "logs", prefix=tuple(hosts.command(nnodes)),
+                      env=ONE_THREAD) if standby else None
     return nodes, spare, out
 
 
