@@ -16,7 +16,7 @@ from pyeclib.ec_iface import ECDriver
 from isal.isal_zlib import crc32
 
 from ftrun.snapshot.erasure import (ALIGN, BACKENDS, CODE_PART, DEFAULT_BACKEND, PIECE, Codec, CorruptFragment,
-                                    Segment, StripeLayout, default_group, encode_parity, group_problem,
+                                    Segment, StripeLayout, Terms, default_group, encode_parity, group_problem,
                                     rebuild_chunk)
 from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore, rebuild_candidate
 from ftrun.snapshot.redundancy import _BlobWriter
@@ -152,12 +152,12 @@ def test_the_xor_of_the_sources_terms_is_pyeclibs_reconstruction(backend, k, m):
         for start, end in ((0, length), (2 * ALIGN, 2 * ALIGN + 1000)):
             out = bytearray(end - start)
             for i in sources:
-                codec.add_term(sources, i, fragments[i][start:end], want, memoryview(out))
+                codec.add_term(Terms(want, tuple(sources)), i, fragments[i][start:end], memoryview(out))
             assert bytes(out) == fragments[want][start:end], (want, start)
     for bad_sources, index, want in ((sources[:-1], sources[0], 0), (sources, lost[0], 0),
                                      ([lost[0], *sources[1:]], lost[0], lost[0]), (sources, sources[0], k + m)):
         with pytest.raises(ValueError, match="term of fragment"):
-            codec.add_term(bad_sources, index, fragments[0][:ALIGN], want, memoryview(bytearray(ALIGN)))
+            codec.add_term(Terms(want, tuple(bad_sources)), index, fragments[0][:ALIGN], memoryview(bytearray(ALIGN)))
 
 
 def test_malformed_pieces_never_reach_pyeclib():

@@ -25,10 +25,10 @@ fetch bytes from peers into the buffers given.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from concurrent.futures import wait as futures_wait
-import threading
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
@@ -200,18 +200,20 @@ class Codec:
             raise ValueError(f"{len(available)} fragments available, {self.k} needed")
         self._reconstruct({i: available[i] for i in sorted(available)[:self.k]}, want, into)
 
-    def add_term(self, sources: Sequence[int], index: int, piece: Buffer, want: int, into: memoryview) -> None:
+    def add_term(self, terms: Terms, index: int, piece: Buffer, into: memoryview) -> None:
         """``into ^=`` the term of fragment ``index`` (``piece``: the bytes of it at the same offsets as ``into``'s,
-        starting at a multiple of :data:`ALIGN`) in the reconstruction of fragment ``want`` from the k fragments
-        ``sources``. Reconstruction is linear over GF(2^8), byte by byte: fragment ``want`` is the XOR of the
-        terms of its k sources, and pyeclib computes one term from that fragment with zeros in place of the
-        others (no Galois-field arithmetic here). A relayed rebuild sums the terms along their holders
-        (:mod:`ftrun.snapshot.redundancy`)."""
+        starting at a multiple of :data:`ALIGN`) in ``terms``' reconstruction of fragment ``terms.want`` from the
+        k fragments ``terms.sources``. Reconstruction is linear over GF(2^8), byte by byte: fragment ``want`` is
+        the XOR of the terms of its k sources, and pyeclib computes one term from that fragment with zeros in
+        place of the others (no Galois-field arithmetic here). A relayed rebuild sums the terms along their
+        holders (:mod:`ftrun.snapshot.redundancy`)."""
         length = len(into)
-        if sorted(set(sources)) != sorted(sources) or len(sources) != self.k or index not in sources \
-                or want in sources or not 0 <= want < self.k + self.m or len(piece) != length \
-                or not all(0 <= i < self.k + self.m for i in sources):
-            raise ValueError(f"fragment {index}'s term of fragment {want} from fragments {list(sources)}")
+        problem = terms.problem(self.k, self.k + self.m) or (
+            f"fragment {index} is not one of them" if index not in terms.sources else
+            f"{len(piece)} bytes for {length}" if len(piece) != length else None)
+        if problem is not None:
+            raise ValueError(f"fragment {index}'s term of fragment {terms.want} from fragments "
+                             f"{list(terms.sources)}: {problem}")
         padded = align(length)  # pyeclib codes whole multiples of ALIGN: the bytes past ``into`` are zeros
         if len(self._zeros) < padded:
             self._zeros = bytes(padded)
@@ -224,7 +226,7 @@ class Codec:
             source[length:] = zeros[length:]
             source[:length] = piece
             piece = source
-        self._reconstruct({i: piece if i == index else zeros for i in sorted(sources)}, want, term)
+        self._reconstruct({i: piece if i == index else zeros for i in sorted(terms.sources)}, terms.want, term)
         xor_into(into, term[:length])
 
     def _reconstruct(self, pieces: Mapping[int, Buffer], want: int, into: memoryview) -> None:
@@ -264,6 +266,15 @@ class Terms:
 
     want: int
     sources: tuple[int, ...]
+
+    def problem(self, k: int, group: int) -> str | None:
+        """Why these terms cannot rebuild a data fragment of a stripe of ``group`` fragments, ``k`` of them data
+        (k distinct fragments, the wanted one a data fragment not among them); None when they can."""
+        if len(self.sources) != k or len(set(self.sources)) != k or not all(0 <= i < group for i in self.sources):
+            return f"need {k} distinct fragments of {group}, got {list(self.sources)}"
+        if not 0 <= self.want < k or self.want in self.sources:
+            return f"fragment {self.want} is not a data fragment missing from {list(self.sources)}"
+        return None
 
 
 @dataclass(frozen=True)

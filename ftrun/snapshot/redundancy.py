@@ -196,7 +196,6 @@ class Redundancy:
     def __init__(self, keeper: SlotHolder, place: GroupPlace, secret: bytes, listener: socket.socket,
                  peer_timeout: float = PEER_TIMEOUT) -> None:
         self.keeper = keeper
-        self.peer_timeout = peer_timeout  # seconds a peer may leave a request without progress (then: lost)
         self.place = place
         self.layout = StripeLayout(place.group, place.parity)
         self.codec = Codec(self.layout.k, place.parity, place.backend)
@@ -222,6 +221,11 @@ class Redundancy:
         self._pushes = threading.Condition()
         self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected,
                                  max_payload=self.layout.piece_len if self.pushing else 0, sink=self._receive_push)
+
+    @property
+    def peer_timeout(self) -> float:
+        """Seconds a peer may leave a request without progress (then: lost)."""
+        return self._connections.timeout
 
     # -- files ------------------------------------------------------------------------------------------------
     def path(self, index: int) -> str:
@@ -356,7 +360,7 @@ class Redundancy:
             terms = Terms(int(request["want"]), tuple(int(i) for i in request["sources"]))
         if not (0 <= stripe < layout.group and len(parts) == len(set(parts)) >= (1 if terms else 2)
                 and (set(parts) <= set(terms.sources) if terms else all(0 <= i <= layout.k for i in parts))
-                and (terms is None or _terms_problem(terms, layout) is None)
+                and (terms is None or terms.problem(layout.k, layout.group) is None)
                 and layout.position(stripe, parts[0]) == self.place.position
                 and 0 < length <= RELAY_PART and 0 <= offset and offset + length <= chunk_len):
             raise ValueError(f"bad xor request for stripe {stripe}, fragments {parts}, bytes {offset}+{length}")
@@ -408,7 +412,7 @@ class Redundancy:
             target[:] = source
 
         self._own_fragment(step, index, chunk_len, offset, own, copy)
-        self.codec.add_term(terms.sources, index, own, terms.want, into)
+        self.codec.add_term(terms, index, own, into)
 
     def _own_fragment(self, step: int, index: int, chunk_len: int, offset: int, into: memoryview,
                       combine: Callable[[memoryview, Buffer], None]) -> None:
@@ -932,16 +936,6 @@ class Redundancy:
                           writer.segments(chunk * chunk_len, chunk_len, layout.piece_len),
                           lambda offset, data, base=chunk * chunk_len: writer.write(base + offset, data),
                           self._pool, self._scratch, {layout.k + t: held["piece_crcs"][str(stripe)]})
-
-
-def _terms_problem(terms: Terms, layout: StripeLayout) -> str | None:
-    """Why ``terms`` cannot rebuild a chunk of a stripe of ``layout`` (k distinct fragments, a data one wanted)."""
-    if len(terms.sources) != layout.k or len(set(terms.sources)) != layout.k \
-            or not all(0 <= i < layout.group for i in terms.sources):
-        return f"need {layout.k} distinct fragments of {layout.group}, got {list(terms.sources)}"
-    if not 0 <= terms.want < layout.k or terms.want in terms.sources:
-        return f"fragment {terms.want} is not a data fragment missing from {list(terms.sources)}"
-    return None
 
 
 def _infos_doc(infos: dict[int, tuple[list[int], list[int]]]) -> dict[str, list[list[int]]]:
