@@ -25,6 +25,7 @@ import pytest
 from ftrun.snapshot.transport import (
     MAX_JSON,
     FileRange,
+    PeerBusy,
     PeerClient,
     PeerPool,
     PeerError,
@@ -341,6 +342,56 @@ def test_connections_beyond_the_limit_are_closed_at_once(make_server, make_clien
     while server._connections and time.monotonic() < deadline:
         time.sleep(0.01)
     assert_serves(make_client, server)
+
+
+def test_a_client_refused_at_the_limit_connects_again_until_its_timeout(make_server, make_client) -> None:
+    """A keeper at its connection limit is busy, not lost: the request waits for a connection to end (within the
+    client's timeout); a server that stays full is :class:`PeerBusy` after about that timeout."""
+    server, events = make_server(max_connections=1)
+    held = raw_connection(server)
+    threading.Timer(0.3, held.close).start()
+    started = time.monotonic()
+    first = make_client(server, timeout=CLOSE_WITHIN)
+    assert first.request("echo", text="admitted")[1] == b"admitted"
+    assert 0.25 < time.monotonic() - started < CLOSE_WITHIN
+    events.wait_for("refused", "1 connections already open")
+    first.close()
+    deadline = time.monotonic() + CLOSE_WITHIN
+    while server._connections and time.monotonic() < deadline:
+        time.sleep(0.01)
+    held = raw_connection(server)
+    try:
+        started = time.monotonic()
+        with pytest.raises(PeerBusy, match="connection limit"):
+            make_client(server, timeout=0.5).request("echo", text="never")
+        assert 0.4 < time.monotonic() - started < CLOSE_WITHIN
+    finally:
+        held.close()
+
+
+def test_a_kept_connection_the_peer_closed_is_replaced_once(make_server, make_client) -> None:
+    """A connection kept from an earlier request that the peer closed or reset meanwhile is not a lost peer: the
+    request goes out again on a new connection. A peer that is gone is still unavailable, at once."""
+    server, events = make_server()
+    client = make_client(server)
+    for how in ("close", "reset"):
+        assert client.request("echo", text="first")[1] == b"first"
+        deadline = time.monotonic() + CLOSE_WITHIN
+        while not server._connections and time.monotonic() < deadline:
+            time.sleep(0.01)
+        (kept,) = server._connections
+        if how == "reset":
+            kept.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            kept.close()
+        else:
+            kept.shutdown(socket.SHUT_RDWR)
+        time.sleep(0.1)
+        assert client.request("echo", text=how)[1] == how.encode()
+    assert not [line for line in events.lines if "refused" in line], events.lines
+    server.close()
+    with pytest.raises(PeerUnavailable) as caught:
+        client.request("echo", text="gone")
+    assert not isinstance(caught.value, PeerBusy)
 
 
 def test_payload_larger_than_into_or_max_payload_is_unavailable(make_server, make_client) -> None:

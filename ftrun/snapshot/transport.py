@@ -56,10 +56,17 @@ HANDSHAKE_TIMEOUT = 5.0
 LISTEN_BACKLOG = 128
 IDLE_CONNECTIONS = 4  # idle connections a PeerPool keeps per peer
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}  # drops a vanished peer in ~1 min
+CLOSED_BEFORE_REPLY = "connection closed by the peer"
+BUSY_BACKOFF = (0.01, 0.5)  # first and longest pause before connecting again to a peer that was at its limit
 
 
 class PeerUnavailable(ConnectionError):
     """No answer from the peer: connect, I/O or authentication failure, timeout, closed or invalid reply."""
+
+
+class PeerBusy(PeerUnavailable):
+    """The peer's server closed new connections before greeting them (it was at ``max_connections``) for as long
+    as the client's ``timeout``: the keeper is alive but refused."""
 
 
 class PeerError(RuntimeError):
@@ -68,6 +75,10 @@ class PeerError(RuntimeError):
 
 class _Violation(Exception):
     """The other end broke the protocol (or left mid-message); its connection must be closed."""
+
+
+class _Refused(_Violation):
+    """The server closed the connection before its greeting: what it does beyond its ``max_connections``."""
 
 
 @dataclass(frozen=True)
@@ -408,6 +419,13 @@ class PeerClient:
     Any connection, I/O, timeout, authentication or framing failure closes the connection and raises
     :class:`PeerUnavailable`; an error reply raises :class:`PeerError` and keeps it. Requests from several
     threads are serialized. ``timeout`` bounds each blocking socket operation, not the whole request.
+
+    Two failures are not taken for a lost peer. A server at its ``max_connections`` closes a new connection
+    before its greeting: the client connects again after a pause (:data:`BUSY_BACKOFF`, doubling) until
+    ``timeout`` has passed, then raises :class:`PeerBusy`. A connection kept from an earlier request that the
+    peer has closed or reset (a keeper that closed it, a middlebox that dropped it while idle) is replaced by a
+    new one once, and the request sent again: the peer never answered it, and every request is a read or the
+    write of the same bytes again. A timeout is neither: a silent peer costs ``timeout`` once, not twice.
     """
 
     def __init__(
@@ -436,21 +454,48 @@ class PeerClient:
         body = memoryview(payload if payload is not None else b"").cast("B")
         head = _head({"op": op, **fields}, body.nbytes)
         with self._lock:
+            reused = self._sock is not None
             try:
-                if self._sock is None:
-                    self._sock = self._connect()
-                self._sock.sendall(head)
-                if body.nbytes:
-                    self._sock.sendall(body)
-                reply = _recv_frame(self._sock, self.max_payload, view)
-                if reply is None:
-                    raise _Violation("connection closed by the peer")
+                try:
+                    reply = self._exchange(head, body, view)
+                except (ConnectionResetError, BrokenPipeError, _Violation) as exc:
+                    if not reused or not (isinstance(exc, OSError) or str(exc) == CLOSED_BEFORE_REPLY):
+                        raise
+                    self._close()  # the kept connection was stale: one more try on a new one
+                    reply = self._exchange(head, body, view)
             except (OSError, _Violation) as exc:
                 self._close()
-                raise PeerUnavailable(f"keeper {self.host}:{self.port}: {exc}") from exc
+                kind = PeerBusy if isinstance(exc, _Refused) else PeerUnavailable
+                raise kind(f"keeper {self.host}:{self.port}: {exc}") from exc
         if "error" in reply[0]:
             raise PeerError(str(reply[0]["error"]))
         return reply
+
+    def _exchange(self, head: bytes, body: memoryview, view: memoryview | None) -> tuple[dict[str, Any], bytes | int]:
+        if self._sock is None:
+            self._sock = self._connect_admitted()
+        self._sock.sendall(head)
+        if body.nbytes:
+            self._sock.sendall(body)
+        reply = _recv_frame(self._sock, self.max_payload, view)
+        if reply is None:
+            raise _Violation(CLOSED_BEFORE_REPLY)
+        return reply
+
+    def _connect_admitted(self) -> socket.socket:
+        """:meth:`_connect`, again after a pause while the server refuses for being at its limit (until
+        ``timeout``)."""
+        deadline = time.monotonic() + self.timeout
+        pause = BUSY_BACKOFF[0]
+        while True:
+            try:
+                return self._connect()
+            except _Refused:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, BUSY_BACKOFF[1])
 
     @property
     def connected(self) -> bool:
@@ -469,7 +514,13 @@ class PeerClient:
         sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            magic, version, nonce_s = HELLO.unpack(_recv_all(sock, HELLO.size, "handshake"))
+            hello = bytearray(HELLO.size)
+            got = _recv_exact(sock, memoryview(hello))
+            if got == 0:
+                raise _Refused("refused: the keeper is at its connection limit")
+            if got < HELLO.size:
+                raise _Violation("connection closed during the handshake")
+            magic, version, nonce_s = HELLO.unpack(hello)
             if magic != HANDSHAKE_MAGIC:
                 raise _Violation("not an ftrun keeper (bad handshake magic)")
             if version != VERSION:
