@@ -14,14 +14,14 @@ item's value itself (``planner.lookup_object``), kept in the snapshot's JSON ske
 (:mod:`ftrun.snapshot.layout`): nothing is pickled, and a value JSON cannot hold (an
 instance of a custom class) is refused in one line. ``MemoryWriter.write_data`` on the main thread (``dcp.save``)
 takes a parameter or the state of an optimizer that has stepped by reference and clones every other tensor, then
-returns while the keeper's copy runs in the background: a step pre-hook on every optimizer
-(``register_optimizer_step_pre_hook``) waits for the copy, as the Snapshotter's does, so a snapshot is exactly the
-state at ``step``. Elsewhere (``dcp.async_save``'s thread, over tensors DCP staged) it returns once the copy is
-committed. ``MemoryReader()`` asks the keeper for the step every rank holds
-(``Snapshotter.restore``; it raises :class:`NoSnapshot` itself, before DCP runs, since DCP would wrap an error of
-``read_metadata`` in a ``CheckpointException``) and DCP copies from it into the live state in place
-(``planner.resolve_tensor`` / ``commit_tensor``; an object reaches ``planner.load_bytes`` as a ``torch.save``
-made here of the JSON-restored value).
+returns while the keeper's copy runs in the background: the Snapshotter's step pre-hook on every optimizer
+(``register_optimizer_step_pre_hook``) waits for the copy, so a snapshot is exactly the state at ``step``.
+Elsewhere (``dcp.async_save``'s thread, over tensors DCP staged) it returns once the copy is committed.
+``MemoryReader()`` asks the keeper for the step every rank holds (``Snapshotter.restore``; it raises
+:class:`NoSnapshot` itself, before DCP runs, since DCP would wrap an error of ``read_metadata`` in a
+``CheckpointException``) and DCP copies from it into the live state in place (``planner.resolve_tensor`` /
+``commit_tensor``; an object reaches ``planner.load_bytes`` as a ``torch.save`` made here of the JSON-restored
+value).
 
 Invariants:
 
@@ -50,7 +50,6 @@ from __future__ import annotations
 import io
 import os
 import threading
-import weakref
 from typing import Any
 
 import torch
@@ -62,13 +61,12 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorPropertie
 from torch.distributed.checkpoint.planner import LoadItemType, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ftrun.snapshot import dcp_items
-from ftrun.snapshot.client import Snapshotter
+from ftrun.snapshot.client import Snapshotter, stepped_memory
 from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT, dcp_path, newest_dcp
 from ftrun.snapshot.dcp_items import FORMAT
-from ftrun.snapshot.layout import UnsupportedState, local_shard
+from ftrun.snapshot.layout import UnsupportedState
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
 __all__ = ["MemoryReader", "MemoryWriter", "NoSnapshot", "ReshardRequired", "restored_step"]
@@ -90,7 +88,6 @@ _snap: Snapshotter | None = None
 _restored: int | None = None  # None: not asked yet
 _loaded: dict[str, Any] | None = None  # the restored snapshot, until the first save
 _saved = False  # a MemoryWriter of this process has saved
-_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # seen stepping (the pre-hook records them)
 
 
 def restored_step() -> int:
@@ -109,26 +106,6 @@ def _snapshotter() -> Snapshotter:
     if _snap is None:
         _snap = Snapshotter(dcp_items.stored(0, None, {}), every=1, rng=False, skip=False)  # dcp.save() must save
     return _snap
-
-
-def _before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Every optimizer step waits for the snapshot being copied (it may change the tensors the copy reads)."""
-    _optimizers.add(optimizer)
-    if _snap is not None:
-        _snap.wait()
-
-
-def _stepped_memory() -> set[int]:
-    """The addresses of the memory of every parameter and state tensor of the optimizers seen stepping."""
-    found = set()
-    for optimizer in list(_optimizers):
-        tensors = [p for group in optimizer.param_groups for p in group["params"]]
-        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        found.update(local_shard(t).untyped_storage().data_ptr() for t in tensors)
-    return found
-
-
-register_optimizer_step_pre_hook(_before_step)  # from import on, so the optimizers are seen before a save
 
 
 def _durable_step() -> tuple[int, str] | None:
@@ -192,7 +169,7 @@ class MemoryWriter(StorageWriter):
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         local = self._local if self._local is not None else plan
         background = threading.current_thread() is threading.main_thread()
-        stepped = _stepped_memory() if background else set()
+        stepped = stepped_memory() if background else set()
         items = {}
         for item in local.items:
             key = dcp_items.key(item.index.fqn, item.index.offset)

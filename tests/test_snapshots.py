@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import psutil
 import pytest
@@ -161,3 +162,32 @@ def test_a_snapshot_skipped_at_the_end_of_training_is_taken_at_exit_and_persiste
     assert re.search(r"rank 0 done at step 8 with weights 8, restored from step 0, [1-9]\d* snapshots skipped",
                      job.output), job.output
     assert "ftrun: durability ok: newest step on disk 8 (0 step(s) behind training" in job.output, job.output
+
+
+def test_a_skipped_snapshot_is_not_taken_at_exit_once_the_loop_went_on(start_job, tmp_path):
+    """save() every step, a snapshot every 2, weights updated by hand (no optimizer to hook): rank 0, ahead of rank
+    1, skips its snapshot of step 8, then step 9 changes its weights. At exit that snapshot is not taken (it would
+    hold step 9's weights as step 8's), so the job started again from ``--ckpt-dir`` restores a step whose weights
+    are that step's (the script checks) and ends as a run without a restart does."""
+    args = ("--nnodes", "1", "--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ckpt"),
+            str(SCRIPTS / "uneven.py"), "--steps", "9", "--every", "2", "--slow", "0.2", "--no-wait")
+    first = start_job(*args, job_id=f"t{uuid.uuid4().hex[:10]}")
+    assert first.wait(120) == 0, first.output
+    assert re.search(r"rank 0 done at step 9 with weights 9, restored from step 0, [1-9]\d* snapshots skipped",
+                     first.output), first.output
+    again = start_job(*args, job_id=first.job_id)
+    assert again.wait(120) == 0, again.output
+    restored = re.search(r"rank 0 done at step 9 with weights 9, restored from step (\d+)", again.output)
+    assert restored and 0 < int(restored[1]) <= 8, again.output
+
+
+def test_an_optimizer_outside_the_state_waits_for_the_copy_of_its_parameters(start_job):
+    """The state holds the model only; the SGD that updates it (stateless) is not in it. The snapshot copies the
+    parameter live, so that optimizer's step waits for the copy too: after a crash the restored parameter is
+    exactly the restored step's (the script checks every element), and the run ends as one without a crash."""
+    job = start_job("--nnodes", "1", "--nproc-per-node", "1", "--inject", "crash@rank=0,step=8",
+                    str(SCRIPTS / "outside_optimizer.py"), "--steps", "12")
+    assert job.wait(120) == 0, job.output
+    restored = re.search(r"rank 0 done at step 12, restored from step (\d+)", job.output)
+    assert restored and 0 < int(restored[1]) <= 8, job.output
+

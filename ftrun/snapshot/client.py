@@ -5,9 +5,16 @@ change: buffers, RNG states) and returns; a background thread asks the node's ke
 every tensor into it, writes the layout, marks the slot committed and tells the keeper (or skips the snapshot
 when the keeper says so: the previous one is not secured job-wide yet, and training does not wait). A GPU
 trainer's slots are page-locked on their first use (:mod:`ftrun.snapshot.pinning`), so its copies run at DMA
-speed. Parameters and optimizer state are copied from the live tensors: they do not change before the next
-optimizer step, and a step pre-hook on every optimizer in the state waits for the copy. So a snapshot is
-exactly the state at ``step``, and the copy overlaps the next forward and backward.
+speed. Parameters and optimizer state of the optimizers seen stepping are copied from the live tensors: they
+do not change before the next optimizer step, and a step pre-hook on every optimizer of the process
+(``register_optimizer_step_pre_hook``, in the state or not) waits for the copy. Parameters no optimizer has
+stepped (a loop that updates them by hand) are cloned at ``save()`` like buffers. So a snapshot is exactly the
+state at ``step``, and the copy overlaps the next forward and backward.
+
+A snapshot the keeper told ``save()`` to skip is taken later only while the state is still that step's:
+by ``wait()`` while no optimizer has stepped and ``save()`` has not been called for a later step, and at
+interpreter exit only if it holds no live tensor (the script may have changed them after its loop, loading its
+best weights say; the newest snapshot taken stays the final one).
 
 ``restore()`` asks the keeper for the step the job agreed on (it waits for the agreement), maps the slot,
 checks its header (committed, sealed, the agreed step, the layout's digest) and copies it into the live
@@ -33,15 +40,26 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import MutableMapping
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from ftrun.control.heartbeat import heartbeat
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.ddp_buckets import BucketWarmup
-from ftrun.snapshot.layout import Capture, Entry, LayoutChanged, capture, decode_meta, encode_meta, restore
+from ftrun.snapshot.layout import (
+    Capture,
+    Entry,
+    LayoutChanged,
+    capture,
+    decode_meta,
+    encode_meta,
+    local_shard,
+    restore,
+)
 from ftrun.snapshot.loader_seed import LoaderSeedGuard
 from ftrun.snapshot.pinning import PinnedMappings
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET, KeeperClient, KeeperError
@@ -49,6 +67,30 @@ from ftrun.snapshot.slot import HEADER_SIZE, Header, SlotFile
 
 SLOT_WAIT_BEAT_SECONDS = 0.5  # how often a trainer whose snapshot waits for a slot beats
 _PENDING: set[Snapshotter] = set()  # Snapshotters whose newest save() was skipped (taken at exit)
+_SNAPSHOTTERS: weakref.WeakSet[Snapshotter] = weakref.WeakSet()  # every optimizer step waits for their copies
+_STEPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimizers seen stepping
+
+
+def stepped_memory() -> set[int]:
+    """The storage addresses of every parameter and state tensor of the optimizers seen stepping in this process
+    (local shards of DTensors): memory that only an optimizer step changes, and every step waits for the
+    snapshot copies (:func:`_before_optimizer_step`), so a copy may read it live in the background."""
+    found = set()
+    for optimizer in list(_STEPPED):
+        tensors = [p for group in optimizer.param_groups for p in group["params"]]
+        tensors += [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        found.update(local_shard(t).untyped_storage().data_ptr() for t in tensors)
+    return found
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Any optimizer's step waits for every Snapshotter's copy (it may change the tensors a copy reads)."""
+    _STEPPED.add(optimizer)
+    for snap in list(_SNAPSHOTTERS):
+        snap._before_step()
+
+
+register_optimizer_step_pre_hook(_before_optimizer_step)  # from import on: the optimizers are seen before a save
 
 
 class SnapshotCorrupt(RuntimeError):
@@ -79,6 +121,7 @@ class Snapshotter:
         self.skip = skip
         self.skipped = 0  # snapshots skipped because the previous one was not yet secured job-wide
         self._pending: tuple[int, Capture, bytes, Any] | None = None  # the newest save() if skipped (see wait())
+        self._saved_step = 0  # the step of the newest save() call, a snapshot step or not
         name = os.environ.get(ENV_KEEPER_SOCKET)
         self.active = bool(name)
         if not self.active:
@@ -101,9 +144,7 @@ class Snapshotter:
         self._window: tuple[BucketWarmup, LoaderSeedGuard] | None = None  # the resume window (module docstring)
         self._restored = 0
         self._told_uncaptured = False
-        for value in state.values():
-            if isinstance(value, torch.optim.Optimizer):
-                value.register_step_pre_hook(lambda *_: self._before_step())
+        _SNAPSHOTTERS.add(self)
 
     # -- restore --------------------------------------------------------------------------------------------
     def restore(self) -> int:
@@ -151,13 +192,14 @@ class Snapshotter:
         heartbeat(step)
         if not self.active:
             return
+        self._saved_step = step
         if step > self._restored:
             self._end_resume_window()
         if self._disabled or step % self.every:
             return
         self._join()
         self._drop_pending()
-        taken = capture(self.state, rng=self.rng)
+        taken = capture(self.state, rng=self.rng, stepped=stepped_memory())
         if taken.uncaptured and not self._told_uncaptured:
             self._told_uncaptured = True
             if os.environ.get("RANK", "0") == "0":
@@ -178,8 +220,10 @@ class Snapshotter:
 
     def wait(self) -> None:
         """Block until the newest ``save()``'s snapshot is committed; if it was skipped, take it now, waiting for a
-        slot (no optimizer step ran since, so the state is still that step's). Called at exit too, so the state
-        at the end of training is in RAM (and persisted with ``--ckpt-dir``).
+        slot: only while the state is still that step's, that is while no optimizer has stepped and ``save()``
+        has not been called for a later step since. Called after the training loop, it puts the state at its end
+        in RAM (and on disk with ``--ckpt-dir``); at interpreter exit it runs by itself, but takes a skipped
+        snapshot only if it holds no live tensor (module doc).
 
         While the copy waits for the keeper to give it a slot (until the job has agreed its restore step; and when
         it does not skip, until every rank holds this rank's newest snapshot, with parity until the job has
@@ -187,16 +231,27 @@ class Snapshotter:
         itself runs.
         """
         self._join()
-        self._take_pending(threaded=True)
+        self._take_pending()
 
-    def _take_pending(self, threaded: bool) -> None:
-        """Take the skipped snapshot of the newest ``save()``, if any, waiting for a slot: in a thread, so the
-        trainer beats meanwhile, or (at interpreter exit, where no thread starts) in this one."""
-        if self._pending is None:
+    def _take_pending(self, at_exit: bool = False) -> None:
+        """Take the skipped snapshot of the newest ``save()``, if any and the state is still its step's (module
+        doc), waiting for a slot: in a thread, so the trainer beats meanwhile, or (at interpreter exit, where no
+        thread starts) in this one."""
+        pending = self._pending
+        if pending is None:
             return
-        args = (*self._pending, False)
         self._drop_pending()
-        if not threaded:
+        step, taken = pending[0], pending[1]
+        if step != self._saved_step:  # the loop went on past the skipped step: the state is no longer its own
+            return
+        if at_exit and taken.by_reference:
+            if os.environ.get("RANK", "0") == "0":
+                print(f"ftrun.Snapshotter: the snapshot of step {step} was skipped and is not taken at exit (the "
+                      "script may have changed the live tensors since); the newest one taken stays the last. Call "
+                      "wait() after the loop to take it.", file=sys.stderr, flush=True)
+            return
+        args = (*pending, False)
+        if at_exit:
             self._copy(*args)
         else:
             self._job = threading.Thread(target=self._copy, args=args, name="ftrun-snapshot")
@@ -302,12 +357,12 @@ class Snapshotter:
 
 @atexit.register
 def _take_skipped_at_exit() -> None:
-    """At interpreter exit, each Snapshotter whose newest ``save()`` was skipped takes it (as :meth:`wait` would):
-    the state at the end of training is in RAM, and persisted with ``--ckpt-dir``."""
+    """At interpreter exit, each Snapshotter whose newest ``save()`` was skipped takes it where that is safe
+    (module doc): the state at the end of training is in RAM, and persisted with ``--ckpt-dir``."""
     for snap in list(_PENDING):
         try:
             snap._join()
-            snap._take_pending(threaded=False)
+            snap._take_pending(at_exit=True)
         except Exception as err:  # noqa: BLE001 - one line at exit, not a traceback
             print(f"ftrun: the last snapshot was not taken at exit: {err}", file=sys.stderr, flush=True)
 

@@ -31,10 +31,12 @@ Invariants:
 * Paths join keys and list indices with "/" (a key's "%" and "/" are written %25 and %2F): unique unless a dict
   holds both ``k`` and ``str(k)``. ``Layout.digest`` is SHA-256 over every entry's (path, dtype, shape, offset),
   so equal layouts have equal digests in every process.
-* Parameters of an ``nn.Module`` (the memory of one of ``module.parameters()``), the tensors under ``state`` of
-  a ``torch.optim.Optimizer`` and those in a :class:`Borrowed` dict are returned by reference: only the
-  optimizer step changes them, and it waits for the engine's copy. Every other tensor (buffers, raw tensors,
-  numpy arrays, tensors in plain values or in other objects' state dicts, RNG state) is cloned at capture.
+* Parameters of an ``nn.Module`` (the memory of one of ``module.parameters()``) and the tensors under ``state``
+  of a ``torch.optim.Optimizer`` are returned by reference when their memory is in ``stepped`` (the memory of
+  the optimizers seen stepping, whose step waits for the engine's copy: only that step changes them), as are
+  those in a :class:`Borrowed` dict. Every other tensor (buffers, raw tensors, numpy arrays, tensors in plain
+  values or in other objects' state dicts, RNG state, parameters no optimizer has stepped, which a loop may
+  update by hand) is cloned at capture. ``Capture.by_reference`` says whether any tensor was not.
 * RNG, under the reserved top-level key ``__rng__``: ``{"python": random.getstate(), "numpy":
   np.random.get_state(), "torch": torch.get_rng_state(), "cuda": [...] (if CUDA is initialized)}``. Python's
   state is inline (625 ints), numpy's uint32 key array is entry ``__rng__/numpy/1``. Restored last.
@@ -60,7 +62,7 @@ import random
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,12 +125,14 @@ class Layout:
 @dataclass
 class Capture:
     """What :func:`capture` returns: the layout, one tensor per entry (same order), the skeleton, and the paths
-    of values whose state is not captured (plain DataLoaders)."""
+    of values whose state is not captured (plain DataLoaders); ``by_reference``: some tensor is the live one,
+    not a clone (its owner must not change it until the copy is done)."""
 
     layout: Layout
     tensors: list[torch.Tensor]
     skeleton: dict
     uncaptured: list[str]
+    by_reference: bool
 
 
 def _align(n: int) -> int:
@@ -162,14 +166,17 @@ def _always(t: torch.Tensor, path: str) -> bool:
     return True
 
 
-def _live_tensors(obj: Any, path: str) -> _Live:
+def _live_tensors(obj: Any, path: str, stepped: Collection[int] | None) -> _Live:
     """Which tensors of ``obj.state_dict()`` may be returned by reference (see the module docstring)."""
+    def steps(t: torch.Tensor) -> bool:
+        return stepped is None or t.untyped_storage().data_ptr() in stepped
+
     if isinstance(obj, torch.nn.Module):
         params = {_identity(local_shard(p)) for p in obj.parameters()}
-        return lambda t, _: _identity(t) in params
+        return lambda t, _: _identity(t) in params and steps(t)
     if isinstance(obj, torch.optim.Optimizer):
         prefix = _join(path, "state") + "/"
-        return lambda _, p: p.startswith(prefix)
+        return lambda t, p: p.startswith(prefix) and steps(t)
     return _never
 
 
@@ -238,19 +245,28 @@ def _describe(place: dict[str, Any], local: tuple[int, ...]) -> str:
 
 
 class _Walker:
-    def __init__(self) -> None:
+    def __init__(self, stepped: Collection[int] | None) -> None:
         self.entries: list[Entry] = []
         self.tensors: list[torch.Tensor] = []
         self.uncaptured: list[str] = []
+        self.stepped = stepped
+        self.by_reference = False
 
-    def add(self, t: torch.Tensor, path: str, live: _Live) -> int:
+    def add(self, t: torch.Tensor, path: str, live: _Live, copied: bool = False) -> int:
+        """Entry for ``t``: the tensor itself if ``copied`` (made for this capture) or ``live``, else a clone."""
         kind = "sparse" if t.layout != torch.strided else "quantized" if t.is_quantized else "meta" if t.is_meta else ""
         if kind:
             raise UnsupportedState(f"cannot snapshot {kind} tensor at {path}: only dense tensors with data can be")
         offset = _align(self.entries[-1].offset + self.entries[-1].nbytes) if self.entries else 0
         dtype = str(t.dtype).removeprefix("torch.")
         self.entries.append(Entry(path, dtype, tuple(t.shape), offset, t.numel() * t.element_size()))
-        self.tensors.append(t if live(t, path) else t.detach().clone(memory_format=torch.contiguous_format))
+        if copied:
+            self.tensors.append(t)
+        elif live(t, path):
+            self.by_reference = True
+            self.tensors.append(t)
+        else:
+            self.tensors.append(t.detach().clone(memory_format=torch.contiguous_format))
         return len(self.entries) - 1
 
     def node(self, v: Any, path: str, live: _Live) -> Any:
@@ -265,7 +281,7 @@ class _Walker:
                 copy = torch.from_numpy(np.array(v, order="C"))
             except (TypeError, ValueError, RuntimeError):
                 raise UnsupportedState(f"cannot snapshot numpy array of {v.dtype} at {path}: {_HINT}") from None
-            return {"N": self.add(copy, path, lambda *_: True)}
+            return {"N": self.add(copy, path, _never, copied=True)}
         if isinstance(v, np.generic) and v.dtype.kind in "biufc":
             return {"n": [v.dtype.str, v.tobytes().hex()]}
         if kind is float:
@@ -288,7 +304,7 @@ class _Walker:
                     doc["m"] = self.node(v._metadata, _join(path, "_metadata"), _never)
             return doc
         if _is_stateful(v):
-            return {"S": self.node(v.state_dict(), path, _live_tensors(v, path))}
+            return {"S": self.node(v.state_dict(), path, _live_tensors(v, path, self.stepped))}
         if _uncaptured(v):
             self.uncaptured.append(path)
             return {"X": kind.__qualname__}
@@ -300,9 +316,11 @@ class _Walker:
         return self.node(k, path, _never)
 
 
-def capture(state: Mapping[str, Any], *, rng: bool = True) -> Capture:
-    """Flatten ``state`` (and the RNG states when ``rng``) into a layout, its tensors and a skeleton."""
-    walker = _Walker()
+def capture(state: Mapping[str, Any], *, rng: bool = True, stepped: Collection[int] | None = None) -> Capture:
+    """Flatten ``state`` (and the RNG states when ``rng``) into a layout, its tensors and a skeleton. ``stepped``:
+    the storage addresses of the tensors only an optimizer step changes (None: every parameter and optimizer
+    state tensor); see the module docstring."""
+    walker = _Walker(stepped)
     nodes: dict[str, Any] = {}
     for key, value in state.items():
         if type(key) is not str or key == RNG_KEY:
@@ -314,7 +332,7 @@ def capture(state: Mapping[str, Any], *, rng: bool = True) -> Capture:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             rngs["cuda"] = torch.cuda.get_rng_state_all()
         skeleton["rng"] = walker.node(rngs, RNG_KEY, _never)
-    return Capture(_layout(walker.entries), walker.tensors, skeleton, walker.uncaptured)
+    return Capture(_layout(walker.entries), walker.tensors, skeleton, walker.uncaptured, walker.by_reference)
 
 
 def _live_dtensors(value: Any) -> Iterator[Any]:
