@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 
 import psutil
 import pytest
@@ -171,7 +170,7 @@ def test_a_skipped_snapshot_is_not_taken_at_exit_once_the_loop_went_on(start_job
     are that step's (the script checks) and ends as a run without a restart does."""
     args = ("--nnodes", "1", "--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ckpt"),
             str(SCRIPTS / "uneven.py"), "--steps", "9", "--every", "2", "--slow", "0.2", "--no-wait")
-    first = start_job(*args, job_id=f"t{uuid.uuid4().hex[:10]}")
+    first = start_job(*args)
     assert first.wait(120) == 0, first.output
     assert re.search(r"rank 0 done at step 9 with weights 9, restored from step 0, [1-9]\d* snapshots skipped",
                      first.output), first.output
@@ -179,6 +178,23 @@ def test_a_skipped_snapshot_is_not_taken_at_exit_once_the_loop_went_on(start_job
     assert again.wait(120) == 0, again.output
     restored = re.search(r"rank 0 done at step 9 with weights 9, restored from step (\d+)", again.output)
     assert restored and 0 < int(restored[1]) <= 8, again.output
+
+
+def test_a_skipped_snapshot_of_live_tensors_is_not_taken_at_exit(start_job, tmp_path):
+    """An SGD step updates the weights, so the snapshot reads them live; the script ends without wait() and
+    changes them after its loop. Rank 0's snapshot of the last step, skipped, is not taken at exit (it would hold
+    the changed weights as step 8's): one line says so, and the job started again from ``--ckpt-dir`` restores
+    an earlier step, whose weights are that step's (the script checks)."""
+    args = ("--nnodes", "1", "--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ckpt"),
+            str(SCRIPTS / "uneven.py"), "--steps", "8", "--slow", "0.2", "--no-wait", "--optimizer",
+            "--after-loop", "100")
+    first = start_job(*args)
+    assert first.wait(120) == 0, first.output
+    assert "the snapshot of step 8 was skipped and is not taken at exit" in first.output, first.output
+    again = start_job(*args, job_id=first.job_id)
+    assert again.wait(120) == 0, again.output
+    restored = re.search(r"rank 0 done at step 8 with weights 8, restored from step (\d+)", again.output)
+    assert restored and 0 < int(restored[1]) < 8, again.output
 
 
 def test_an_optimizer_outside_the_state_waits_for_the_copy_of_its_parameters(start_job):
