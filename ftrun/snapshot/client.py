@@ -5,11 +5,12 @@ change: buffers, RNG states) and returns; a background thread asks the node's ke
 every tensor into it, writes the layout, marks the slot committed and tells the keeper (or skips the snapshot
 when the keeper says so: the previous one is not secured job-wide yet, and training does not wait). A GPU
 trainer's slots are page-locked on their first use (:mod:`ftrun.snapshot.pinning`), so its copies run at DMA
-speed. Parameters and optimizer state of the optimizers seen stepping are copied from the live tensors: they
-do not change before the next optimizer step, and a step pre-hook on every optimizer of the process
-(``register_optimizer_step_pre_hook``, in the state or not) waits for the copy. Parameters no optimizer has
-stepped (a loop that updates them by hand) are cloned at ``save()`` like buffers. So a snapshot is exactly the
-state at ``step``, and the copy overlaps the next forward and backward.
+speed. Once an optimizer of the process has stepped, parameters and optimizer state are copied from the live
+tensors: they do not change before the next optimizer step (an EMA's change after it, frozen ones never), and a
+step pre-hook on every optimizer of the process (``register_optimizer_step_pre_hook``, in the state or not)
+waits for the copy. Before that (a loop without an optimizer updates its parameters by hand) they are cloned at
+``save()`` like buffers. So a snapshot is exactly the state at ``step``, and the copy overlaps the next forward
+and backward.
 
 A snapshot the keeper told ``save()`` to skip is taken later only while the state is still that step's:
 by ``wait()`` while no optimizer has stepped and ``save()`` has not been called for a later step, and at
@@ -74,7 +75,8 @@ _STEPPED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()  # optimize
 def stepped_memory() -> set[int]:
     """The storage addresses of every parameter and state tensor of the optimizers seen stepping in this process
     (local shards of DTensors): memory that only an optimizer step changes, and every step waits for the
-    snapshot copies (:func:`_before_optimizer_step`), so a copy may read it live in the background."""
+    snapshot copies (:func:`_before_optimizer_step`), so a copy may read it live in the background
+    (:mod:`ftrun.dcp`, whose items do not say which are parameters)."""
     found = set()
     for optimizer in list(_STEPPED):
         tensors = [p for group in optimizer.param_groups for p in group["params"]]
@@ -199,7 +201,7 @@ class Snapshotter:
             return
         self._join()
         self._drop_pending()
-        taken = capture(self.state, rng=self.rng, stepped=stepped_memory())
+        taken = capture(self.state, rng=self.rng, live=len(_STEPPED) > 0)
         if taken.uncaptured and not self._told_uncaptured:
             self._told_uncaptured = True
             if os.environ.get("RANK", "0") == "0":

@@ -32,11 +32,12 @@ Invariants:
   holds both ``k`` and ``str(k)``. ``Layout.digest`` is SHA-256 over every entry's (path, dtype, shape, offset),
   so equal layouts have equal digests in every process.
 * Parameters of an ``nn.Module`` (the memory of one of ``module.parameters()``) and the tensors under ``state``
-  of a ``torch.optim.Optimizer`` are returned by reference when their memory is in ``stepped`` (the memory of
-  the optimizers seen stepping, whose step waits for the engine's copy: only that step changes them), as are
-  those in a :class:`Borrowed` dict. Every other tensor (buffers, raw tensors, numpy arrays, tensors in plain
-  values or in other objects' state dicts, RNG state, parameters no optimizer has stepped, which a loop may
-  update by hand) is cloned at capture. ``Capture.by_reference`` says whether any tensor was not.
+  of a ``torch.optim.Optimizer`` are returned by reference when ``live`` (the caller has seen an optimizer step,
+  and every step waits for the engine's copy: parameters change in steps, or after them like an EMA's, or never
+  like frozen ones), as are those in a :class:`Borrowed` dict. Every other tensor (buffers, raw tensors, numpy
+  arrays, tensors in plain values or in other objects' state dicts, RNG state; parameters too when not ``live``:
+  a loop without an optimizer updates them by hand) is cloned at capture. ``Capture.by_reference`` says whether
+  any tensor was not.
 * RNG, under the reserved top-level key ``__rng__``: ``{"python": random.getstate(), "numpy":
   np.random.get_state(), "torch": torch.get_rng_state(), "cuda": [...] (if CUDA is initialized)}``. Python's
   state is inline (625 ints), numpy's uint32 key array is entry ``__rng__/numpy/1``. Restored last.
@@ -62,7 +63,7 @@ import random
 import struct
 import sys
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,17 +167,14 @@ def _always(t: torch.Tensor, path: str) -> bool:
     return True
 
 
-def _live_tensors(obj: Any, path: str, stepped: Collection[int] | None) -> _Live:
+def _live_tensors(obj: Any, path: str) -> _Live:
     """Which tensors of ``obj.state_dict()`` may be returned by reference (see the module docstring)."""
-    def steps(t: torch.Tensor) -> bool:
-        return stepped is None or t.untyped_storage().data_ptr() in stepped
-
     if isinstance(obj, torch.nn.Module):
         params = {_identity(local_shard(p)) for p in obj.parameters()}
-        return lambda t, _: _identity(t) in params and steps(t)
+        return lambda t, _: _identity(t) in params
     if isinstance(obj, torch.optim.Optimizer):
         prefix = _join(path, "state") + "/"
-        return lambda t, p: p.startswith(prefix) and steps(t)
+        return lambda _, p: p.startswith(prefix)
     return _never
 
 
@@ -245,11 +243,11 @@ def _describe(place: dict[str, Any], local: tuple[int, ...]) -> str:
 
 
 class _Walker:
-    def __init__(self, stepped: Collection[int] | None) -> None:
+    def __init__(self, live: bool) -> None:
         self.entries: list[Entry] = []
         self.tensors: list[torch.Tensor] = []
         self.uncaptured: list[str] = []
-        self.stepped = stepped
+        self.live = live
         self.by_reference = False
 
     def add(self, t: torch.Tensor, path: str, live: _Live, copied: bool = False) -> int:
@@ -304,7 +302,7 @@ class _Walker:
                     doc["m"] = self.node(v._metadata, _join(path, "_metadata"), _never)
             return doc
         if _is_stateful(v):
-            return {"S": self.node(v.state_dict(), path, _live_tensors(v, path, self.stepped))}
+            return {"S": self.node(v.state_dict(), path, _live_tensors(v, path) if self.live else _never)}
         if _uncaptured(v):
             self.uncaptured.append(path)
             return {"X": kind.__qualname__}
@@ -316,11 +314,10 @@ class _Walker:
         return self.node(k, path, _never)
 
 
-def capture(state: Mapping[str, Any], *, rng: bool = True, stepped: Collection[int] | None = None) -> Capture:
-    """Flatten ``state`` (and the RNG states when ``rng``) into a layout, its tensors and a skeleton. ``stepped``:
-    the storage addresses of the tensors only an optimizer step changes (None: every parameter and optimizer
-    state tensor); see the module docstring."""
-    walker = _Walker(stepped)
+def capture(state: Mapping[str, Any], *, rng: bool = True, live: bool = True) -> Capture:
+    """Flatten ``state`` (and the RNG states when ``rng``) into a layout, its tensors and a skeleton. ``live``:
+    parameters and optimizer state are taken by reference (see the module docstring)."""
+    walker = _Walker(live)
     nodes: dict[str, Any] = {}
     for key, value in state.items():
         if type(key) is not str or key == RNG_KEY:
