@@ -132,6 +132,22 @@ def test_outside_ftrun_the_snapshotter_warns_once_and_does_nothing():
     assert result.stderr.count("not running under ftrun") == 1
 
 
+def test_a_step_that_goes_back_is_refused_in_one_line_outside_ftrun_too():
+    """A restore takes the newest step, so save() refuses a step that goes back (one counted per epoch), and a
+    step that is not an integer; an int tensor or a numpy integer is one."""
+    code = ("import numpy, torch, ftrun\n"
+            "s = ftrun.Snapshotter({'w': torch.zeros(2)})\n"
+            "s.save(5); s.save(5); s.save(torch.tensor(6)); s.save(numpy.int64(7))\n"
+            "try:\n    s.save(7.5)\nexcept TypeError:\n    print('not an int')\n"
+            "s.save(3)\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert result.returncode != 0 and result.stdout.strip() == "not an int", (result.stdout, result.stderr)
+    assert result.stderr.strip().splitlines()[-1] == (
+        "ValueError: Snapshotter.save(3): the step went back (the previous one was 7); pass a step that grows "
+        "over the whole run, not one that starts again each epoch"), result.stderr
+
+
 def test_ranks_at_uneven_paces_skip_snapshots_then_are_paced_and_restore_a_recent_step_both_hold(start_job):
     """No collectives, rank 1 six times slower: rank 0 skips its snapshots while rank 1 does not hold its newest
     one, then waits in save() (beating, not hung) once its restore point would fall more than STALE_INTERVALS

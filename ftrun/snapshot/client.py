@@ -36,6 +36,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import functools
+import operator
 import os
 import signal
 import sys
@@ -124,6 +125,7 @@ class Snapshotter:
         self.skipped = 0  # snapshots skipped because the previous one was not yet secured job-wide
         self._pending: tuple[int, Capture, bytes, Any] | None = None  # the newest save() if skipped (see wait())
         self._saved_step = 0  # the step of the newest save() call, a snapshot step or not
+        self._restored = 0
         name = os.environ.get(ENV_KEEPER_SOCKET)
         self.active = bool(name)
         if not self.active:
@@ -144,7 +146,6 @@ class Snapshotter:
         self._disabled = False
         self.last_copy_seconds = 0.0
         self._window: tuple[BucketWarmup, LoaderSeedGuard] | None = None  # the resume window (module docstring)
-        self._restored = 0
         self._told_uncaptured = False
         _SNAPSHOTTERS.add(self)
 
@@ -190,11 +191,18 @@ class Snapshotter:
 
     # -- save -----------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
-        """Beat; every ``every`` steps also snapshot the state at ``step``, copying in the background."""
+        """Beat; every ``every`` steps also snapshot the state at ``step``, copying in the background. ``step`` is
+        an int that never goes back over the run (a restore takes the newest step): a step counted from 0 again
+        each epoch is a ``ValueError``, outside ftrun too."""
+        step = operator.index(step)
+        if step < max(self._saved_step, self._restored):
+            raise ValueError(f"Snapshotter.save({step}): the step went back (the previous one was "
+                             f"{max(self._saved_step, self._restored)}); pass a step that grows over the whole run, "
+                             "not one that starts again each epoch")
         heartbeat(step)
+        self._saved_step = step
         if not self.active:
             return
-        self._saved_step = step
         if step > self._restored:
             self._end_resume_window()
         if self._disabled or step % self.every:
