@@ -119,6 +119,12 @@ def test_too_small_shm_stops_the_job_with_one_line_saying_how_much_is_needed(sta
     assert os.listdir(small) == [], "segments left in the small tmpfs"
 
 
+def run_outside_ftrun(code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` with no ftrun or torchelastic variable in its environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+
+
 def test_outside_ftrun_the_snapshotter_warns_once_and_does_nothing():
     code = ("import torch, ftrun\n"
             "m = torch.nn.Linear(2, 2); o = torch.optim.AdamW(m.parameters())\n"
@@ -126,8 +132,7 @@ def test_outside_ftrun_the_snapshotter_warns_once_and_does_nothing():
             "assert s.restore() == 0\n"
             "m(torch.ones(1, 2)).sum().backward(); o.step(); s.save(1); s.wait()\n"
             "print('ok')\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    result = run_outside_ftrun(code)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
     assert result.stderr.count("not running under ftrun") == 1
 
@@ -140,8 +145,7 @@ def test_a_step_that_goes_back_is_refused_in_one_line_outside_ftrun_too():
             "s.save(5); s.save(5); s.save(torch.tensor(6)); s.save(numpy.int64(7))\n"
             "try:\n    s.save(7.5)\nexcept TypeError:\n    print('not an int')\n"
             "s.save(3)\n")
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("FTRUN_", "TORCHELASTIC_"))}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    result = run_outside_ftrun(code)
     assert result.returncode != 0 and result.stdout.strip() == "not an int", (result.stdout, result.stderr)
     assert result.stderr.strip().splitlines()[-1] == (
         "ValueError: Snapshotter.save(3): the step went back (the previous one was 7); pass a step that grows "

@@ -2,8 +2,8 @@
 others 0.05 s. A fast rank skips its snapshots while its newest one is not held by rank 1 yet, and waits for rank
 1 once it is far enough ahead. The weights are a module's parameter, updated by hand (no optimizer; the snapshot
 clones them at save()) or with --optimizer by an SGD step (the snapshot copies them live); --after-loop changes
-them once the loop is done, as a script that loads its best weights does. After a restore each rank checks that its state is the restored
-step's; at the end it prints it."""
+them once the loop is done, as a script that loads its best weights does. After a restore each rank checks that
+its state is the restored step's; at the end it prints it."""
 
 import argparse
 import os
