@@ -37,7 +37,7 @@ Invariants:
 * A tensor is taken by reference only when only an optimizer step changes it: its memory is that of a parameter
   or a state tensor of an optimizer seen stepping. The first save before any optimizer step clones everything.
 * A job uses either a Snapshotter of its own or this module, never both: the keeper holds one snapshot stream per
-  rank, and ``restore`` answers once per process.
+  rank, and ``restore`` answers once per process (the second Snapshotter of a process raises).
 * The snapshot restored at start is held in this process's memory (one copy of the rank's state) until the
   first ``MemoryWriter`` save; a ``MemoryReader`` made after that save is refused.
 * Like the Snapshotter, a write the keeper refuses turns RAM snapshots off for the process with one line on

@@ -152,6 +152,20 @@ def test_a_step_that_goes_back_is_refused_in_one_line_outside_ftrun_too():
         "over the whole run, not one that starts again each epoch"), result.stderr
 
 
+def test_a_second_snapshotter_in_a_process_is_refused_in_one_line(start_job, tmp_path):
+    """The keeper holds one snapshot stream per rank: a second Snapshotter (one for the model, one for the
+    optimizer, say) would interleave theirs, so making it raises at once, and the job stops as a crash loop."""
+    script = tmp_path / "two.py"
+    script.write_text("import torch, ftrun\n"
+                      "model = torch.nn.Linear(2, 2)\n"
+                      "first = ftrun.Snapshotter({'model': model})\n"
+                      "second = ftrun.Snapshotter({'optim': torch.optim.SGD(model.parameters(), lr=0.1)})\n")
+    job = start_job("--nnodes", "1", "--nproc-per-node", "1", str(script))
+    assert job.wait(120) == 3, job.output
+    assert "RuntimeError: ftrun.Snapshotter: this process has one already" in job.output, job.output
+    assert "failed the same way twice before its first step" in job.output, job.output
+
+
 def test_ranks_at_uneven_paces_skip_snapshots_then_are_paced_and_restore_a_recent_step_both_hold(start_job):
     """No collectives, rank 1 six times slower: rank 0 skips its snapshots while rank 1 does not hold its newest
     one, then waits in save() (beating, not hung) once its restore point would fall more than STALE_INTERVALS

@@ -105,7 +105,8 @@ class Snapshotter:
 
     ``state`` maps names to modules, optimizers, LR schedulers, anything with ``state_dict()`` and
     ``load_state_dict()``, tensors, numpy arrays and plain values (plain values are restored into this
-    dict). RNG states are included unless ``rng=False``. Outside ftrun it warns once and does nothing.
+    dict). RNG states are included unless ``rng=False``. Outside ftrun it warns once and does nothing. Under
+    ftrun a process has one at a time (a second is a ``RuntimeError``): the keeper holds one stream per rank.
     While the job has not yet secured this rank's newest snapshot (held by every rank, protected by parity), a
     snapshot is skipped rather than waited for, unless that newest one is more than a few intervals old
     (:mod:`ftrun.snapshot.keeper`); ``skip=False`` always waits: a snapshot at exactly every ``every``
@@ -133,6 +134,10 @@ class Snapshotter:
                 Snapshotter._warned = True
                 print("ftrun.Snapshotter: not running under ftrun; snapshots are off", file=sys.stderr)
             return
+        if len(_SNAPSHOTTERS):
+            raise RuntimeError("ftrun.Snapshotter: this process has one already (ftrun.dcp's writer and reader use "
+                               "one too); the keeper holds one snapshot stream per rank: put every object in one "
+                               "state")
         self._keeper = KeeperClient(name or "")
         self._rank = int(os.environ["LOCAL_RANK"])
         self._generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
