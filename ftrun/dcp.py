@@ -151,8 +151,15 @@ class MemoryWriter(StorageWriter):
             raise ValueError(f"ftrun.dcp.MemoryWriter: step must be an int >= 1, got {step!r}")
         self.step = step
         self._local: SavePlan | None = None
+        self._pid = os.getpid()  # a copy in another process (async_save's process mode) is refused: see reset()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
+        """DCP's first call of a save. In another process than the one that made the writer (``dcp.async_save``
+        with ``AsyncCheckpointerType.PROCESS`` saves in a process it spawns) it raises: the keeper holds one
+        snapshot stream per trainer, written by the trainer's own process."""
+        if os.getpid() != self._pid:
+            raise RuntimeError("ftrun.dcp.MemoryWriter saves in the trainer's process only: use dcp.async_save's "
+                               "thread mode (the default), not AsyncCheckpointerType.PROCESS")
         _no_checkpoint_id("MemoryWriter", checkpoint_id)
         self._local = None
 

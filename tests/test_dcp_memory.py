@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 import subprocess
 import sys
@@ -36,6 +37,22 @@ def test_outside_ftrun_both_classes_refuse_at_once(monkeypatch):
         with pytest.raises(RuntimeError, match=message):
             make()
     assert time.monotonic() - t0 < 1
+
+
+@pytest.mark.timeout(60)
+def test_a_writer_copied_into_another_process_refuses_to_save(monkeypatch, tmp_path):
+    """``dcp.async_save`` with ``AsyncCheckpointerType.PROCESS`` pickles the writer into a process it spawns: that
+    copy refuses at DCP's first call, in one line, instead of writing as the trainer."""
+    monkeypatch.setenv(ENV_KEEPER_SOCKET, "test-keeper")
+    writer = tmp_path / "writer.pickle"
+    writer.write_bytes(pickle.dumps(ftrun.dcp.MemoryWriter(5)))
+    code = ("import pickle, sys\n"
+            "writer = pickle.loads(open(sys.argv[1], 'rb').read())\n"
+            "try:\n    writer.reset()\nexcept RuntimeError as err:\n    print(err)\n")
+    result = subprocess.run([sys.executable, "-c", code, str(writer)], capture_output=True, text=True, timeout=50)
+    assert result.stdout.strip() == ("ftrun.dcp.MemoryWriter saves in the trainer's process only: use "
+                                     "dcp.async_save's thread mode (the default), not "
+                                     "AsyncCheckpointerType.PROCESS"), (result.stdout, result.stderr)
 
 
 class FakeSnapshotter:
