@@ -154,16 +154,16 @@ def test_a_step_that_goes_back_is_refused_in_one_line_outside_ftrun_too():
 
 def test_a_second_snapshotter_in_a_process_is_refused_in_one_line(start_job, tmp_path):
     """The keeper holds one snapshot stream per rank: a second Snapshotter (one for the model, one for the
-    optimizer, say) would interleave theirs, so making it raises at once, and the job stops as a crash loop."""
+    optimizer, say) would interleave theirs, so making it raises at once (and the job stops, with no restart left
+    here)."""
     script = tmp_path / "two.py"
     script.write_text("import torch, ftrun\n"
                       "model = torch.nn.Linear(2, 2)\n"
                       "first = ftrun.Snapshotter({'model': model})\n"
                       "second = ftrun.Snapshotter({'optim': torch.optim.SGD(model.parameters(), lr=0.1)})\n")
-    job = start_job("--nnodes", "1", "--nproc-per-node", "1", str(script))
+    job = start_job("--nnodes", "1", "--nproc-per-node", "1", "--max-restarts", "0", str(script))
     assert job.wait(120) == 3, job.output
     assert "RuntimeError: ftrun.Snapshotter: this process has one already" in job.output, job.output
-    assert "failed the same way twice before its first step" in job.output, job.output
 
 
 def test_ranks_at_uneven_paces_skip_snapshots_then_are_paced_and_restore_a_recent_step_both_hold(start_job):
@@ -187,31 +187,21 @@ def test_ranks_at_uneven_paces_skip_snapshots_then_are_paced_and_restore_a_recen
 
 
 def test_a_snapshot_skipped_at_the_end_of_training_is_taken_at_exit_and_persisted(start_job, tmp_path):
-    """Rank 0, ahead of rank 1, skips its snapshot of the last step and ends without calling wait(): at exit its
-    Snapshotter takes that snapshot after all, once rank 1 has caught up, so the final persist holds the last step."""
-    job = start_job("--nnodes", "1", "--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ckpt"),
-                    str(SCRIPTS / "uneven.py"), "--steps", "8", "--slow", "0.2", "--no-wait")
-    assert job.wait(120) == 0, job.output
-    assert re.search(r"rank 0 done at step 8 with weights 8, restored from step 0, [1-9]\d* snapshots skipped",
-                     job.output), job.output
-    assert "ftrun: durability ok: newest step on disk 8 (0 step(s) behind training" in job.output, job.output
-
-
-def test_a_skipped_snapshot_is_not_taken_at_exit_once_the_loop_went_on(start_job, tmp_path):
-    """save() every step, a snapshot every 2, weights updated by hand (no optimizer to hook): rank 0, ahead of rank
-    1, skips its snapshot of step 8, then step 9 changes its weights. At exit that snapshot is not taken (it would
-    hold step 9's weights as step 8's), so the job started again from ``--ckpt-dir`` restores a step whose weights
-    are that step's (the script checks) and ends as a run without a restart does."""
+    """Rank 0, ahead of rank 1, skips its snapshot of step 8 (one every 2 steps), takes one more step and ends
+    without calling wait(). Its weights are updated by hand (no optimizer), so save() cloned them: at exit its
+    Snapshotter takes that snapshot after all, once rank 1 has caught up, with step 8's weights, not step 9's. The
+    final persist holds step 8, and the job started again from it restores that step's weights (the script
+    checks) and ends as the first run did."""
     args = ("--nnodes", "1", "--nproc-per-node", "2", "--ckpt-dir", str(tmp_path / "ckpt"),
             str(SCRIPTS / "uneven.py"), "--steps", "9", "--every", "2", "--slow", "0.2", "--no-wait")
     first = start_job(*args)
     assert first.wait(120) == 0, first.output
     assert re.search(r"rank 0 done at step 9 with weights 9, restored from step 0, [1-9]\d* snapshots skipped",
                      first.output), first.output
+    assert "ftrun: durability ok: newest step on disk 8 " in first.output, first.output
     again = start_job(*args, job_id=first.job_id)
     assert again.wait(120) == 0, again.output
-    restored = re.search(r"rank 0 done at step 9 with weights 9, restored from step (\d+)", again.output)
-    assert restored and 0 < int(restored[1]) <= 8, again.output
+    assert "rank 0 done at step 9 with weights 9, restored from step 8," in again.output, again.output
 
 
 def test_a_skipped_snapshot_of_live_tensors_is_not_taken_at_exit(start_job, tmp_path):

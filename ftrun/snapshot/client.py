@@ -12,10 +12,11 @@ waits for the copy. Before that (a loop without an optimizer updates its paramet
 ``save()`` like buffers. So a snapshot is exactly the state at ``step``, and the copy overlaps the next forward
 and backward.
 
-A snapshot the keeper told ``save()`` to skip is taken later only while the state is still that step's:
-by ``wait()`` while no optimizer has stepped and ``save()`` has not been called for a later step, and at
-interpreter exit only if it holds no live tensor (the script may have changed them after its loop, loading its
-best weights say; the newest snapshot taken stays the final one).
+A snapshot the keeper told ``save()`` to skip is taken later (by ``wait()``, or at interpreter exit) only while
+it is still that step's state: one that holds no live tensor (all cloned at ``save()``) always; one that does
+by ``wait()``, while no optimizer has stepped and ``save()`` has not been called for a later step, never at exit
+(the script may have changed the live tensors after its loop, loading its best weights say; the newest snapshot
+taken stays the final one).
 
 ``restore()`` asks the keeper for the step the job agreed on (it waits for the agreement), maps the slot,
 checks its header (committed, sealed, the agreed step, the layout's digest) and copies it into the live
@@ -235,10 +236,9 @@ class Snapshotter:
 
     def wait(self) -> None:
         """Block until the newest ``save()``'s snapshot is committed; if it was skipped, take it now, waiting for a
-        slot: only while the state is still that step's, that is while no optimizer has stepped and ``save()``
-        has not been called for a later step since. Called after the training loop, it puts the state at its end
-        in RAM (and on disk with ``--ckpt-dir``); at interpreter exit it runs by itself, but takes a skipped
-        snapshot only if it holds no live tensor (module doc).
+        slot, if it is still that step's state (module doc). Called after the training loop, it puts the state at
+        its end in RAM (and on disk with ``--ckpt-dir``); at interpreter exit it runs by itself, but takes a
+        skipped snapshot only if it holds no live tensor.
 
         While the copy waits for the keeper to give it a slot (until the job has agreed its restore step; and when
         it does not skip, until every rank holds this rank's newest snapshot, with parity until the job has
@@ -257,10 +257,8 @@ class Snapshotter:
             return
         self._drop_pending()
         step, taken = pending[0], pending[1]
-        if step != self._saved_step:  # the loop went on past the skipped step: the state is no longer its own
-            return
-        if at_exit and taken.by_reference:
-            if os.environ.get("RANK", "0") == "0":
+        if taken.by_reference and (at_exit or step != self._saved_step):  # the live tensors may have changed
+            if at_exit and os.environ.get("RANK", "0") == "0":
                 print(f"ftrun.Snapshotter: the snapshot of step {step} was skipped and is not taken at exit (the "
                       "script may have changed the live tensors since); the newest one taken stays the last. Call "
                       "wait() after the loop to take it.", file=sys.stderr, flush=True)
