@@ -84,11 +84,13 @@ def test_a_survivor_lost_during_a_rebuild_is_one_more_lost_node(start_job, tmp_p
                       "--inject", "node-loss@node=1,step=25", "--inject", "serve-loss@node=2,step=1,gen=1",
                       nodes=shape(4, 1))
     assert any(e["event"] == "inject" and "while it serves a peer's rebuild" in e["message"] for e in job.events())
-    assert any(e["event"] == "rebuild_failed" and e.get("peer_lost") for e in job.events()), job.output
+    failed = [e for e in job.events() if e["event"] == "rebuild_failed" and e.get("peer_lost")]
+    assert failed, job.output
     assert not any(e["event"] == "restore_source_failed" for e in job.events()), job.output
     decided = restores(job)
     last = decided[max(decided)]
-    assert last["restored_from"] == "parity" and last["step"] == 20, last
+    # the step the failed rebuild was for: 20 unless step 20 was not yet protected everywhere when node 1 was lost
+    assert last["restored_from"] == "parity" and last["step"] == failed[0]["step"] in (10, 20), last
     assert set(last["rebuilt"]) == {"1", "2"}, last
     # m = 2: each position computed both parity fragments of its own stripe and pushed the second to its holder
     assert any(e["event"] == "parity" and e.get("pushed") == [1] for e in job.events()), job.output
