@@ -176,6 +176,7 @@ def test_dcp_async_save_to_ram_resumes_a_crash_bitwise(start_job, tmp_path):
     restored = re.search(r"restore step (\d+) from RAM", job.output)
     assert restored and restored[1] in ("5", "10"), job.output  # the save of step 10 may still be copying
     assert f"starting at step {restored[1]}" in job.output
+    assert "save() before restore()" not in job.output  # MemoryReader restored through the Snapshotter
 
 
 @pytest.mark.extended  # make test: test_sharded's FSDP x TP node loss

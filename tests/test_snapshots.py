@@ -166,6 +166,18 @@ def test_a_second_snapshotter_in_a_process_is_refused_in_one_line(start_job, tmp
     assert "RuntimeError: ftrun.Snapshotter: this process has one already" in job.output, job.output
 
 
+def test_a_restarted_trainer_that_saves_without_restoring_is_told_in_one_line(start_job, tmp_path):
+    """A script that never calls restore() starts over after a restart while the job restores a step: one line
+    says so, once, and the job goes on."""
+    script = tmp_path / "no_restore.py"
+    script.write_text("import torch, ftrun\n"
+                      "snap = ftrun.Snapshotter({'w': torch.zeros(4)})\n"
+                      "for step in range(6):\n    snap.save(step + 1)\n")
+    job = start_job("--nnodes", "1", "--nproc-per-node", "1", "--inject", "crash@rank=0,step=3", str(script))
+    assert job.wait(120) == 0, job.output
+    assert job.output.count("ftrun.Snapshotter: save() before restore() in restarted generation 1:") == 1, job.output
+
+
 def test_ranks_at_uneven_paces_skip_snapshots_then_are_paced_and_restore_a_recent_step_both_hold(start_job):
     """No collectives, rank 1 six times slower: rank 0 skips its snapshots while rank 1 does not hold its newest
     one, then waits in save() (beating, not hung) once its restore point would fall more than STALE_INTERVALS

@@ -153,6 +153,7 @@ class Snapshotter:
         self.last_copy_seconds = 0.0
         self._window: tuple[BucketWarmup, LoaderSeedGuard] | None = None  # the resume window (module docstring)
         self._told_uncaptured = False
+        self._asked_restore = False  # restore() was called (a restarted trainer that never does resumes nothing)
         _SNAPSHOTTERS.add(self)
 
     # -- restore --------------------------------------------------------------------------------------------
@@ -160,6 +161,7 @@ class Snapshotter:
         """Load the snapshot every rank agreed on into the live state; returns its step (0: none)."""
         if not self.active:
             return 0
+        self._asked_restore = True
         plan = self._keeper.request("restore", rank=self._rank, generation=self._generation)
         step = int(plan["step"])
         if step == 0:
@@ -209,6 +211,12 @@ class Snapshotter:
         self._saved_step = step
         if not self.active:
             return
+        if not self._asked_restore and self._generation > 0:
+            self._asked_restore = True  # said once
+            if os.environ.get("RANK", "0") == "0":
+                print(f"ftrun.Snapshotter: save() before restore() in restarted generation {self._generation}: "
+                      "this trainer does not resume from the step the job agreed on; call restore() (or load "
+                      "through ftrun.dcp.MemoryReader) before the training loop", file=sys.stderr, flush=True)
         if step > self._restored:
             self._end_resume_window()
         if self._disabled or step % self.every:
