@@ -139,14 +139,19 @@ def test_outside_ftrun_the_snapshotter_warns_once_and_does_nothing():
 
 def test_a_step_that_goes_back_is_refused_in_one_line_outside_ftrun_too():
     """A restore takes the newest step, so save() refuses a step that goes back (one counted per epoch), and a
-    step that is not an integer; an int tensor or a numpy integer is one."""
+    step that is not an integer; an int tensor or a numpy integer is one. ``every`` is an int >= 1."""
     code = ("import numpy, torch, ftrun\n"
             "s = ftrun.Snapshotter({'w': torch.zeros(2)})\n"
             "s.save(5); s.save(5); s.save(torch.tensor(6)); s.save(numpy.int64(7))\n"
             "try:\n    s.save(7.5)\nexcept TypeError:\n    print('not an int')\n"
+            "for every in (0, 2.5, True):\n"
+            "    try:\n        ftrun.Snapshotter({}, every=every)\n"
+            "    except ValueError as err:\n        print(err)\n"
             "s.save(3)\n")
     result = run_outside_ftrun(code)
-    assert result.returncode != 0 and result.stdout.strip() == "not an int", (result.stdout, result.stderr)
+    assert result.returncode != 0 and result.stdout.strip().splitlines() == [
+        "not an int", *(f"ftrun.Snapshotter: every must be an int >= 1, got {v}" for v in ("0", "2.5", "True"))
+    ], (result.stdout, result.stderr)
     assert result.stderr.strip().splitlines()[-1] == (
         "ValueError: Snapshotter.save(3): the step went back (the previous one was 7); pass a step that grows "
         "over the whole run, not one that starts again each epoch"), result.stderr

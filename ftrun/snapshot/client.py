@@ -118,8 +118,9 @@ class Snapshotter:
 
     def __init__(self, state: MutableMapping[str, Any], every: int = 1, *, rng: bool = True,
                  skip: bool = True) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
+        if isinstance(every, bool) or not hasattr(type(every), "__index__") or operator.index(every) < 1:
+            raise ValueError(f"ftrun.Snapshotter: every must be an int >= 1, got {every!r}")
+        every = operator.index(every)  # a numpy integer is one
         self.state = state
         self.every = every
         self.rng = rng
