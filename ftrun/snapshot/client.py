@@ -154,7 +154,8 @@ class Snapshotter:
         self.last_copy_seconds = 0.0
         self._window: tuple[BucketWarmup, LoaderSeedGuard] | None = None  # the resume window (module docstring)
         self._told_uncaptured = False
-        self._asked_restore = False  # restore() was called (a restarted trainer that never does resumes nothing)
+        self._asked_restore = False  # restore() was called, or save() said it was not (a restarted trainer that
+        # never calls it resumes nothing)
         _SNAPSHOTTERS.add(self)
 
     # -- restore --------------------------------------------------------------------------------------------
@@ -203,17 +204,16 @@ class Snapshotter:
         """Beat; every ``every`` steps also snapshot the state at ``step``, copying in the background. ``step`` is
         an int that never goes back over the run (a restore takes the newest step): a step counted from 0 again
         each epoch is a ``ValueError``, outside ftrun too."""
-        step = operator.index(step)
-        if step < max(self._saved_step, self._restored):
-            raise ValueError(f"Snapshotter.save({step}): the step went back (the previous one was "
-                             f"{max(self._saved_step, self._restored)}); pass a step that grows over the whole run, "
-                             "not one that starts again each epoch")
+        step, previous = operator.index(step), max(self._saved_step, self._restored)
+        if step < previous:
+            raise ValueError(f"Snapshotter.save({step}): the step went back (the previous one was {previous}); "
+                             "pass a step that grows over the whole run, not one that starts again each epoch")
         heartbeat(step)
         self._saved_step = step
         if not self.active:
             return
         if not self._asked_restore and self._generation > 0:
-            self._asked_restore = True  # said once
+            self._asked_restore = True  # say it once
             if os.environ.get("RANK", "0") == "0":
                 print(f"ftrun.Snapshotter: save() before restore() in restarted generation {self._generation}: "
                       "this trainer does not resume from the step the job agreed on; call restore() (or load "

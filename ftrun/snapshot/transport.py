@@ -56,7 +56,6 @@ HANDSHAKE_TIMEOUT = 5.0
 LISTEN_BACKLOG = 128
 IDLE_CONNECTIONS = 4  # idle connections a PeerPool keeps per peer
 KEEPALIVE = {"TCP_KEEPIDLE": 30, "TCP_KEEPINTVL": 10, "TCP_KEEPCNT": 3}  # drops a vanished peer in ~1 min
-CLOSED_BEFORE_REPLY = "connection closed by the peer"
 BUSY_BACKOFF = (0.01, 0.5)  # first and longest pause before connecting again to a peer that was at its limit
 
 
@@ -79,6 +78,10 @@ class _Violation(Exception):
 
 class _Refused(_Violation):
     """The server closed the connection before its greeting: what it does beyond its ``max_connections``."""
+
+
+class _ClosedBeforeReply(_Violation):
+    """The peer closed the connection before any byte of the reply (on a kept connection: a stale one)."""
 
 
 @dataclass(frozen=True)
@@ -458,8 +461,8 @@ class PeerClient:
             try:
                 try:
                     reply = self._exchange(head, body, view)
-                except (ConnectionResetError, BrokenPipeError, _Violation) as exc:
-                    if not reused or not (isinstance(exc, OSError) or str(exc) == CLOSED_BEFORE_REPLY):
+                except (ConnectionResetError, BrokenPipeError, _ClosedBeforeReply):
+                    if not reused:
                         raise
                     self._close()  # the kept connection was stale: one more try on a new one
                     reply = self._exchange(head, body, view)
@@ -479,7 +482,7 @@ class PeerClient:
             self._sock.sendall(body)
         reply = _recv_frame(self._sock, self.max_payload, view)
         if reply is None:
-            raise _Violation(CLOSED_BEFORE_REPLY)
+            raise _ClosedBeforeReply("connection closed by the peer")
         return reply
 
     def _connect_admitted(self) -> socket.socket:
