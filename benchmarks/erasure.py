@@ -8,15 +8,15 @@ each, this script runs a real ftrun job of :mod:`erasure_worker` (a snapshot eve
 of its ranks (the worker reports its state bytes). Times are medians.
 
 - Encode, codec alone: :func:`~ftrun.snapshot.erasure.encode_parity` in this process for the m stripes a keeper
-  holds parity of, its fetches copies from memory; ``--reps`` repetitions. Encode, end to end: the keepers'
-  ``parity`` events (fetch of the data fragments from
-  the other keepers over TCP, encoding, writing the parity file, checks), blob / seconds per keeper, median over
-  the steps before the node loss except each keeper's first two (they allocate the two parity files, shown
-  apart); the trainers run meanwhile, as in training. The job's pace of protection: median seconds between two
-  steps protected by parity on every node (``protected`` events), past the first two. With m >= 2, the share of
-  the fragments k + 1.. that their stripes' own positions pushed (the rest the holders computed from the data
-  themselves). Encode, one keeper alone: as a keeper, over loopback TCP from peer servers (with m >= 2: its own
-  stripe, the other fragments pushed to a peer).
+  holds parity of, its fetches copies from memory; ``--reps`` repetitions. With m >= 2, also with pyeclib's own
+  arithmetic where ISA-L's kernels compute (:mod:`ftrun.snapshot.gf_kernels`), as without ISA-L's library. Encode,
+  end to end: the keepers' ``parity`` events (fetch of the data fragments from the other keepers over TCP, encoding,
+  writing the parity file, checks), blob / seconds per keeper, median over the steps before the node loss except
+  each keeper's first two (they allocate the two parity files, shown apart); the trainers run meanwhile, as in
+  training. The job's pace of protection: median seconds between two steps protected by parity on every node
+  (``protected`` events), past the first two. With m >= 2, the share of the fragments k + 1.. that their stripes'
+  own positions pushed (the rest the holders computed from the data themselves). Encode, one keeper alone: as a
+  keeper, over loopback TCP from peer servers (with m >= 2: its own stripe, the other fragments pushed to a peer).
 - Rebuild: the slowest ``rebuilt`` event of the lost nodes' replacement keepers (bytes, seconds; each reads k x
   those bytes from k survivors), against a plain loopback TCP copy of as many bytes by this script (a thread
   sends a file in /dev/shm with ``socket.sendfile``, the client receives it with ``recv_into`` into a faulted
@@ -69,7 +69,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,6 +81,7 @@ from isal.isal_zlib import crc32
 from ftrun.control.spec import shm_dir
 from ftrun.snapshot.erasure import (DEFAULT_BACKEND, Codec, Scratch, Segment, StripeLayout, encode_parity,
                                     rebuild_chunk)
+from ftrun.snapshot.gf_kernels import ENV_ISAL_LIBRARY, load_isal
 from ftrun.snapshot.heap import reuse_large_blocks
 from ftrun.snapshot.slot import HEADER_SIZE, AheadAllocator, SlotFile
 from ftrun.snapshot.transport import FileRange, PeerClient, PeerServer, Reply
@@ -146,7 +147,23 @@ class Job:
         return int(self.records[0]["state_bytes"])
 
 
-# -- pyeclib alone ---------------------------------------------------------------------------------------------
+# -- the codec alone -------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def pyeclib_only() -> Iterator[None]:
+    """pyeclib's own arithmetic in this process where ISA-L's kernels would compute (as without ISA-L's library)."""
+    saved = os.environ.get(ENV_ISAL_LIBRARY)
+    os.environ[ENV_ISAL_LIBRARY] = ""
+    load_isal.cache_clear()
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[ENV_ISAL_LIBRARY]
+        else:
+            os.environ[ENV_ISAL_LIBRARY] = saved
+        load_isal.cache_clear()
+
+
 def codec_seconds(shape: Shape, blob: int, reps: int) -> tuple[list[float], list[float]]:
     """Seconds, per rep, of one keeper's encode (its m stripes) and of a lost node's rebuild (its k chunks) of
     blobs of ``blob`` random bytes with :mod:`ftrun.snapshot.erasure` alone, its fetches copies from memory (the
@@ -450,6 +467,7 @@ class Result:
     state: int  # bytes per node
     encode_alone: float  # seconds, the codec alone
     rebuild_alone: float  # seconds, the codec alone
+    pyeclib_alone: tuple[float, float] | None  # (encode, rebuild) seconds, the codec alone with pyeclib's arithmetic
     encode_tcp: float  # seconds, one keeper alone over loopback TCP
     rebuild_tcp: float  # seconds, one rebuild alone over loopback TCP
     rebuild_prepared: float  # the same into slots allocated before it began
@@ -530,14 +548,19 @@ def measure(shape: Shape, args: argparse.Namespace, workdir: str) -> Result:
     job = run_job(shape, args, workdir)
     steady, first = steady_encodes(job)
     encode, rebuild = codec_seconds(shape, job.state_bytes, args.reps)
+    pyeclib_alone = None
+    if shape.parity > 1:
+        with pyeclib_only():
+            encode_pyeclib, rebuild_pyeclib = codec_seconds(shape, job.state_bytes, args.reps)
+        pyeclib_alone = med(encode_pyeclib), med(rebuild_pyeclib)
     encode_tcp, rebuild_tcp, rebuild_prepared = pipeline_alone(shape, job.state_bytes, args.reps)
     rebuilt = max(job.of("rebuilt"), key=lambda e: e["seconds"])
     tcp = tcp_copy_seconds(rebuilt["bytes"], args.reps)
     tcp_fresh = tcp_copy_seconds(rebuilt["bytes"], args.reps, fresh=True)
-    return Result(shape, job.state_bytes, med(encode), med(rebuild), med(encode_tcp), med(rebuild_tcp),
-                  med(rebuild_prepared), steady, pushed_share(job, shape.parity), protection_interval(job),
-                  med(first), job.of("parity")[0]["parity_bytes"], rebuilt, med(tcp), med(tcp_fresh),
-                  job.of("recovered")[0]["seconds"], job.memory, job.records)
+    return Result(shape, job.state_bytes, med(encode), med(rebuild), pyeclib_alone, med(encode_tcp),
+                  med(rebuild_tcp), med(rebuild_prepared), steady, pushed_share(job, shape.parity),
+                  protection_interval(job), med(first), job.of("parity")[0]["parity_bytes"], rebuilt, med(tcp),
+                  med(tcp_fresh), job.of("recovered")[0]["seconds"], job.memory, job.records)
 
 
 # -- training with parity on and off ---------------------------------------------------------------------------
@@ -599,6 +622,8 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     print()
     row("", *(r.shape.name for r in results))
     row("encode per keeper: codec alone", *(r.gbs(r.encode_alone) for r in results))
+    row("  with pyeclib's arithmetic (no ISA-L kernels)", *("-" if r.pyeclib_alone is None else
+                                                           r.gbs(r.pyeclib_alone[0]) for r in results))
     row("encode: one keeper alone over TCP", *(r.gbs(r.encode_tcp) for r in results))
     row("encode per keeper: end to end (parity events)", *(r.gbs(r.encode) for r in results))
     row("  each keeper, node 0, 1, ... (GB/s)", *(spread([r.state / t / GB for t in r.keepers.values()])
@@ -614,6 +639,8 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
     row("  its slots allocated before it began", *(f"{r.rebuilt.get('allocated_ahead', 0) / (r.rebuilt['bytes']):.0%}"
                                                    for r in results))
     row("  codec alone", *(f"{r.rebuild_alone:.3f} s" for r in results))
+    row("  with pyeclib's arithmetic (no ISA-L kernels)", *("-" if r.pyeclib_alone is None else
+                                                           f"{r.pyeclib_alone[1]:.3f} s" for r in results))
     row("  one rebuild alone over TCP (allocation, CRC)", *(f"{r.rebuild_tcp:.3f} s" for r in results))
     row("  the same into slots allocated before", *(f"{r.rebuild_prepared:.3f} s" for r in results))
     row("plain TCP copy of the bytes rebuilt", *(f"{r.tcp:.3f} s" for r in results))

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from pyeclib.ec_iface import ECDriver
 from isal.isal_zlib import crc32
 
+from ftrun.snapshot.gf_kernels import ENV_ISAL_LIBRARY, PROBE, Combination, load_isal
 from ftrun.snapshot.erasure import (ALIGN, BACKENDS, CODE_PART, DEFAULT_BACKEND, PIECE, Codec, CorruptFragment,
                                     Segment, StripeLayout, Terms, default_group, encode_parity, group_problem,
                                     rebuild_chunk)
@@ -100,9 +101,29 @@ def test_any_m_lost_positions_are_rebuilt_byte_for_byte(case):
         assert bytes(memory[0] + memory[1]) == blobs[position]
 
 
+@pytest.fixture(params=["isa-l", "pyeclib"])
+def kernels(request, monkeypatch):
+    """Both engines of the codec's Reed-Solomon arithmetic: ISA-L's kernels with coefficients learned from
+    pyeclib (the default where ISA-L's field is the code's), and pyeclib alone (no ISA-L library found)."""
+    if request.param == "pyeclib":
+        monkeypatch.setenv(ENV_ISAL_LIBRARY, "")
+    load_isal.cache_clear()
+    yield request.param
+    load_isal.cache_clear()
+
+
+def uses_isal(codec: Codec, kernels: str) -> bool:
+    """Whether ``codec`` computed its combinations with ISA-L, as expected with ``kernels``: ISA-L's backends,
+    not liberasurecode's own field."""
+    used = {combination is not None for combination in codec._combinations.values()}
+    expected = kernels == "isa-l" and codec.backend.startswith("isa_l")
+    assert used <= {expected}, (codec.backend, kernels)
+    return expected
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("k,m", [(1, 1), (2, 1), (3, 1), (4, 2), (2, 3)])
-def test_parity_is_pyeclibs_own_bytes(backend, k, m):
+def test_parity_is_pyeclibs_own_bytes(backend, k, m, kernels):
     """The XOR fast path and parity by reconstruction give exactly the parity payloads of pyeclib's encode, alone
     and with the stripe's other parity fragments computed from the same data pieces and handed on (``also``,
     as a keeper pushes them to their holders), each with its CRC-32."""
@@ -135,11 +156,12 @@ def test_parity_is_pyeclibs_own_bytes(backend, k, m):
             assert handed[u, offset] == (expected(u, offset, length), crc32(expected(u, offset, length))), (u, offset)
     assert len(handed) == (m - 1) * len(layout.pieces(chunk_len))
     assert codec.xor_first == (k == 1 or backend != "isa_l_rs_cauchy")
+    uses_isal(codec, kernels)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("k,m", [(2, 2), (4, 2), (3, 3)])
-def test_the_xor_of_the_sources_terms_is_pyeclibs_reconstruction(backend, k, m):
+def test_the_xor_of_the_sources_terms_is_pyeclibs_reconstruction(backend, k, m, kernels):
     """Each lost data fragment is the XOR of the terms of k survivors (what a relayed rebuild sums along their
     holders), over any range that starts aligned, a short last one included; bad terms never reach pyeclib."""
     driver = ECDriver(k=k, m=m, ec_type=backend)
@@ -154,6 +176,8 @@ def test_the_xor_of_the_sources_terms_is_pyeclibs_reconstruction(backend, k, m):
             for i in sources:
                 codec.add_term(Terms(want, tuple(sources)), i, fragments[i][start:end], memoryview(out))
             assert bytes(out) == fragments[want][start:end], (want, start)
+    assert codec._combinations
+    uses_isal(codec, kernels)
     for bad_sources, index, want in ((sources[:-1], sources[0], 0), (sources, lost[0], 0),
                                      ([lost[0], *sources[1:]], lost[0], lost[0]), (sources, sources[0], k + m)):
         with pytest.raises(ValueError, match="term of fragment"):
@@ -174,7 +198,7 @@ def test_malformed_pieces_never_reach_pyeclib():
 
 
 @pytest.mark.parametrize("length", [ALIGN, CODE_PART, 3 * CODE_PART + 5 * ALIGN])
-def test_a_piece_coded_in_parts_is_pyeclibs_own_bytes(length):
+def test_a_piece_coded_in_parts_is_pyeclibs_own_bytes(length, kernels):
     """Parity and a rebuilt fragment of a piece coded part by part (the last part shorter) are exactly what
     pyeclib gives for the whole piece at once."""
     k, m = 4, 2
@@ -188,6 +212,39 @@ def test_a_piece_coded_in_parts_is_pyeclibs_own_bytes(length):
     out = bytearray(length)
     codec.reconstruct({i: whole[i] for i in (2, 3, 4, 5)}, 0, memoryview(out))  # two lost: 0 and 1
     assert bytes(out) == whole[0]
+    assert uses_isal(codec, kernels) == (kernels == "isa-l")
+
+
+def test_isa_l_kernels_take_their_coefficients_from_pyeclib_and_refuse_another_field():
+    """A combination learned from pyeclib's terms gives pyeclib's bytes for any input; a code over another
+    representation of GF(2^8) (liberasurecode's own Vandermonde code) fails the check and stays with pyeclib."""
+    lib = load_isal()
+    assert lib is not None  # pyeclib's wheel ships ISA-L
+    k, m, sources, want = 4, 2, (1, 2, 4, 5), 0
+    for backend, field in (("isa_l_rs_vand", True), ("isa_l_rs_cauchy", True), ("liberasurecode_rs_vand", False)):
+        driver = ECDriver(k=k, m=m, ec_type=backend)
+
+        def term(n: int, data: bytes) -> bytes:
+            fragments = driver.encode(bytes(k * len(data)))
+            pieces = [f[:80] + (data if i == sources[n] else bytes(len(data))) for i, f in enumerate(fragments)]
+            return bytes(driver.reconstruct([pieces[i] for i in sources], [want])[0][80:])
+
+        combination = Combination.learned(lib, term, k)
+        assert (combination is not None) == field, backend
+        if combination is None:
+            continue
+        fragments = [bytes(f[80:]) for f in driver.encode(os.urandom(k * 3 * ALIGN))]
+        out = bytearray(3 * ALIGN - 7)  # any length
+        combination([fragments[i][:len(out)] for i in sources], memoryview(out))
+        assert bytes(out) == fragments[want][:len(out)], backend
+        combination.add(2, fragments[4][:len(out)], memoryview(out))  # fragment 4's term taken out again
+        without = bytearray(len(out))
+        combination([fragments[i][:len(out)] if i != 4 else bytes(len(out)) for i in sources], memoryview(without))
+        assert out == without
+    with pytest.raises(ValueError):
+        Combination(lib, [1, 256])
+    with pytest.raises(ValueError, match="need 2 sources"):
+        Combination(lib, [1, 2])([PROBE], memoryview(bytearray(len(PROBE))))
 
 
 @pytest.mark.parametrize("group,parity", [(2, 1), (3, 1), (4, 2), (5, 3), (6, 1)])
@@ -336,8 +393,9 @@ def test_the_keepers_heap_keeps_pyeclibs_fragment_buffers():
     import subprocess
     import sys
 
+    env = {**os.environ, ENV_ISAL_LIBRARY: ""}  # pyeclib computes (ISA-L's kernels allocate nothing)
     faults = {how: int(subprocess.run([sys.executable, "-c", HEAP_PROBE, how], capture_output=True, text=True,
-                                      check=True, timeout=60).stdout) for how in ("keep", "default")}
+                                      check=True, timeout=60, env=env).stdout) for how in ("keep", "default")}
     # glibc's defaults fault in a whole fragment's pages per call here (2049 of a piece's 2048 measured); how many
     # depends on its version, so only the keeper's setting is asserted
     assert faults["keep"] < PIECE // 4096 // 4, faults
