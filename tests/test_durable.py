@@ -34,6 +34,7 @@ def from_disk(job) -> dict:
     return plans[0]
 
 
+@pytest.mark.extended  # make test: test_slurm's requeued job resumes from disk, the disk fallback below
 @pytest.mark.timeout(300)
 def test_job_killed_whole_resumes_from_disk_bitwise(start_job, tmp_path, gpt_baselines):
     ckpt = tmp_path / "ckpt"

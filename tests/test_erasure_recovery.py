@@ -97,8 +97,8 @@ def test_a_survivor_lost_during_a_rebuild_is_one_more_lost_node(start_job, tmp_p
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("nnodes,flags", [(3, ()), (4, ("--ec-group", "4", "--ec-parity", "2"))],
-                         ids=["m1", "m2-pushed"])
+@pytest.mark.parametrize("nnodes,flags", [pytest.param(3, (), marks=pytest.mark.extended),  # make test: m = 2
+                                          (4, ("--ec-group", "4", "--ec-parity", "2"))], ids=["m1", "m2-pushed"])
 def test_node_lost_while_parity_of_a_newer_step_is_computed_restores_a_protected_step(start_job, tmp_path,
                                                                                        gpt_baselines, nnodes, flags):
     """Node 1 is lost while it computes parity of step 30 (or of the next snapshot, if ranks skipped 30). With
