@@ -34,6 +34,7 @@ import pyeclib
 Buffer = bytes | bytearray | memoryview
 TABLE_BYTES = 32  # ISA-L's multiplication tables per coefficient (ec_init_tables)
 PROBE = bytes(range(256)) * 16  # every byte value, 4096 bytes: a source's probe when coefficients are learned
+CALL_BYTES = 1 << 30  # bytes per ISA-L call at most (its lengths are C ints)
 ENV_ISAL_LIBRARY = "FTRUN_ISAL_LIBRARY"  # a path to libisal (tests); "" turns the kernels off (pyeclib computes)
 
 _Pointers = ctypes.POINTER(ctypes.c_void_p)
@@ -103,16 +104,18 @@ class Combination:
         count, length = len(self.coefficients), len(into)
         if len(sources) != count or any(len(source) != length for source in sources):
             raise ValueError(f"need {count} sources of {length} bytes, got {[len(s) for s in sources]}")
-        if length:
-            data = (ctypes.c_void_p * count)(*map(_address, sources))
-            out = (ctypes.c_void_p * 1)(_address(into))
-            self._lib.ec_encode_data(length, count, 1, self._tables, data, out)
+        for start in range(0, length, CALL_BYTES):
+            n = min(CALL_BYTES, length - start)
+            data = (ctypes.c_void_p * count)(*(_address(source) + start for source in sources))
+            out = (ctypes.c_void_p * 1)(_address(into) + start)
+            self._lib.ec_encode_data(n, count, 1, self._tables, data, out)
 
     def add(self, index: int, source: Buffer, into: memoryview) -> None:
         """``into ^= c_index * source`` (``len(into)`` bytes): source ``index``'s term added in."""
         if len(source) != len(into) or not 0 <= index < len(self.coefficients):
             raise ValueError(f"source {index} of {len(self.coefficients)}: {len(source)} bytes for {len(into)}")
-        if len(into):
-            out = (ctypes.c_void_p * 1)(_address(into))
-            self._lib.ec_encode_data_update(len(into), len(self.coefficients), 1, index, self._tables,
-                                            ctypes.c_void_p(_address(source)), out)
+        for start in range(0, len(into), CALL_BYTES):
+            n = min(CALL_BYTES, len(into) - start)
+            out = (ctypes.c_void_p * 1)(_address(into) + start)
+            self._lib.ec_encode_data_update(n, len(self.coefficients), 1, index, self._tables,
+                                            ctypes.c_void_p(_address(source) + start), out)
