@@ -157,6 +157,7 @@ def _is_stateful(v: Any) -> bool:
 
 
 _Live = Callable[[torch.Tensor, str], bool]
+_DTYPE_NAMES: dict[torch.dtype, str] = {}  # "float32" for torch.float32, ...
 
 
 def _never(t: torch.Tensor, path: str) -> bool:
@@ -183,10 +184,18 @@ def _uncaptured(v: Any) -> bool:
     return isinstance(v, torch.utils.data.DataLoader) and not _is_stateful(v)
 
 
+_DTENSOR: list[type] = []  # the DTensor class, once found
+
+
 def _dtensor_type() -> type | None:
-    """The DTensor class, or None while ``torch.distributed.tensor`` is not imported (then none exists)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return getattr(module, "DTensor", None)
+    """The DTensor class, or None while ``torch.distributed.tensor`` is not imported (then none exists). Kept once
+    found: the module's attribute lookup costs microseconds, and a save asks for every tensor."""
+    if not _DTENSOR:
+        kind = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+        if kind is None:
+            return None
+        _DTENSOR.append(kind)
+    return _DTENSOR[0]
 
 
 def _is_dtensor(v: Any) -> bool:
@@ -249,15 +258,18 @@ class _Walker:
         self.uncaptured: list[str] = []
         self.live = live
         self.by_reference = False
+        self.end = 0  # where the last entry ends
 
     def add(self, t: torch.Tensor, path: str, live: _Live, copied: bool = False) -> int:
         """Entry for ``t``: the tensor itself if ``copied`` (made for this capture) or ``live``, else a clone."""
-        kind = "sparse" if t.layout != torch.strided else "quantized" if t.is_quantized else "meta" if t.is_meta else ""
-        if kind:
+        if t.layout is not torch.strided or t.is_quantized or t.is_meta:
+            kind = "sparse" if t.layout is not torch.strided else "quantized" if t.is_quantized else "meta"
             raise UnsupportedState(f"cannot snapshot {kind} tensor at {path}: only dense tensors with data can be")
-        offset = _align(self.entries[-1].offset + self.entries[-1].nbytes) if self.entries else 0
-        dtype = str(t.dtype).removeprefix("torch.")
-        self.entries.append(Entry(path, dtype, tuple(t.shape), offset, t.numel() * t.element_size()))
+        offset = _align(self.end)
+        dtype = _DTYPE_NAMES.get(t.dtype) or _DTYPE_NAMES.setdefault(t.dtype, str(t.dtype).removeprefix("torch."))
+        nbytes = t.nbytes
+        self.entries.append(Entry(path, dtype, tuple(t.shape), offset, nbytes))
+        self.end = offset + nbytes
         if copied:
             self.tensors.append(t)
         elif live(t, path):
@@ -268,11 +280,24 @@ class _Walker:
         return len(self.entries) - 1
 
     def node(self, v: Any, path: str, live: _Live) -> Any:
-        kind = type(v)
-        if _is_dtensor(v):
-            doc = {"D": self.add(local_shard(v), path, live), **_placement(v), "at": _offsets(v, path)}
-            return {**doc, "g": 1} if v.requires_grad else doc
+        kind = type(v)  # exact types first: the common nodes of a state dict cost one comparison each
+        if v is None or kind is bool or kind is int or kind is str:
+            return v
+        if kind is float:
+            return v if math.isfinite(v) else {"F": struct.pack(">d", v).hex()}
+        if kind is dict or kind is OrderedDict:
+            doc: dict[str, Any] = {"d": [[self.key(k, path), self.node(x, _join(path, k), live)] for k, x in v.items()]}
+            if kind is OrderedDict:
+                doc["o"] = 1
+                if getattr(v, "_metadata", None) is not None:
+                    doc["m"] = self.node(v._metadata, _join(path, "_metadata"), _never)
+            return doc
+        if kind is list:
+            return [self.node(x, _join(path, i), live) for i, x in enumerate(v)]
         if isinstance(v, torch.Tensor):
+            if _is_dtensor(v):
+                doc = {"D": self.add(local_shard(v), path, live), **_placement(v), "at": _offsets(v, path)}
+                return {**doc, "g": 1} if v.requires_grad else doc
             return {"T": self.add(v, path, live), "g": 1} if v.requires_grad else {"T": self.add(v, path, live)}
         if kind is np.ndarray:
             try:
@@ -282,25 +307,12 @@ class _Walker:
             return {"N": self.add(copy, path, _never, copied=True)}
         if isinstance(v, np.generic) and v.dtype.kind in "biufc":
             return {"n": [v.dtype.str, v.tobytes().hex()]}
-        if kind is float:
-            return v if math.isfinite(v) else {"F": struct.pack(">d", v).hex()}
-        if v is None or kind in (bool, int, str):
-            return v
         if kind is bytes:
             return {"b": base64.b64encode(v).decode("ascii")}
-        if kind is list:
-            return [self.node(x, _join(path, i), live) for i, x in enumerate(v)]
         if kind is tuple:
             return {"t": [self.node(x, _join(path, i), live) for i, x in enumerate(v)]}
         if kind is Borrowed:
             return self.node(dict(v), path, _always)
-        if kind is dict or kind is OrderedDict:
-            doc: dict[str, Any] = {"d": [[self.key(k, path), self.node(x, _join(path, k), live)] for k, x in v.items()]}
-            if kind is OrderedDict:
-                doc["o"] = 1
-                if getattr(v, "_metadata", None) is not None:
-                    doc["m"] = self.node(v._metadata, _join(path, "_metadata"), _never)
-            return doc
         if _is_stateful(v):
             return {"S": self.node(v.state_dict(), path, _live_tensors(v, path) if self.live else _never)}
         if _uncaptured(v):
@@ -309,8 +321,11 @@ class _Walker:
         raise UnsupportedState(f"cannot snapshot {kind.__qualname__} at {path}: {_HINT}")
 
     def key(self, k: Any, path: str) -> Any:
-        if type(k) not in _KEYS:
-            raise UnsupportedState(f"cannot snapshot a dict key of type {type(k).__qualname__} at {path}: {_HINT}")
+        kind = type(k)
+        if kind is str or kind is int:
+            return k
+        if kind not in _KEYS:
+            raise UnsupportedState(f"cannot snapshot a dict key of type {kind.__qualname__} at {path}: {_HINT}")
         return self.node(k, path, _never)
 
 
