@@ -3,15 +3,19 @@ the loss; node-rank ownership and claims on a real store."""
 
 from __future__ import annotations
 
+import signal
 import threading
 from pathlib import Path
 
+import psutil
 import pytest
 
-from conftest import assert_job_left_nothing, primary_failures, run_bitwise
+from conftest import NODES, assert_job_left_nothing, gpt_args, primary_failures, run_bitwise
 from ftrun.control.coordination import Coordinator, use_job
 from ftrun.control.ownership import claim, enlist, owner, spare_doc, spares, take
 from ftrun.control.store import C10dStore, host_store
+from ftrun.snapshot import keeper
+from ftrun.snapshot.protocol import listen, socket_name
 from ftrun.snapshot.slot import META_HEADROOM
 
 WORKER = Path(__file__).parents[1] / "benchmarks" / "erasure_worker.py"
@@ -101,3 +105,54 @@ def test_a_spare_allocates_the_slots_it_would_rebuild_while_it_waits(start_job, 
         reserved, claimed, rebuilt)
     assert "of its slots allocated before" in job.output
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(240)
+def test_a_stalled_node_whose_rank_a_spare_took_is_killed_and_the_spare_resumes_from_its_ram(start_job, tmp_path,
+                                                                                           gpt_baselines):
+    """Local mode: node 1 stalls whole (SIGSTOP to its supervisor, keeper, zygote and trainers). A spare takes its
+    rank, but on this host the stalled keeper holds the node's socket and files: the launcher kills the stalled
+    supervisor (its processes die with it), the spare's keeper adopts the node's snapshots, and the job has one
+    failure and ends bit-for-bit as without it. Before, every spare's keeper failed to start (socket in use, with
+    a traceback) and each one cost a generation until the stalled node came back."""
+    args, out = gpt_args(tmp_path, "stalled", "--step-time", "0.05")
+    job = start_job(*NODES, "--spares", "1", "--node-timeout", "3", *args)
+    job.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 20, timeout=120)
+    [start] = [e for e in job.events() if e["event"] == "node_start" and e["node"] == 1]
+    node = psutil.Process(start["pid"])
+    stalled = [node, *node.children(recursive=True)]
+    for process in stalled:
+        process.send_signal(signal.SIGSTOP)
+    try:
+        assert job.wait(180) == 0, job.output
+    finally:
+        for process in stalled:
+            if process.is_running():
+                process.send_signal(signal.SIGCONT)
+    assert out.read_text().strip() == gpt_baselines(2, 2)
+    [failure] = primary_failures(job)
+    assert failure["kind"] == "node-lost" and failure["node"] == 1, job.output
+    events = job.events()
+    assert [e["node"] for e in events if e["event"] == "fenced"] == [1], job.output
+    assert [e["node"] for e in events if e["event"] == "spare_took"] == [1], job.output
+    assert "Traceback" not in job.output and "did not start" not in job.output
+    assert not any(process.is_running() and process.status() != psutil.STATUS_ZOMBIE for process in stalled)
+    assert_job_left_nothing(job)
+
+
+def test_a_keeper_waits_for_the_socket_of_its_node_then_says_in_one_line_that_another_holds_it(monkeypatch, capsys):
+    """The keeper's socket is the lock on its node's files on this host: a second keeper of the node waits for it
+    (a stalled predecessor being killed), then exits 1 with one line, before touching any file."""
+    monkeypatch.setattr(keeper, "SOCKET_WAIT", 0.3)
+    held = listen(socket_name("job-socket-test", 3))
+    with pytest.raises(SystemExit) as exited:
+        keeper.listen_alone("job-socket-test", 3)
+    assert exited.value.code == 1
+    line = capsys.readouterr().err
+    assert line.count("\n") == 1 and "another keeper of job job-socket-test's node 3 still runs on this host" in line
+    held.close()
+    held = listen(socket_name("job-socket-test", 3))
+    timer = threading.Timer(0.1, held.close)  # the holder goes away while the next one waits: it gets the socket
+    timer.start()
+    keeper.listen_alone("job-socket-test", 3).close()
+    timer.join()

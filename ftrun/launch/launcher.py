@@ -68,6 +68,7 @@ EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
 # Any other non-zero exit (a lost node, the launcher killed): running it again resumes from RAM, parity or disk.
 _ACK_TIMEOUT = 10.0
 _POLL_INTERVAL = 0.02
+FENCE_INTERVAL = 0.1  # seconds between two looks for a supervisor whose rank a spare took (local mode, --spares)
 
 
 def is_local_host(host: str) -> bool:
@@ -132,6 +133,8 @@ class Launcher:
         self.address: StoreAddress | None = None  # where the control store is (set by _open_store)
         self.procs: dict[int, subprocess.Popen[bytes] | ForkedChild] = {}
         self.pool: SparePool | None = None  # --spares
+        self._next_fence = 0.0  # see _fence
+        self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
         self.signalled: int | None = None
         # signs every control-store value (and authenticates keepers to each other); never given to trainers
         self.secret = local_secret() if cfg.local_mode else shared_secret(self.job_id, cfg.secret_file)
@@ -467,7 +470,10 @@ class Launcher:
         replacement supervisor. Returns the job's exit code."""
         results: dict[int, int] = {}
         vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
+        fenced: set[int] = set()  # nodes whose supervisor this launcher killed after a spare took their rank
         while len(results) < len(self.procs):
+            if self.pool is not None and self.cfg.local_mode and self.signalled is None:
+                fenced |= self._fence(coord, fenced | set(vacant) | set(results))
             for node, code in list(vacant.items()):
                 if self._hand_over(coord, node):
                     del vacant[node]
@@ -481,8 +487,9 @@ class Launcher:
                 if node in results or node in vacant or proc.poll() is None:
                     continue
                 code = proc.returncode
-                if code == EXIT_REPLACED and self.cfg.local_mode:
+                if (code == EXIT_REPLACED or node in fenced) and self.cfg.local_mode:
                     vacant[node] = code  # seen as lost while alive: a spare took its rank
+                    fenced.discard(node)
                     continue
                 lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED)
                 if lost and self.cfg.local_mode and self.signalled is None:
@@ -519,9 +526,33 @@ class Launcher:
             return 0
         return EXIT_FAILED if EXIT_JOB_FAILED in results.values() else 1
 
+    def _fence(self, coord: Coordinator, skip: set[int]) -> set[int]:
+        """SIGKILL the supervisor of each node (but ``skip``) whose rank a spare took while it still runs (stalled,
+        say); returns those nodes. On this host its keeper and trainers use the node's names (the keeper's socket,
+        the node's files in /dev/shm, its heartbeat table), which the spare's need: they die with it
+        (PR_SET_PDEATHSIG), a stopped process too, and leave the node's snapshots for the spare's keeper. At most
+        once every :data:`FENCE_INTERVAL`."""
+        now = time.monotonic()
+        if now < self._next_fence:
+            return set()
+        self._next_fence = now + FENCE_INTERVAL
+        killed = set()
+        for node, proc in self.procs.items():
+            if node in skip or proc.poll() is not None:
+                continue
+            held = owner(coord, node)[1]
+            if held is None or not held.spare or held.spare == self._spare_of.get(node):
+                continue
+            proc.send_signal(signal.SIGKILL)
+            killed.add(node)
+            self.events.emit("fenced", f"node {node}'s supervisor (pid {proc.pid}) still ran after spare {held.spare} "
+                             "took its rank: killed, with its keeper and trainers", node=node, spare=held.spare)
+        return killed
+
     def _replace(self, node: int, store_host: str, store_port: int, code: int) -> None:
         self.events.emit("node_lost", f"starting a replacement for node {node}", node=node, exit_code=code)
         self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
+        self._spare_of.pop(node, None)
 
     def _hand_over(self, coord: Coordinator, node: int) -> bool:
         """If one of this launcher's spares took ``node``'s rank, wait for it as that node's supervisor."""
@@ -530,6 +561,7 @@ class Launcher:
         if proc is None:
             return False
         self.procs[node] = proc
+        self._spare_of[node] = held.spare
         self.events.emit("spare_took", f"spare {held.spare} took node rank {node}; starting another spare",
                          node=node, spare=held.spare, incarnation=held.incarnation)
         return True

@@ -50,6 +50,7 @@ newest step every rank can restore.
 
 from __future__ import annotations
 
+import errno
 import glob
 import os
 import queue
@@ -87,6 +88,7 @@ ENCODE_RETRY = 0.2
 # A trainer skips a snapshot rather than wait for a slot only while its newest snapshot is at most this many of its
 # snapshot intervals behind the step it saves; beyond, it waits for the job to secure that one (see the module doc).
 STALE_INTERVALS = 4
+SOCKET_WAIT = 10.0  # seconds a starting keeper waits for another keeper of its node to leave (listen_alone)
 MIN_PEER_TIMEOUT = 5.0  # seconds: the least a keeper waits on a peer (see peer_timeout)
 # Advice printed with the /dev/shm capacity error.
 SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
@@ -853,15 +855,35 @@ def unlink_segments(job: str, node: int | str = "*") -> list[str]:
     return removed
 
 
+def listen_alone(job: str, node: int) -> socket.socket:
+    """The keeper's socket, which no other keeper of the job's node on this host holds: the lock on the node's
+    files in /dev/shm (another keeper would adopt, overwrite and at its end unlink them). A replaced supervisor
+    of a local job still running (stalled) holds it until the launcher has killed it: tried again for up to
+    :data:`SOCKET_WAIT` seconds, then one line and exit 1."""
+    deadline = time.monotonic() + SOCKET_WAIT
+    while True:
+        try:
+            return listen(socket_name(job, node))
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE:
+                raise
+            if time.monotonic() >= deadline:
+                print(f"ftrun: keeper of node {node}: another keeper of job {job}'s node {node} still runs on this "
+                      f"host (its socket is in use after {SOCKET_WAIT:g}s); not starting", file=sys.stderr,
+                      flush=True)
+                raise SystemExit(1) from None
+        time.sleep(0.05)
+
+
 def main() -> None:
     reuse_large_blocks()  # before any thread starts: pyeclib's fragments then cost no page faults
     spec = NodeSpec.from_env()
+    server = listen_alone(safe_job_id(spec.job_id), spec.node_rank)  # before anything touches the node's files
     faults = [f for f in os.environ.get(ENV_KEEPER_FAULTS, "").split(";") if f]
     keeper = Keeper(spec, faults)
     if ENV_PEER_FD in os.environ:
         keeper.enable_redundancy(bytes.fromhex(os.environ.pop(ENV_JOB_SECRET)),
                                  socket.socket(fileno=int(os.environ[ENV_PEER_FD])))
-    server = listen(socket_name(keeper.job, keeper.node))
 
     def on_signal(signum: int, frame: object) -> None:
         keeper.stop()
