@@ -250,11 +250,11 @@ class Codec:
             lib = load_isal()
             with self._learning:
                 if key not in self._combinations:
-                    probe = bytes(len(PROBE))
+                    zeros = bytes(len(PROBE))  # the other sources while one holds the probe
 
                     def term(n: int, data: Buffer) -> bytes:
                         out = bytearray(len(data))
-                        self._pyeclib({i: data if i == sources[n] else probe for i in sources}, want,
+                        self._pyeclib({i: data if i == sources[n] else zeros for i in sources}, want,
                                       memoryview(out))
                         return bytes(out)
 
