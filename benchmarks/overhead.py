@@ -154,8 +154,7 @@ def report(case: Case, result: Result) -> list[str]:
 CASES = {
     "trivial-1x2": Case("trivial 1x2", 1, 2, "trivial"),
     "trivial-2x1": Case("trivial 2x1", 2, 1, "trivial"),
-    # steady state from step 700 (about 9 s in): after the one-time start costs of both launchers (ftrun's zygote
-    # imports torch._dynamo 5 s into the first generation, about 1.8 s of one core; see ftrun.launch.zygote)
+    # steady state from step 700 (about 9 s in): after the one-time start costs of both launchers
     "train-1x2": Case("train 1x2", 1, 2, "train", ("--steps", "1400", "--warmup", "700")),
     "train-1x4": Case("train 1x4", 1, 4, "train", ("--steps", "200")),
     "snapshot-1x2": Case("snapshot/10 1x2", 1, 2, "train", ("--steps", "1400", "--warmup", "700"),

@@ -52,35 +52,3 @@ def test_a_child_process_spawned_lowered_runs_in_sched_idle_from_its_start_and_s
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller keeps its priority
     with pytest.raises(FileNotFoundError):
         spawn_lowered(["/nonexistent/ftrun-test-binary"])
-
-
-def test_trainers_forked_after_the_zygote_preloaded_keep_the_default_priority(tmp_path):
-    """The zygote imports PRELOAD in a SCHED_IDLE thread; a trainer it forks afterwards has its main thread's
-    priority, as one forked before the preload has."""
-    script = tmp_path / "trainer.py"
-    script.write_text("import os, sys\n"
-                      "policy, nice = os.sched_getscheduler(0), os.getpriority(os.PRIO_PROCESS, 0)\n"
-                      "open(sys.argv[1], 'w').write(f'{policy} {nice}')\n")
-    driver = textwrap.dedent(f"""
-        import os, sys
-        from ftrun.launch.processes import become_subreaper
-        from ftrun.launch.zygote import SpawnRequest, ZygoteClient
-        become_subreaper()
-        zygote = ZygoteClient()
-        try:
-            for name in ("before", "after"):
-                if name == "after":
-                    zygote.preload()
-                pid = zygote.spawn(SpawnRequest(target={str(script)!r}, args=[os.path.join({str(tmp_path)!r}, name)],
-                                                module=False, env=dict(os.environ), cwd=os.getcwd()))
-                _, status = os.waitpid(pid, 0)
-                assert os.waitstatus_to_exitcode(status) == 0, status
-        finally:
-            zygote.close()
-        os.waitpid(zygote.pid, 0)
-        """)
-    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=50)
-    assert done.returncode == 0, done.stderr
-    default = f"{os.sched_getscheduler(0)} {os.getpriority(os.PRIO_PROCESS, 0)}"
-    assert (tmp_path / "before").read_text() == default
-    assert (tmp_path / "after").read_text() == default

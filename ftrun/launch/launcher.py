@@ -47,6 +47,7 @@ from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, kill_descendants,
                                     set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
+from ftrun.launch.zygote import preload
 from ftrun.control.secret import local_secret, shared_secret, write_secret_file
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
@@ -622,6 +623,8 @@ def main() -> None:
     # before any thread or connection of this process; --tui: each node's output goes to its own file, opened
     # when the node is known, so its supervisors are new interpreters
     count = 0 if cfg.tui else cfg.nnodes + cfg.spares if cfg.local_mode else 1
+    if count and cfg.zygote and not cfg.no_python:
+        preload()  # once for every zygote of this host (see ftrun.launch.zygote)
     pending = [fork_supervisor() for _ in range(count)]
     try:
         code = Launcher(cfg, begun, args, pending).run()  # it has cleaned up after the whole job

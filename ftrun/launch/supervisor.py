@@ -86,10 +86,6 @@ KEEPER_START_TIMEOUT = 30.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (gen/<g>/hang); the asker waits this long for all of them.
 HANG_VOTE_WAIT = 1.0
-# The zygote imports what training scripts import next (ZygoteClient.preload: 1.8 s here, during which it forks
-# nothing) once every local trainer has beaten (it is past its first step, which imports the same), else this many
-# seconds into a generation: not on the way to the first step, nor to a restart before it (a crash loop).
-PRELOAD_AFTER = 5.0
 # A crash before the first heartbeat that repeats the one that started the generation (same signature: the
 # trainer's "Type: message", or its exit signal or code) ends the job instead of restarting it again.
 CRASH_LOOP = "failed the same way twice before its first step; not restarting"
@@ -503,7 +499,6 @@ class Supervisor:
         peers = self._peer_watch()
         next_peer_check = next_gen_check = 0.0
         up = done = False
-        preload_at = time.monotonic() + PRELOAD_AFTER
         leader = _LeaderLog(self.coord, self.events, gen) if self.node == 0 else None
         while True:
             if self._stopping:
@@ -551,8 +546,6 @@ class Supervisor:
             if not up and all(beat.beats > 0 for beat in table):
                 up = True
                 self.coord.mark(g, "up", time.time())
-            if self.zygote is not None and (up or now > preload_at):
-                self.zygote.preload()  # for the next generation's trainers
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
             if now >= next_gen_check:  # failures seen elsewhere; once this node is done, whether every node is
@@ -900,8 +893,6 @@ def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None
         use_job(spec.job_id, secret, lambda message: events.emit("store_rejected", message), run=spec.run)
         report = OutageReport(lambda message: events.emit("store_outage", message))
         coord = Coordinator(open_store(spec_address(spec), spec.rdzv_timeout, report), spec.job_id, -1, spec.nnodes)
-        if zygote is not None:
-            zygote.preload()  # idle until it takes a rank: then its trainers start with everything imported
         claimed = Spare(spec, coord, events, me).wait(zygote)
     except DistError as err:
         events.emit("failed", f"control store lost: {str(err).splitlines()[0]}")

@@ -6,20 +6,19 @@ anyway, so the zygote is a plain fork of it, made before the supervisor starts a
 (:class:`ZygoteClient`): it costs no interpreter and no import of its own. The zygote never runs a torch
 operation (a fork after a multi-threaded torch op hangs the child) and never initialises CUDA.
 
-What training scripts import next (:data:`PRELOAD`: DDP and the optimizers import ``torch._dynamo``, 1.8 s
-here) is not on the way to the first trainers: the supervisor asks for it (:meth:`ZygoteClient.preload`) once its
-trainers have all beaten (they are past their first step, which imports it too), else 5 s into the first
-generation (not on the way to a restart before the first step either, a crash loop's: the zygote forks nothing
-while it imports), so that later generations start with it imported; a spare's zygote at once. It imports
-in a thread of the lowest CPU priority (``SCHED_IDLE``, :mod:`ftrun.snapshot.priority`), so that the trainers
-running meanwhile keep their cores; the trainers it forks later have the priority of its main thread.
+What training scripts import next (:data:`PRELOAD`: DDP and the optimizers import ``torch._dynamo``, 1.8 s and
+70 MB here) is imported once, before the first trainer, by :func:`preload`: in the launcher before it forks
+the supervisors (once per host), else by the zygote as it starts. Every trainer then starts with it, shares its
+pages, and spends neither the import (1.8 s of CPU each, at its first step) nor the memory; a script that never
+imports it waits for it once per job. Before each fork the zygote moves every object it has to the garbage
+collector's permanent generation (``gc.freeze``): a trainer's collections, its interpreter teardown at exit
+included, then never walk the 280,000 objects of torch and dynamo, nor copy the pages that hold them.
 
 Protocol on the socket pair, one JSON document per line:
 
 - supervisor -> zygote: a :class:`SpawnRequest`; zygote -> supervisor: ``{"pid": N}`` or ``{"error": "..."}``.
   A request with ``stdio`` is answered ``{"send_fds": N}`` first; the supervisor then sends one byte carrying
   the N descriptors (SCM_RIGHTS), which the trainer gets as its stdout/stderr.
-- supervisor -> zygote: ``{"preload": true}`` (no answer): import :data:`PRELOAD` now.
 
 Each trainer is forked twice (zygote -> intermediate -> trainer) and the intermediate exits at once, so the
 trainer is re-parented to the supervisor, a child subreaper: the supervisor then waits for it like any child
@@ -28,13 +27,13 @@ once it is the supervisor's child, so it dies with the supervisor.
 """
 from __future__ import annotations
 
+import gc
 import importlib
 import json
 import os
 import socket
 import signal
 import sys
-import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -43,12 +42,11 @@ from typing import NoReturn
 from ftrun.control.spec import FORWARDED_SIGNALS
 from ftrun.launch.bootstrap import run_main
 from ftrun.launch.processes import ZYGOTE_NAME, die_with_parent, set_process_name
-from ftrun.snapshot.priority import lower_priority
 
-# imported by the supervisor before the fork: torch, torch.distributed. Asked for later (see the docstring):
-# torch._dynamo, which DistributedDataParallel and the optimizers' first step import (1-4 s per trainer).
+# imported by the supervisor before the fork: torch, torch.distributed. By preload(): torch._dynamo, which
+# DistributedDataParallel and the optimizers' first step import (1-4 s per trainer otherwise).
 PRELOAD = ("torch.nn.parallel", "torch._dynamo", "numpy")
-SPAWN_TIMEOUT = 60.0  # seconds for one fork, a preload under way included
+SPAWN_TIMEOUT = 60.0  # seconds for one fork
 _REPARENT_TIMEOUT = 5.0
 
 
@@ -83,7 +81,6 @@ class ZygoteClient:
         self.pid = pid
         self._sock = ours
         self._file = ours.makefile("rwb")
-        self._preloaded = False
 
     def _receive(self) -> dict[str, object]:
         line = self._file.readline()
@@ -105,17 +102,6 @@ class ZygoteClient:
             raise RuntimeError(f"zygote could not start the trainer: {reply.get('error')}")
         return int(reply["pid"])  # type: ignore[arg-type]
 
-    def preload(self) -> None:
-        """Have the zygote import :data:`PRELOAD` now (once; a spawn asked meanwhile waits for it)."""
-        if self._preloaded:
-            return
-        self._preloaded = True
-        try:
-            self._file.write(b'{"preload": true}\n')
-            self._file.flush()
-        except OSError:
-            pass  # it died: the next spawn says so
-
     def close(self) -> None:
         """Stop the zygote (the caller reaps it)."""
         try:
@@ -133,11 +119,7 @@ def _serve(sock: socket.socket, supervisor: int) -> SpawnRequest | None:
     stream = sock.makefile("rwb")
     for line in stream:
         try:
-            doc = json.loads(line)
-            if doc == {"preload": True}:
-                _preload()
-                continue
-            request = SpawnRequest(**doc)
+            request = SpawnRequest(**json.loads(line))
         except (TypeError, ValueError) as err:
             stream.write((json.dumps({"error": f"bad request: {err}"}) + "\n").encode())
             stream.flush()
@@ -156,6 +138,7 @@ def _serve(sock: socket.socket, supervisor: int) -> SpawnRequest | None:
         sys.stdout.flush()
         sys.stderr.flush()
         read_end, write_end = os.pipe()
+        gc.freeze()  # everything made so far: the trainer's collections skip it (module docstring)
         intermediate = os.fork()
         if intermediate == 0:
             os.close(read_end)
@@ -215,21 +198,15 @@ def _run(request: SpawnRequest) -> None:
     run_main(request.target, request.args, request.module)
 
 
-def _preload() -> None:
-    """Import :data:`PRELOAD` in a thread of the lowest priority (the import is seconds of CPU that the running
-    trainers would otherwise share), and wait for it. Trainers are forked from the main thread, whose priority
-    stays as it was."""
-    def run() -> None:
-        lower_priority(idle_io=False)
-        for name in PRELOAD:
-            try:
-                importlib.import_module(name)
-            except Exception:  # best effort: a trainer imports what it uses itself
-                pass
-
-    importer = threading.Thread(target=run, name="ftrun-preload")
-    importer.start()
-    importer.join()
+def preload() -> None:
+    """Import :data:`PRELOAD` (what is already imported costs nothing) and freeze every object made so far
+    (module docstring). Only in a process that has no thread of its own yet: it forks next."""
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # best effort: a trainer imports what it uses itself
+            pass
+    gc.freeze()
 
 
 def _zygote(sock: socket.socket, supervisor: int) -> NoReturn:
@@ -237,6 +214,7 @@ def _zygote(sock: socket.socket, supervisor: int) -> NoReturn:
     (by SystemExit through the supervisor's own frames, which hold no cleanup that must not run here)."""
     die_with_parent(supervisor)
     set_process_name(ZYGOTE_NAME)  # its argv is the launcher's (all are forks of it)
+    preload()  # nothing to do where the launcher did it before forking the supervisor
     request = _serve(sock, supervisor)
     if request is None:  # the supervisor closed the socket
         os._exit(0)
