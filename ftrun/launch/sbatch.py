@@ -61,8 +61,10 @@ for attempt in $(seq 1 "$ATTEMPTS"); do
     while kill -0 "$step" 2>/dev/null; do wait "$step"; rc=$?; done  # a trapped signal interrupted wait
     case $rc in
         0) echo "ftrun-batch: the training finished"; exit 0 ;;
-        {usage}|{failed}) echo "ftrun-batch: ftrun exited $rc: failed for good, not running it again"; exit {failed} ;;
-        {preempted}) echo "ftrun-batch: stopped after persisting (exit {preempted}): requeue to resume"; exit {preempted} ;;
+        {usage}|{failed}) echo "ftrun-batch: ftrun exited $rc: failed for good, not running it again"
+            exit {failed} ;;
+        {preempted}) echo "ftrun-batch: stopped after persisting (exit {preempted}): requeue to resume"
+            exit {preempted} ;;
     esac
     if [ -n "$stopping" ]; then echo "ftrun-batch: this script got SIGTERM (ftrun exited $rc)"; exit {preempted}; fi
     echo "ftrun-batch: the step ended with exit $rc (a node lost?): running ftrun again on the nodes left"
