@@ -12,7 +12,8 @@ the supervisors (once per host), else by the zygote as it starts. Every trainer 
 pages, and spends neither the import (1.8 s of CPU each, at its first step) nor the memory; a script that never
 imports it waits for it once per job. Before each fork the zygote moves every object it has to the garbage
 collector's permanent generation (``gc.freeze``): a trainer's collections, its interpreter teardown at exit
-included, then never walk the 280,000 objects of torch and dynamo, nor copy the pages that hold them.
+included, then never walk the 280,000 objects of torch and dynamo, nor copy the pages that hold them (a full
+collection, which pauses a training step, took 147 ms here; a trainer's exit 2.7 s, now 1.0 s).
 
 Protocol on the socket pair, one JSON document per line:
 
