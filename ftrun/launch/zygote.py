@@ -3,7 +3,7 @@
 Starting a trainer the usual way costs a new interpreter and ``import torch`` (2-3 s here, 8 s for four at
 once); a fork of a process that already imported torch is ready in about 6 ms. The supervisor imports torch
 anyway, so the zygote is a plain fork of it, made before the supervisor starts any thread or connection
-(:class:`ZygoteClient`): it costs no interpreter and no import of its own. The zygote never runs a torch
+(:class:`ZygoteClient`): it costs no interpreter and no ``import torch`` of its own. The zygote never runs a torch
 operation (a fork after a multi-threaded torch op hangs the child) and never initialises CUDA.
 
 What training scripts import next (:data:`PRELOAD`: DDP and the optimizers import ``torch._dynamo``, 1.8 s and
