@@ -3,10 +3,13 @@
 Case "local": :mod:`node_loss_worker` (64 MiB of state per rank, a RAM snapshot every :data:`EVERY` steps) on 2
 simulated nodes x 1 trainer, ``--ec-parity 1``; ``--inject node-loss@node=1,step=S`` (S a snapshot step) kills
 node 1 whole. Runs alternate WITH ``--spares 1`` (a warm spare claims rank 1; its keeper rebuilds the snapshots
-from parity) and WITHOUT (a new supervisor, which imports torch first). Latency: from the ``inject`` event to the
-last rank's mark, written by each worker after its first step following ``restore()`` (the workers' own clock,
-not events). Rebuild: ``seconds`` of the ``rebuilt`` event. Every run must end rc 0 with the final state hashes
-of a failure-free run. Targets: median with-spare / without <= 0.25, median (with-spare - rebuild) <= 1.5 s.
+from parity) and WITHOUT (the supervisor the launcher forked at its start and kept for a first loss; a second loss
+would start a new interpreter, which imports torch first). Latency: from the ``inject`` event to the last rank's
+mark, written by each worker after its first step following ``restore()`` (the workers' own clock, not events).
+Rebuild: ``seconds`` of the ``rebuilt`` event. Every run must end rc 0 with the final state hashes of a
+failure-free run. Target: median latency minus rebuild <= 1.5 s, with a spare and without. The ratio with / without
+is printed: it was 0.18 when the replacement was a new interpreter (4.2 s here, 18dfbdb; the target then was
+<= 0.25).
 
 Case "ops" (no processes): supervisors of 8 and 1024 simulated nodes share a ``C10dStore`` over an in-process
 ``TCPStore``, counted above it (each :class:`Store` call one round trip; keys named) and below it ("wire":
@@ -48,7 +51,7 @@ SIZE_MIB, STEPS, EVERY, STEP_TIME = 64, 60, 5, 0.1  # worker: state per rank, st
 LOSS_STEP = 30  # a snapshot step: node 1 is lost when its trainer reaches it
 RUN_TIMEOUT = 240.0  # seconds for one whole job
 SCAN_INTERVAL = 0.2  # seconds between looks for the launcher's descendants
-TARGET_RATIO, TARGET_OVERHEAD = 0.25, 1.5  # with/without spare; with-spare latency minus rebuild (s)
+TARGET_OVERHEAD = 1.5  # latency minus rebuild (s), with a spare and without
 PHASES = ("failure", "spare_claimed", "node_start", "rebuilt", "restore")  # events shown per run
 OPS_SIZES = (8, 1024)
 MODES = ("spare", "no spare")
@@ -175,12 +178,13 @@ def local_case(runs: int) -> bool:
     every = [ref, *results["spare"], *results["no spare"]]
     rcs, same = all(r.rc == 0 for r in every), bool(ref.hashes) and all(r.hashes == ref.hashes for r in every)
     print(f"every run rc 0: {rcs}; every run's final state equals the failure-free run's: {same}")
-    (spare, over), without = medians["spare"], medians["no spare"][0]
-    ratio = spare / without  # nan when a mode has no good run: every target is then NOT met
-    for what, value, target in (("with spare / without", ratio, TARGET_RATIO),
-                                ("with spare minus rebuild (s)", over, TARGET_OVERHEAD)):
-        print(f"{what}: {value:.2f} (target <= {target}: {'met' if value <= target else 'NOT met'})")
-    return rcs and same and ratio <= TARGET_RATIO and over <= TARGET_OVERHEAD
+    print(f"with spare / without: {medians['spare'][0] / medians['no spare'][0]:.2f}")
+    met = True
+    for mode, (_, over) in medians.items():  # nan when a mode has no good run: its target is then NOT met
+        met = met and over <= TARGET_OVERHEAD
+        print(f"{mode} minus rebuild (s): {over:.2f} (target <= {TARGET_OVERHEAD}: "
+              f"{'met' if over <= TARGET_OVERHEAD else 'NOT met'})")
+    return rcs and same and met
 
 
 # -- case "ops" ---------------------------------------------------------------------------------------------

@@ -13,7 +13,7 @@ import time
 import psutil
 import pytest
 
-from conftest import (SCRIPTS, TRAIN_GPT, assert_job_left_nothing, free_port, job_processes, job_segments,
+from conftest import (SCRIPTS, TRAIN_GPT, assert_job_left_nothing, free_port, gpt_args, job_processes, job_segments,
                       train_args)
 
 NODES = ("--nnodes", "2", "--nproc-per-node", "2")
@@ -103,19 +103,25 @@ def test_script_broken_at_import_reports_the_restarts_it_made(start_job):
     assert_job_left_nothing(job)
 
 
-@pytest.mark.extended  # make test: test_erasure_recovery's node losses (local mode)
 @pytest.mark.timeout(240)
-def test_node_loss_in_local_mode_gets_a_replacement(start_job, tmp_path, baseline_hash):
-    args, out = train_args(tmp_path, "nodeloss", "--step-time", "0.02")
-    job = start_job(*NODES, "--inject", "node-loss@node=1,step=10", *args)
-    assert job.wait() == 0, job.output
-    [failure] = failures(job)
-    assert failure["kind"] == "node-lost" and failure["node"] == 1
-    incarnations = [e["incarnation"] for e in job.events() if e["event"] == "node_start" and e["node"] == 1]
-    assert incarnations == [1, 2]
-    assert out.read_text().strip() == baseline_hash
+def test_a_lost_local_node_is_replaced_by_the_supervisor_forked_at_start_then_by_a_new_one(start_job, tmp_path,
+                                                                                        gpt_baseline):
+    """Local mode: the launcher keeps one supervisor, forked at its start, for the first node lost (no interpreter
+    to start, nothing to import); a second loss gets a new interpreter. The job ends bitwise either way."""
+    args, out = gpt_args(tmp_path, "twice", "--step-time", "0.05")
+    job = start_job(*NODES, "--inject", "node-loss@node=1,step=15", "--inject", "node-loss@node=1,step=35,gen=1",
+                    *args)
+    commands = []
+    for incarnation in (2, 3):
+        started = job.wait_for_event(lambda e: e["event"] == "node_start" and e["node"] == 1
+                                     and e["incarnation"] == incarnation)
+        commands.append(" ".join(psutil.Process(started["pid"]).cmdline()))
+    assert job.wait(180) == 0, job.output
+    assert [f["kind"] for f in failures(job)] == ["node-lost", "node-lost"], job.output
+    assert out.read_text().strip() == gpt_baseline
+    assert "-m ftrun.launch.launcher" in commands[0], commands  # a fork of the launcher
+    assert "-m ftrun.launch.supervisor" in commands[1], commands  # a new interpreter
     assert_job_left_nothing(job)
-
 
 
 @pytest.mark.extended  # make test: test_spares' and test_etcd_jobs' lost nodes
