@@ -104,23 +104,18 @@ def test_script_broken_at_import_reports_the_restarts_it_made(start_job):
 
 
 @pytest.mark.timeout(240)
-def test_a_lost_local_node_is_replaced_by_the_supervisor_forked_at_start_then_by_a_new_one(start_job, tmp_path,
-                                                                                        gpt_baseline):
+def test_a_lost_local_node_is_replaced_by_the_supervisor_forked_at_start(start_job, tmp_path, gpt_baseline):
     """Local mode: the launcher keeps one supervisor, forked at its start, for the first node lost (no interpreter
-    to start, nothing to import); a second loss gets a new interpreter. The job ends bitwise either way."""
-    args, out = gpt_args(tmp_path, "twice", "--step-time", "0.05")
-    job = start_job(*NODES, "--inject", "node-loss@node=1,step=15", "--inject", "node-loss@node=1,step=35,gen=1",
-                    *args)
-    commands = []
-    for incarnation in (2, 3):
-        started = job.wait_for_event(lambda e: e["event"] == "node_start" and e["node"] == 1
-                                     and e["incarnation"] == incarnation)
-        commands.append(" ".join(psutil.Process(started["pid"]).cmdline()))
+    to start, nothing to import; a later loss gets a new interpreter, as --tui's supervisors are). The job ends
+    bitwise."""
+    args, out = gpt_args(tmp_path, "lost")
+    job = start_job(*NODES, "--inject", "node-loss@node=1,step=15", *args)
+    started = job.wait_for_event(lambda e: e["event"] == "node_start" and e["node"] == 1 and e["incarnation"] == 2)
+    command = " ".join(psutil.Process(started["pid"]).cmdline())
     assert job.wait(180) == 0, job.output
-    assert [f["kind"] for f in failures(job)] == ["node-lost", "node-lost"], job.output
+    assert [f["kind"] for f in failures(job)] == ["node-lost"], job.output
     assert out.read_text().strip() == gpt_baseline
-    assert "-m ftrun.launch.launcher" in commands[0], commands  # a fork of the launcher
-    assert "-m ftrun.launch.supervisor" in commands[1], commands  # a new interpreter
+    assert "-m ftrun.launch.launcher" in command, command  # a fork of the launcher, not -m ftrun.launch.supervisor
     assert_job_left_nothing(job)
 
 
