@@ -4,7 +4,6 @@ of reach of their garbage collector."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -56,7 +55,6 @@ def test_a_trainer_starts_with_the_preload_imported_and_the_zygotes_objects_froz
 def test_preload_in_a_process_freezes_what_it_imported():
     code = ("import gc, sys\nfrom ftrun.launch.zygote import PRELOAD, preload\npreload()\n"
             "print(all(name in sys.modules for name in PRELOAD), gc.get_freeze_count() > 100_000)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=80,
-                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=80)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"]

@@ -47,7 +47,7 @@ from ftrun.launch.processes import ZYGOTE_NAME, die_with_parent, set_process_nam
 # imported by the supervisor before the fork: torch, torch.distributed. By preload(): torch._dynamo, which
 # DistributedDataParallel and the optimizers' first step import (1-4 s per trainer otherwise).
 PRELOAD = ("torch.nn.parallel", "torch._dynamo", "numpy")
-SPAWN_TIMEOUT = 60.0  # seconds for one fork
+SPAWN_TIMEOUT = 60.0  # seconds for one fork, the zygote's own preload() included where it makes it
 _REPARENT_TIMEOUT = 5.0
 
 
