@@ -6,9 +6,10 @@ from __future__ import annotations
 import re
 import socket
 
+import psutil
 import pytest
 
-from conftest import EVERY, gpt_args, primary_failures, restores, run_bitwise
+from conftest import EVERY, assert_job_left_nothing, gpt_args, primary_failures, restores, run_bitwise
 from ftrun.snapshot.transport import PeerClient, PeerUnavailable
 
 
@@ -68,11 +69,22 @@ def test_three_nodes_one_parity_lose_one_bitwise(start_job, tmp_path, gpt_baseli
 @pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_four_nodes_two_parity_lose_two_at_once_bitwise(start_job, tmp_path, gpt_baselines):
-    job = run_bitwise(start_job, tmp_path, gpt_baselines(4, 1), "g4m2", "--ec-group", "4", "--ec-parity", "2",
-                      "--inject", "node-loss@node=1,step=25", "--inject", "node-loss@node=2,step=25",
-                      nodes=shape(4, 1))
+    """Both lost nodes are rebuilt from parity, by supervisors the launcher forked at its start (m = 2 of them
+    kept: no interpreter to start for either)."""
+    args, out = gpt_args(tmp_path, "g4m2")
+    job = start_job(*shape(4, 1), "--ec-group", "4", "--ec-parity", "2", "--inject", "node-loss@node=1,step=25",
+                    "--inject", "node-loss@node=2,step=25", *args)
+    commands = []
+    for node in (1, 2):
+        started = job.wait_for_event(lambda e: e["event"] == "node_start" and e["node"] == node
+                                     and e["incarnation"] == 2)
+        commands.append(" ".join(psutil.Process(started["pid"]).cmdline()))
+    assert job.wait(180) == 0, job.output
+    assert out.read_text().strip() == gpt_baselines(4, 1)
+    assert all("-m ftrun.launch.launcher" in command for command in commands), commands
     plan = assert_rebuilt(job, {1, 2}, 25)
     assert plan["step"] == 20
+    assert_job_left_nothing(job)
 
 
 @pytest.mark.timeout(300)

@@ -11,8 +11,9 @@
    :class:`PendingSupervisor`; each forks its zygote, which forks the trainers): none imports torch again.
    A fork waits on a pipe that only it and the launcher share until the launcher, its control store up, hands
    it its :class:`~ftrun.control.spec.NodeSpec` and the job secret (:meth:`PendingSupervisor.hand`), neither of
-   which ever appears in a process environment. A supervisor needed later (a lost node's replacement, once the
-   launcher runs threads) is a new interpreter instead (:func:`start`), handed its spec the same way.
+   which ever appears in a process environment. In local mode it forks m more (at least one) for the first lost
+   nodes. A supervisor needed later (a replacement once those are used; the launcher runs threads by then) is a
+   new interpreter instead (:func:`start`), handed its spec the same way.
 
 A launcher that stops before handing over closes the pipe: the supervisor reads end-of-file and exits 0
 having done nothing (:func:`receive` returns None).

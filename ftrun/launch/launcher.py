@@ -621,9 +621,11 @@ def main() -> None:
     set_process_name(LAUNCHER_NAME)
     cfg, begun, args = resume()
     # before any thread or connection of this process; --tui: each node's output goes to its own file, opened
-    # when the node is known, so its supervisors are new interpreters. Local mode forks one more, kept for the
-    # first node lost (or spare to start again): a new interpreter and its imports take 2-3 s here
-    count = 0 if cfg.tui else cfg.nnodes + cfg.spares + 1 if cfg.local_mode else 1
+    # when the node is known, so its supervisors are new interpreters. Local mode forks m more (at least one), kept
+    # for the first nodes lost (or spares to start again), as many as parity lets the job lose at once: a new
+    # interpreter and its imports take 2-3 s here
+    reserve = max(1, cfg.erasure[1])
+    count = 0 if cfg.tui else cfg.nnodes + cfg.spares + reserve if cfg.local_mode else 1
     if count and cfg.zygote and not cfg.no_python:
         preload()  # once for every zygote of this host (see ftrun.launch.zygote)
     pending = [fork_supervisor() for _ in range(count)]
