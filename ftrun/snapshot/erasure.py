@@ -444,8 +444,10 @@ def rebuild_chunk(codec: Codec, layout: StripeLayout, chunk: int, chunk_len: int
     ``sources``: fragment indexes of the stripe whose holders survive (at least k). ``fetch_into(i, offset,
     length, into)`` fills ``into`` with those bytes of fragment ``i``. With parity fragment k and every other data
     fragment among them (m = 1, or one lost of several), the chunk is parity XOR the others, fetched straight
-    into each segment's ``into``; else pyeclib reconstructs each piece from k fragments and ``write(offset,
-    buffer)`` stores it (every byte of the chunk, padding included; the buffer is reused once it returns).
+    into each segment's ``into``; else each piece is reconstructed from k fragments, straight into the segment
+    that holds the piece whole, or else into a buffer that ``write(offset, buffer)`` stores (every byte of the
+    piece, padding included; the buffer is reused once it returns). Either way a segment's memory is written only
+    after ``fetch_into`` has been called for the same bytes: a caller may make it writable there.
 
     ``parity_crcs``: for a parity fragment index, the CRC-32 of each of its pieces, as its holder computed them;
     every piece of it that is fetched whole is checked before it is used (:class:`CorruptFragment`).
@@ -478,6 +480,7 @@ def rebuild_chunk(codec: Codec, layout: StripeLayout, chunk: int, chunk_len: int
     if len(chosen) < k:
         raise ValueError(f"{len(chosen)} surviving fragments, {k} needed")
     size = max((n for _, n in pieces), default=0)
+    whole = {s.offset: s.into for s in segments if s.into is not None}  # a piece one segment holds whole
 
     def start(piece: tuple[int, int], depth: int) -> list[Future[Any]]:
         offset, length = piece
@@ -490,8 +493,12 @@ def rebuild_chunk(codec: Codec, layout: StripeLayout, chunk: int, chunk_len: int
         buffers = scratch.get(depth, k + 1, size)
         for n, i in enumerate(chosen):
             check.add(i, offset, buffers[n][:length])
-        codec.reconstruct({i: buffers[n][:length] for n, i in enumerate(chosen)}, chunk, buffers[k][:length])
-        write(offset, buffers[k][:length])
+        into = whole.get(offset)
+        direct = into is not None and len(into) == length  # its bytes writable: fetched (see above)
+        target = into if direct else buffers[k][:length]
+        codec.reconstruct({i: buffers[n][:length] for n, i in enumerate(chosen)}, chunk, target)
+        if not direct:
+            write(offset, target)
 
     _pipelined(pool, pieces, start, finish)
 
