@@ -724,7 +724,7 @@ def main() -> int:
     parser.add_argument("--train-sleep", type=float, default=0.07,
                         help="seconds each of their steps waits with the CPU idle (a GPU step's kernels)")
     parser.add_argument("--train-reps", type=int, default=2, help="training-throughput jobs with parity on and off")
-    parser.add_argument("--shapes", nargs="*", default=None,
+    parser.add_argument("--shapes", nargs="*", default=None, choices=[s.name for s in SHAPES],
                         help="names of the shapes to run (default: all; none: only the training jobs)")
     parser.add_argument("--no-training", action="store_true", help="skip the training-throughput jobs")
     parser.add_argument("--quick", action="store_true", help="16 MiB, 2 repetitions, 10 steps: a smoke check")

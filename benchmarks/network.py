@@ -160,7 +160,8 @@ def main() -> int:
     parser.add_argument("--step-time", type=float, default=0.3, help="seconds of sleep per step")
     parser.add_argument("--reps", type=int, default=3, help="repetitions of the TCP copy and of each job")
     parser.add_argument("--compare", metavar="TREE", help="another ftrun checkout, run side by side")
-    parser.add_argument("--shapes", nargs="*", default=None, help="names of the shapes to run (default: all)")
+    parser.add_argument("--shapes", nargs="*", default=None, choices=[s.name for s in SHAPES],
+                        help="names of the shapes to run (default: all)")
     args = parser.parse_args()
     if not 1 < args.loss_at < args.steps:
         parser.error("need 1 < --loss-at < --steps")

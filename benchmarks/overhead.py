@@ -169,6 +169,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=5)
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma-separated: {', '.join(CASES)}")
     args = parser.parse_args()
+    unknown = [key for key in args.cases.split(",") if key not in CASES]
+    if unknown:
+        parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
     header = ["| case | runs f/t | wall torchrun | wall ftrun | ratio | 1st step torchrun | 1st step ftrun | ratio | "
               "exit torchrun | exit ftrun | ftrun exit after trainers | steps/s torchrun | steps/s ftrun | ratio |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
