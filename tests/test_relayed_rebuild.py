@@ -27,7 +27,8 @@ pytestmark = pytest.mark.timeout(60)
 
 STEP = 10
 PIECE = 16 * ALIGN  # small coding pieces, so a chunk has several and a segment can end inside one
-RELAY_PART = 5 * ALIGN  # relayed requests that start and end inside pieces
+RELAY_PART = 5 * ALIGN  # relayed requests that start and end inside pieces (every survivor on the host)
+RELAY_PART_NIC = 3 * ALIGN  # likewise, through a NIC
 SIZES = (5 * PIECE + 123, 2 * PIECE + 7)  # payload bytes of local ranks 0 and 1 (the blob spans two slot files)
 
 
@@ -126,6 +127,7 @@ class Group:
 @pytest.fixture
 def make_group(shm, tmp_path, monkeypatch) -> Iterator[Any]:
     monkeypatch.setattr(redundancy, "RELAY_PART", RELAY_PART)
+    monkeypatch.setattr(redundancy, "RELAY_PART_NIC", RELAY_PART_NIC)
     groups: list[Group] = []
 
     def make(group: int, parity: int, one_host: bool = False) -> Group:
@@ -197,6 +199,32 @@ def test_two_lost_on_one_host_are_rebuilt_directly_one_reconstruction_per_byte(m
     xor = make_group(3, 1, one_host=True)  # XOR chains cost no more than fetching: relayed on one host too
     xor.lose(1)
     assert "error" not in xor.rebuild(1) and xor.keepers[1].redundancy.relayed and xor.holds(1)
+
+
+@pytest.mark.parametrize("shape,lost,one_host,part", [((3, 1), (1,), False, RELAY_PART_NIC),
+                                                      ((3, 1), (1,), True, RELAY_PART),
+                                                      ((4, 2), (1, 2), False, RELAY_PART)],
+                         ids=["xor-through-nics", "xor-one-host", "terms-through-nics"])
+def test_relayed_parts_are_small_through_a_nic_and_large_on_one_host(make_group, monkeypatch, shape, lost, one_host,
+                                                                     part):
+    """Through NICs small parts keep every link of an XOR chain busy; on one host, where the CPU moves every
+    byte, larger parts cost fewer requests; so do terms, computed per part at every hop (see RELAY_PART)."""
+    group = make_group(*shape, one_host=one_host)
+    for node in lost:
+        group.lose(node)
+    survivors = sorted(set(range(shape[0])) - set(lost))
+    lengths: list[int] = []
+    for node in survivors:
+        relay = group.keepers[node].redundancy._relay
+
+        def spy(step: int, request: dict[str, Any], relay: Any = relay) -> bytearray:
+            lengths.append(int(request["length"]))
+            return relay(step, request)
+
+        monkeypatch.setattr(group.keepers[node].redundancy, "_relay", spy)
+    assert "error" not in group.rebuild(lost[0], complete=survivors)
+    assert group.keepers[lost[0]].redundancy.relayed and group.holds(lost[0])
+    assert max(lengths) == part, lengths
 
 
 @pytest.mark.parametrize("shape,lost,t", [((3, 1), (1,), 0), ((4, 2), (1, 2), 1)])

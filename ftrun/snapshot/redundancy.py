@@ -122,9 +122,11 @@ PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are
 # bytes of a relayed request: each holder of a chain receives a part whole before it sends its sum on, so small
 # parts keep every link busy, down to where the cost per request shows. x the TCP copy, benchmarks/network.py (NICs
 # of 1 Gbit/s, 128 MiB per rank): k=2 m=1 1 MiB 1.11, 256 KiB 1.04; k=4 m=2 two lost 1 MiB 2.85-3.05, 256 KiB
-# 2.49-2.61, 128 KiB 2.89. On 2 cores over loopback (benchmarks/erasure.py, k=2 m=1) 256 KiB doubles it: 7.09 and
-# 5.38 against 3.54 with 1 MiB
-RELAY_PART = 1 << 20
+# 2.49-2.61, 128 KiB 2.89 (measured before terms were ISA-L's; since, 1 MiB 2.40-2.53, 256 KiB 2.65-2.78: each hop
+# computes a term per part). Over loopback, where the CPU moves every byte (every survivor on this host; on 2 cores,
+# benchmarks/erasure.py, k=2 m=1), 256 KiB doubles it: 7.09 and 5.38 against 3.54 with 1 MiB
+RELAY_PART = 1 << 20  # terms, or every survivor on this host; the most a relay request may ask for
+RELAY_PART_NIC = 256 << 10  # XOR chains with a survivor on another host
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
 
 
@@ -837,7 +839,9 @@ class Redundancy:
         try:
             if chains is not None:
                 try:
-                    self._rebuild_relayed(step, stripes, chains, chunk_len, writer, blob)
+                    xor = all(terms is None for _, terms in chains)
+                    part = RELAY_PART_NIC if xor and not self._on_this_host(complete) else RELAY_PART
+                    self._rebuild_relayed(step, stripes, chains, chunk_len, writer, blob, part)
                     t3 = time.perf_counter()
                     writer.finish()
                 except (PeerError, RedundancyError) as err:  # a survivor's content: the direct rebuild checks it
@@ -868,8 +872,7 @@ class Redundancy:
         alike."""
         if layout.k < 2:
             return None
-        host = self.peers.get(self.place.node, "").rpartition(":")[0]
-        one_host = bool(host) and all(self.peers.get(node, "").rpartition(":")[0] == host for node in complete)
+        one_host = self._on_this_host(complete)
         chains: list[tuple[list[int], Terms | None]] = []
         for chunk, stripe in enumerate(stripes):
             alive = [i for i in range(layout.group)
@@ -885,13 +888,18 @@ class Redundancy:
                 layout.position(s, i) - self.place.position - 1 - c) % layout.group), terms))
         return chains
 
+    def _on_this_host(self, nodes: list[int]) -> bool:
+        """Whether every node of ``nodes`` serves its peers from this node's host (no NIC between them)."""
+        host = self.peers.get(self.place.node, "").rpartition(":")[0]
+        return bool(host) and all(self.peers.get(node, "").rpartition(":")[0] == host for node in nodes)
+
     def _rebuild_relayed(self, step: int, stripes: list[int], chains: list[tuple[list[int], Terms | None]],
-                         chunk_len: int, writer: _BlobWriter, blob: int) -> None:
-        """Every chunk summed along its chain (:meth:`_chains`; module doc): this node receives each byte once.
-        As many requests are in flight as the pool has threads."""
+                         chunk_len: int, writer: _BlobWriter, blob: int, part: int) -> None:
+        """Every chunk summed along its chain (:meth:`_chains`; module doc), in requests of ``part`` bytes at most:
+        this node receives each byte once. As many requests are in flight as the pool has threads."""
         requests = []
         for chunk, (stripe, (parts, terms)) in enumerate(zip(stripes, chains)):
-            for segment in writer.segments(chunk * chunk_len, chunk_len, RELAY_PART):
+            for segment in writer.segments(chunk * chunk_len, chunk_len, part):
                 if segment.into is not None:
                     requests.append((chunk * chunk_len, stripe, parts, terms, segment))
 
