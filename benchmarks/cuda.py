@@ -43,7 +43,9 @@ HERE = Path(__file__).resolve().parent
 GPT = HERE.parent / "examples" / "train_gpt.py"
 WIDTH = 4096
 JOB_TIMEOUT = 300
+EC_EVERY = 10  # section 4: steps between two snapshots
 UNTIMED_SNAPSHOTS = 5  # section 4: the first snapshots of a job, which wait for its first parity
+TIMED_FROM = UNTIMED_SNAPSHOTS * EC_EVERY  # section 4: the step its timing starts at
 
 
 def ftrun(workdir: Path, name: str, flags: list[str], script: list[str]) -> tuple[int, float, list[dict]]:
@@ -235,17 +237,16 @@ def train_worker(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    model, optimizer, batch, snap = trainer(args.ec_size_mib, args.batch, every=10, skip=True)
+    model, optimizer, batch, snap = trainer(args.ec_size_mib, args.batch, every=EC_EVERY, skip=True)
     dist.init_process_group("gloo")
     dist.barrier()
-    timed_from = UNTIMED_SNAPSHOTS * 10
     t0 = None
     in_snapshotter = 0.0  # seconds of the timed steps spent in save() and wait()
     for step in range(snap.restore(), args.train_steps):
         train_step(model, optimizer, batch)
         t = time.perf_counter()
         snap.save(step + 1)
-        if step + 1 == timed_from:
+        if step + 1 == TIMED_FROM:
             snap.wait()
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -258,7 +259,7 @@ def train_worker(args: argparse.Namespace) -> None:
     end = time.perf_counter()
     in_snapshotter += end - t
     Path(args.out, f"rank{os.environ['RANK']}.json").write_text(json.dumps({
-        "steps_per_second": (args.train_steps - timed_from) / (end - t0), "skipped": snap.skipped,
+        "steps_per_second": (args.train_steps - TIMED_FROM) / (end - t0), "skipped": snap.skipped,
         "snapshotter_share": in_snapshotter / (end - t0)}))
     dist.destroy_process_group()
 
@@ -293,7 +294,7 @@ def training_with_parity(args: argparse.Namespace, workdir: Path) -> bool:
     print(f"  % of the timed steps in save() + wait(), the rank most in them: "
           f"{' '.join(f'{100 * share:.1f}' for share in shares[1])} with parity, "
           f"{' '.join(f'{100 * share:.1f}' for share in shares[0])} without")
-    print(f"  of {args.train_steps // 10} snapshot steps per job, with parity: {'; '.join(secured[1])}; "
+    print(f"  of {args.train_steps // EC_EVERY} snapshot steps per job, with parity: {'; '.join(secured[1])}; "
           f"without: {'; '.join(secured[0])}")
     return True
 
@@ -312,8 +313,8 @@ def main() -> int:
     parser.add_argument("--train-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--log-dir", help="keep every job's --log-dir (events.jsonl) under this directory")
     args = parser.parse_args()
-    if args.train_steps <= UNTIMED_SNAPSHOTS * 10:
-        parser.error(f"--train-steps must be more than {UNTIMED_SNAPSHOTS * 10} (the untimed snapshots' steps)")
+    if args.train_steps <= TIMED_FROM:
+        parser.error(f"--train-steps must be more than {TIMED_FROM} (the untimed snapshots' steps)")
     if args.log_dir and Path(args.log_dir).is_dir() and any(Path(args.log_dir).iterdir()):
         parser.error(f"--log-dir {args.log_dir} is not empty: name a new directory")
     if args.worker:

@@ -105,9 +105,9 @@ def test_script_broken_at_import_reports_the_restarts_it_made(start_job):
 
 @pytest.mark.timeout(240)
 def test_a_lost_local_node_is_replaced_by_the_supervisor_forked_at_start(start_job, tmp_path, gpt_baseline):
-    """Local mode: the launcher keeps one supervisor, forked at its start, for the first node lost (no interpreter
-    to start, nothing to import; a later loss gets a new interpreter, as --tui's supervisors are). The job ends
-    bitwise."""
+    """Local mode: the launcher keeps m supervisors (m = 1 here), forked at its start, for the first nodes lost (no
+    interpreter to start, nothing to import; a later loss gets a new interpreter, as --tui's supervisors are). The
+    job ends bitwise."""
     args, out = gpt_args(tmp_path, "lost")
     job = start_job(*NODES, "--inject", "node-loss@node=1,step=15", *args)
     started = job.wait_for_event(lambda e: e["event"] == "node_start" and e["node"] == 1 and e["incarnation"] == 2)

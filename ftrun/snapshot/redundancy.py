@@ -834,13 +834,14 @@ class Redundancy:
         writer = self._take_prepared(step, images) or _BlobWriter(self.keeper, step, images)
         self.allocated_ahead = writer.memory.allocated
         t2 = time.perf_counter()
-        chains = self._chains(stripes, complete, piece_layout)
+        one_host = self._on_this_host(complete)
+        chains = self._chains(stripes, complete, piece_layout, one_host)
         self.relayed = chains is not None
         try:
             if chains is not None:
                 try:
                     xor = all(terms is None for _, terms in chains)
-                    part = RELAY_PART_NIC if xor and not self._on_this_host(complete) else RELAY_PART
+                    part = RELAY_PART_NIC if xor and not one_host else RELAY_PART
                     self._rebuild_relayed(step, stripes, chains, chunk_len, writer, blob, part)
                     t3 = time.perf_counter()
                     writer.finish()
@@ -860,19 +861,19 @@ class Redundancy:
                        "waited_for_memory": writer.memory.waited}
         return blob, t4 - t0
 
-    def _chains(self, stripes: list[int], complete: list[int], layout: StripeLayout
+    def _chains(self, stripes: list[int], complete: list[int], layout: StripeLayout, one_host: bool
                 ) -> list[tuple[list[int], Terms | None]] | None:
         """For each chunk of this node (of ``stripes``), the fragments whose holders sum it along a chain, in
         chain order, and how: XOR (None: parity k and the other data fragments survive) or the terms of k
         surviving fragments (:class:`~ftrun.snapshot.erasure.Terms`). None when no chunk is to be relayed (k = 1:
-        a copy) or one cannot be (fewer than k survive), or terms are needed and every survivor is on this host:
+        a copy) or one cannot be (fewer than k survive), or terms are needed and every survivor is on this host
+        (``one_host``, :meth:`_on_this_host`):
         with no NIC in the way the direct rebuild is cheaper (benchmarks/erasure.py, k=4 m=2, two lost, on 2
         cores: with pyeclib's terms relayed 3.6 s, direct 1.0-1.2 s; with ISA-L's, relayed 2.2-2.3 s, direct
         0.86-0.94 s). Chunk c's chain starts at the position c + 1 after this one, so the survivors send
         alike."""
         if layout.k < 2:
             return None
-        one_host = self._on_this_host(complete)
         chains: list[tuple[list[int], Terms | None]] = []
         for chunk, stripe in enumerate(stripes):
             alive = [i for i in range(layout.group)
