@@ -15,6 +15,7 @@ import pytest
 
 from ftrun.control.spec import ENV_SHM_DIR, NodeSpec
 from ftrun.events import read_events
+from ftrun.snapshot import keeper as keeper_module
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot import pinning
 from ftrun.snapshot.link import newest_common
@@ -136,6 +137,37 @@ def test_keeper_never_overwrites_the_newest_step_every_rank_holds_and_skips_rath
     assert keeper.ranks[0].interval == 0 and keeper.ranks[0].passes == 0
     events = [e for e in read_events(str(tmp_path)) if e["event"] == "snapshot_skipped"]
     assert [(e["rank"], e["step"], e["newest"]) for e in events] == [(0, 30, 20)]
+    keeper.stop()
+
+
+def test_a_poll_with_wait_answers_at_a_commit_a_skip_or_a_nudge_and_else_when_its_wait_ends(shm, monkeypatch):
+    """The link's poll sleeps in the keeper while its answer is what the link last saw (``seen``), and answers at
+    once when a snapshot is committed or skipped, or the supervisor nudges it (woken: with its look-again
+    interval made longer than the test, only a notification can answer it); a poll with a version the link has
+    not seen never waits."""
+    keeper = Keeper(spec(nproc=1), [])
+    base = {"op": "poll", "generation": 0, "plan": 0, "restorable": 0}
+    seen = keeper.handle(base)["version"]
+    t0 = time.monotonic()
+    assert keeper.handle({**base, "wait": 0.3, "seen": seen})["version"] == seen  # nothing changed: all of it
+    assert 0.25 < time.monotonic() - t0 < 2
+    assert keeper.handle({**base, "wait": 5, "seen": "another"})["version"] == seen  # not what it saw: at once
+    monkeypatch.setattr(keeper_module, "POLL_WAIT", 60.0)
+    monkeypatch.setattr(keeper_module, "POLL_RECHECK", 60.0)
+    for change in (lambda: commit_via_keeper(keeper, 0, 10), lambda: commit_via_keeper(keeper, 0, 20),
+                   lambda: keeper.handle({"op": "reserve", "rank": 0, "step": 30, "generation": 0, "size": 4096}),
+                   lambda: keeper.handle({"op": "nudge"})):
+        answers: list[dict] = []
+        waiting = threading.Thread(target=lambda: answers.append(keeper.handle({**base, "wait": 60, "seen": seen})),
+                                   daemon=True)
+        waiting.start()
+        time.sleep(0.2)
+        assert not answers, "the poll answered before anything changed"
+        change()
+        waiting.join(10)
+        assert answers and answers[0]["version"] != seen
+        seen = answers[0]["version"]
+    assert answers[0]["local"] == [10, 20] and answers[0]["decided"] == 30  # step 30 was skipped
     keeper.stop()
 
 

@@ -62,6 +62,10 @@ class DcpCopies:
         """Whether the copy of ``step`` (or of a newer one) is still to be written."""
         return self.done < step and (self._wanted >= step or self._running is not None)
 
+    def busy(self) -> bool:
+        """Whether a copy runs or waits to start (:meth:`poll` has work)."""
+        return self._running is not None or self._wanted > self.done
+
     def poll(self) -> None:
         """Finish the running copy if it ended; start the next one."""
         if self._running is not None:

@@ -51,6 +51,7 @@ from ftrun.events import EventLog
 from ftrun.snapshot.dcp_copy import DcpCopies
 from ftrun.snapshot.persist import (MANIFEST, complete_steps, finalize, manifest, move_aside, prune, remove_partial,
                                     step_name)
+from ftrun.snapshot.protocol import POLL_WAIT
 
 READ_INTERVAL = 0.2  # how often a node reads the round document while it holds nothing for one
 CANCELLED = -1  # the step of a round cancelled by a generation change
@@ -158,6 +159,17 @@ class Durability:
         self.hold = None
         if current.step > 0 and current.round > self.persist[0]:
             self.persist = (current.round, current.step)
+
+    def quiet(self) -> float:
+        """How long (seconds) the link may wait for its keeper before it ticks again: 0 while a round needs this node
+        (a hold, a round due or open); else until its next read of the round document (every node but 0), or of
+        the running DCP copy (node 0); else :data:`~ftrun.snapshot.protocol.POLL_WAIT` (the keeper answers a change
+        at once: a snapshot passed, a persist written)."""
+        if self.hold is not None or self.open is not None or self._snapshots >= self.spec.persist_every:
+            return 0.0
+        if not self.leader:
+            return min(POLL_WAIT, max(0.0, self._next_read - time.monotonic()))
+        return READ_INTERVAL if self.copies is not None and self.copies.busy() else POLL_WAIT
 
     def snapshot_passed(self, count: int) -> None:
         """Its ranks passed ``count`` more snapshot steps (every one took or skipped each)."""

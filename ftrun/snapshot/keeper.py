@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import errno
 import glob
+import hashlib
+import json
 import os
 import queue
 import re
@@ -68,7 +70,7 @@ from ftrun.control.faults import Fault, parse_faults
 from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir
 from ftrun.snapshot.heap import reuse_large_blocks
 from ftrun.snapshot.priority import lower_priority, lower_to_background
-from ftrun.snapshot.protocol import PEER_LOST, LineSocket, listen, same_user, socket_name
+from ftrun.snapshot.protocol import PEER_LOST, POLL_WAIT, LineSocket, listen, same_user, socket_name
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, RESTORED, SLOTS_PER_RANK, SPARE_SLOT,
@@ -88,6 +90,7 @@ ENCODE_RETRY = 0.2
 # A trainer skips a snapshot rather than wait for a slot only while its newest snapshot is at most this many of its
 # snapshot intervals behind the step it saves; beyond, it waits for the job to secure that one (see the module doc).
 STALE_INTERVALS = 4
+POLL_RECHECK = 0.25  # seconds between two looks of a waiting poll for a change that notified nobody (bytes allocated)
 SOCKET_WAIT = 10.0  # seconds a starting keeper waits for another keeper of its node to leave (listen_alone)
 MIN_PEER_TIMEOUT = 5.0  # seconds: the least a keeper waits on a peer (see peer_timeout)
 # Advice printed with the /dev/shm capacity error.
@@ -213,6 +216,7 @@ class Keeper:
         self.pinned: dict[int, set[int]] = {}  # local rank -> slots being persisted (not to be overwritten)
         self._pinned_round = 0  # the persist round the pins are for
         self._stopping = False
+        self._nudges = 0  # op_nudge calls: each changes the answer of a waiting poll
 
     def enable_redundancy(self, secret: bytes, listener: socket.socket) -> None:
         spec = self.spec
@@ -347,6 +351,7 @@ class Keeper:
         except MemoryError as err:
             with self.cond:
                 self.fatal = self.fatal or str(err)
+                self.cond.notify_all()
             return {"error": str(err)}
         except (TypeError, KeyError, ValueError) as err:
             return {"error": f"bad request {op}: {err}"}
@@ -401,7 +406,11 @@ class Keeper:
 
     def op_poll(self, generation: int, plan: int, restorable: int, committed: int = 0,
                 peers: dict[str, str] | None = None, persist_round: int = 0, persist: int = 0,
-                abandoned: list[int] | None = None) -> dict[str, Any]:
+                abandoned: list[int] | None = None, wait: float = 0.0, seen: str = "") -> dict[str, Any]:
+        """Take what the link tells, then answer; with ``wait`` > 0, only once the answer's ``version`` differs
+        from ``seen`` (the link's last one), or after ``wait`` seconds (at most :data:`POLL_WAIT`): the link
+        sleeps in here while nothing changes, and a change (a commit, a skip, parity, a persist, a
+        :meth:`op_nudge`) answers at once."""
         with self.cond:
             self._apply_plan(generation, plan)
             if persist_round > self.persist_request[0]:  # pinned before restorable moves: see durability
@@ -419,13 +428,32 @@ class Keeper:
                     self.committed = committed
                 self.abandoned = {s for s in abandoned or () if s > self.restorable}
                 self.cond.notify_all()
-            local = set.intersection(*(rank.held() for rank in self.ranks)) if self.ranks else set()
-            return {"local": sorted(local), "some": sorted(set().union(*(rank.held() for rank in self.ranks))),
-                    "decided": min((rank.decided for rank in self.ranks), default=0),
-                    "passes": min((rank.passes for rank in self.ranks), default=0),
-                    "fatal": self.fatal, "persisted": self.persisted,
-                    "ranks": [rank.last for rank in self.ranks], "shm_bytes": self._shm_bytes(),
-                    **self._redundancy_state()}
+            deadline = time.monotonic() + min(max(wait, 0.0), POLL_WAIT)
+            while (reply := self._poll_reply())["version"] == seen and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(min(left, POLL_RECHECK))
+            return reply
+
+    def op_nudge(self) -> dict[str, Any]:
+        """Answer the link's waiting ``poll`` now (its supervisor has news for it: a generation, a stop)."""
+        with self.cond:
+            self._nudges += 1
+            self.cond.notify_all()
+        return {}
+
+    def _poll_reply(self) -> dict[str, Any]:
+        """The answer to ``poll`` with its ``version`` (a digest of the rest); caller holds the lock."""
+        local = set.intersection(*(rank.held() for rank in self.ranks)) if self.ranks else set()
+        reply = {"local": sorted(local), "some": sorted(set().union(*(rank.held() for rank in self.ranks))),
+                 "decided": min((rank.decided for rank in self.ranks), default=0),
+                 "passes": min((rank.passes for rank in self.ranks), default=0),
+                 "fatal": self.fatal, "persisted": self.persisted,
+                 "ranks": [rank.last for rank in self.ranks], "shm_bytes": self._shm_bytes(),
+                 "nudges": self._nudges, **self._redundancy_state()}
+        reply["version"] = hashlib.blake2b(json.dumps(reply, sort_keys=True).encode(), digest_size=8).hexdigest()
+        return reply
 
     def _shm_bytes(self) -> int:
         files = [f for rank in self.ranks for f in rank.files if f is not None]
@@ -565,6 +593,7 @@ class Keeper:
         why = (f"its step {newest} is not yet "
                f"{'protected by parity' if self.redundancy is not None else 'held by every rank'}")
         slots.decide(step)
+        self.cond.notify_all()  # a waiting poll answers: the rank passed a step
         if self._told_skip < self.generation:  # the first of the generation on this node: one line, not one each
             self._told_skip = self.generation
             self.events.emit("snapshot_skipped", f"rank {self.global_rank(rank)} skipped its snapshot of step "

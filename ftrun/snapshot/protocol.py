@@ -14,11 +14,14 @@ trainer     ``restore {rank, generation}`` -> ``{step, slot, path}`` (step 0 and
             ``corrupt {rank, slot, reason}`` -> ``{}``: the trainer found the slot invalid at restore.
             ``restored {rank, step, nbytes, seconds}`` -> ``{}``: for the events log.
 supervisor  ``held {generation}`` -> ``{held: {rank: [steps]}}``: verified steps of every local rank.
-            ``poll {generation, plan, restorable, abandoned, ...}`` -> ``{local, some, decided, fatal, ...}``:
-            tells the agreed restore step of the generation (the first time: slots of newer steps from older
-            generations are discarded), the newest step every rank of the job holds and the steps the job
-            abandoned; answers the steps every local rank holds, those some local rank holds, the newest step
-            every local rank took or skipped, and a fatal error if any.
+            ``poll {generation, plan, restorable, abandoned, ..., wait, seen}`` -> ``{local, some, decided, fatal,
+            ..., version}``: tells the agreed restore step of the generation (the first time: slots of newer
+            steps from older generations are discarded), the newest step every rank of the job holds and the
+            steps the job abandoned; answers the steps every local rank holds, those some local rank holds, the
+            newest step every local rank took or skipped, and a fatal error if any. With ``wait`` > 0 the answer
+            comes once its ``version`` differs from ``seen`` (the caller's last), or after ``wait`` seconds (at
+            most ``POLL_WAIT``): an idle node's link sleeps in the keeper instead of asking 100 times a second.
+            ``nudge`` -> ``{}``: a waiting ``poll`` answers now.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 MAX_LINE = 1 << 20
 ENV_KEEPER_SOCKET = "FTRUN_KEEPER_SOCKET"
+POLL_WAIT = 1.0  # seconds: the longest a ``poll`` waits for a change
 PEER_LOST = "peer lost"  # starts the error of a rebuild that failed because a survivor became unreachable
 
 
