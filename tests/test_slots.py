@@ -18,6 +18,7 @@ from ftrun.events import read_events
 from ftrun.snapshot import keeper as keeper_module
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot import pinning
+from ftrun.snapshot.protocol import KeeperClient, LineSocket, listen
 from ftrun.snapshot.link import newest_common
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header,
                                  SlotFile, checksum)
@@ -169,6 +170,39 @@ def test_a_poll_with_wait_answers_at_a_commit_a_skip_or_a_nudge_and_else_when_it
         seen = answers[0]["version"]
     assert answers[0]["local"] == [10, 20] and answers[0]["decided"] == 30  # step 30 was skipped
     keeper.stop()
+
+
+def test_a_nudge_reaches_a_keeper_restarted_since_the_last_one_and_none_is_no_wait(shm):
+    """The supervisor's nudge goes over a kept connection: when the keeper it reached has gone (its connection
+    closed) the nudge tries once more on a new one, and reaches the new keeper; no keeper at all answers None
+    at once."""
+    name = f"ftrun-test-nudge-{os.getpid()}-{time.monotonic_ns()}"
+    client = KeeperClient(name)
+    assert client.try_request("nudge") is None
+    old = listen(name)
+
+    def answer_once() -> None:
+        conn, _ = old.accept()
+        line = LineSocket(conn)
+        line.receive()
+        line.send({})
+        conn.close()
+
+    answering = threading.Thread(target=answer_once, daemon=True)
+    answering.start()
+    assert client.try_request("nudge") == {}
+    answering.join(5)
+    old.close()
+    keeper = Keeper(spec(nproc=1), [])
+    server = listen(name)
+    threading.Thread(target=keeper.serve, args=(server,), daemon=True).start()
+    try:
+        assert client.try_request("nudge") == {} and keeper._nudges == 1
+    finally:
+        keeper.stop()
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        client.close()
 
 
 def test_a_snapshot_a_few_bytes_larger_keeps_its_slot_files(shm):

@@ -271,7 +271,7 @@ class KeeperLink(threading.Thread):
         self.events = events
         self.address = address
         self.keeper = KeeperClient(socket_name(job, spec.node_rank), patience=1.0)
-        self._nudger = KeeperClient(socket_name(job, spec.node_rank), patience=0.0)  # the supervisor's thread's
+        self._nudger = KeeperClient(socket_name(job, spec.node_rank))  # the supervisor's thread's (_nudge)
         self._seen = ""  # the version of the keeper's last poll answer
         self.fatal: str | None = None  # ends the job (no room for snapshots)
         self._generation = -1
@@ -307,10 +307,7 @@ class KeeperLink(threading.Thread):
     def _nudge(self) -> None:
         """Wake the link's poll waiting in the keeper (called from the supervisor's thread). A keeper that does not
         answer has broken that poll too."""
-        try:
-            self._nudger.request("nudge")
-        except (KeeperUnavailable, KeeperError):
-            pass
+        self._nudger.try_request("nudge")
 
     def finish(self, grace: float) -> str | None:
         """The trainers have stopped (or ended): persist the newest globally committed step, within ``grace``

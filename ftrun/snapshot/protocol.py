@@ -137,6 +137,22 @@ class KeeperClient:
                 raise KeeperUnavailable(f"keeper {self.name} not answering for {self.patience:g}s")
             time.sleep(0.05)
 
+    def try_request(self, op: str, **fields: Any) -> dict[str, Any] | None:
+        """``op`` without waiting for a keeper that does not answer: on the open connection, then once on a new one
+        (a keeper restarted since closed the old one); its reply, or None."""
+        for _ in range(2):
+            try:
+                if self._conn is None:
+                    self._conn = self._connect()
+                self._conn.send({"op": op, **fields})
+                reply = self._conn.receive()
+                if reply is not None:
+                    return reply
+            except (OSError, ValueError):
+                pass
+            self.close()
+        return None
+
     def close(self) -> None:
         if self._conn is not None:
             self._conn.close()
