@@ -120,37 +120,32 @@ class KeeperClient:
 
     def request(self, op: str, **fields: Any) -> dict[str, Any]:
         deadline = time.monotonic() + self.patience
-        while True:
-            try:
-                if self._conn is None:
-                    self._conn = self._connect()
-                self._conn.send({"op": op, **fields})
-                reply = self._conn.receive()
-                if reply is not None:
-                    if "error" in reply:
-                        raise KeeperError(reply["error"])
-                    return reply
-            except (OSError, ValueError):
-                pass
-            self.close()
+        while (reply := self._exchange(op, fields)) is None:
             if time.monotonic() > deadline:
                 raise KeeperUnavailable(f"keeper {self.name} not answering for {self.patience:g}s")
             time.sleep(0.05)
+        if "error" in reply:
+            raise KeeperError(reply["error"])
+        return reply
 
     def try_request(self, op: str, **fields: Any) -> dict[str, Any] | None:
         """``op`` without waiting for a keeper that does not answer: on the open connection, then once on a new one
         (a keeper restarted since closed the old one); its reply, or None."""
-        for _ in range(2):
-            try:
-                if self._conn is None:
-                    self._conn = self._connect()
-                self._conn.send({"op": op, **fields})
-                reply = self._conn.receive()
-                if reply is not None:
-                    return reply
-            except (OSError, ValueError):
-                pass
-            self.close()
+        reply = self._exchange(op, fields)
+        return reply if reply is not None else self._exchange(op, fields)
+
+    def _exchange(self, op: str, fields: dict[str, Any]) -> dict[str, Any] | None:
+        """One request and its reply; None (and the connection closed) when the connection fails."""
+        try:
+            if self._conn is None:
+                self._conn = self._connect()
+            self._conn.send({"op": op, **fields})
+            reply = self._conn.receive()
+            if reply is not None:
+                return reply
+        except (OSError, ValueError):
+            pass
+        self.close()
         return None
 
     def close(self) -> None:
