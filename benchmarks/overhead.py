@@ -17,7 +17,9 @@ Both launchers get the same command line (``--nproc-per-node``, ``--master-addr`
 (slowest rank), exit (the last launcher's exit minus the end of the last trainer's script: the trainers'
 interpreter teardown, about 0.6 s with torch here, is in it for both), ftrun's own exit (after its supervisors
 reaped the last trainer, from its events), steady steps/s (mean over ranks). The table gives medians and ftrun /
-torchrun ratios with the issue's targets.
+torchrun ratios with the issue's targets. In the training cases also the launcher's own CPU in the steady state
+(every process of the launchers' sessions but the trainers, in % of one core, over :data:`OWN_WINDOW` seconds
+from the warm-up's end): torchrun's agent against ftrun's launcher, supervisors, zygotes and keepers.
 
     .venv/bin/python benchmarks/overhead.py --pairs 5
 """
@@ -33,13 +35,17 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 WORKER = Path(__file__).resolve().parent / "overhead_worker.py"
 BIN_DIR = Path(sys.executable).parent
 TIMEOUT = 300.0
+OWN_WINDOW = 4.0  # seconds of steady training over which the launcher's own CPU is measured
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,7 @@ class Sample:
     exit: float  # the last launcher's exit after the last trainer's script returned (its interpreter teardown too)
     steady: float | None
     own_exit: float | None = None  # ftrun: its exit after its supervisors reaped the last trainer (node_done)
+    own_cpu: float | None = None  # % of one core the launcher's own processes used in the steady state
 
 
 @dataclass
@@ -102,6 +109,9 @@ def run_once(case: Case, launcher: str) -> Sample | None:
         t0 = time.time()
         procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
                                   start_new_session=True) for cmd in commands(case, launcher, out, ckpt)]
+        own: list[float] = []
+        if case.mode == "train":
+            threading.Thread(target=measure_own_cpu, args=(procs, out, own), daemon=True).start()
         ends = []
         for proc in procs:
             try:
@@ -127,9 +137,40 @@ def run_once(case: Case, launcher: str) -> Sample | None:
         return Sample(wall=max(ends) - t0, first_step=max(r["first_step"] for r in ranks) - t0,
                       exit=max(ends) - max(r["end"] for r in ranks),
                       steady=statistics.mean(steady) if steady else None,
-                      own_exit=max(ends) - max(done) if done else None)
+                      own_exit=max(ends) - max(done) if done else None, own_cpu=own[0] if own else None)
     finally:
         shutil.rmtree(out, ignore_errors=True)
+
+
+def measure_own_cpu(procs: list[subprocess.Popen[bytes]], out: str, result: list[float]) -> None:
+    """Append the % of one core that every process of the launchers' sessions but the trainers (their pids are in
+    ``out``) used over :data:`OWN_WINDOW` seconds from the warm-up's end; nothing if the job ended first."""
+    marker = Path(out, "steady")
+    while not marker.exists():
+        if all(proc.poll() is not None for proc in procs):
+            return
+        time.sleep(0.05)
+    trainers = {int(Path(out, name).read_text()) for name in os.listdir(out) if name.startswith("pid")}
+
+    def own_seconds() -> float:
+        total = 0.0
+        for proc in procs:
+            try:
+                root = psutil.Process(proc.pid)
+                for p in [root, *root.children(recursive=True)]:
+                    if p.pid not in trainers:
+                        times = p.cpu_times()
+                        total += times.user + times.system
+            except psutil.Error:
+                pass
+        return total
+
+    before, t0 = own_seconds(), time.monotonic()
+    time.sleep(OWN_WINDOW)
+    after, elapsed = own_seconds(), time.monotonic() - t0
+    if not marker.exists() or any(proc.poll() is not None for proc in procs):
+        return  # the job ended inside the window: its exit is not the steady state
+    result.append(100 * (after - before) / elapsed)
 
 
 def median(values: list[float]) -> float:
@@ -139,15 +180,15 @@ def median(values: list[float]) -> float:
 def report(case: Case, result: Result) -> list[str]:
     rows = []
     med = {name: {key: median([getattr(s, key) for s in samples if getattr(s, key) is not None])
-                  for key in ("wall", "first_step", "exit", "steady", "own_exit")}
+                  for key in ("wall", "first_step", "exit", "steady", "own_exit", "own_cpu")}
            for name, samples in result.samples.items()}
     t, f = med["torchrun"], med["ftrun"]
     runs = f"{len(result.samples['ftrun'])}/{len(result.samples['torchrun'])}"
     rows.append(f"| {case.name} | {runs} | {t['wall']:.2f} | {f['wall']:.2f} | {f['wall'] / t['wall']:.2f} | "
                 f"{t['first_step']:.2f} | {f['first_step']:.2f} | {f['first_step'] / t['first_step']:.2f} | "
                 f"{t['exit']:.2f} | {f['exit']:.2f} | {f['own_exit']:.2f} | "
-                + (f"{t['steady']:.0f} | {f['steady']:.0f} | {f['steady'] / t['steady']:.3f} |"
-                   if case.mode == "train" else "- | - | - |"))
+                + (f"{t['steady']:.0f} | {f['steady']:.0f} | {f['steady'] / t['steady']:.3f} | "
+                   f"{t['own_cpu']:.1f} | {f['own_cpu']:.1f} |" if case.mode == "train" else "- | - | - | - | - |"))
     return rows
 
 
@@ -173,8 +214,9 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
     header = ["| case | runs f/t | wall torchrun | wall ftrun | ratio | 1st step torchrun | 1st step ftrun | ratio | "
-              "exit torchrun | exit ftrun | ftrun exit after trainers | steps/s torchrun | steps/s ftrun | ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "exit torchrun | exit ftrun | ftrun exit after trainers | steps/s torchrun | steps/s ftrun | ratio | "
+              "own CPU % torchrun | own CPU % ftrun |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     lines = []
     for key in args.cases.split(","):
         case = CASES[key]
@@ -188,7 +230,8 @@ def main() -> None:
                     result.samples[launcher].append(sample)
                     print(f"{case.name} {launcher}: wall {sample.wall:.2f}s first step {sample.first_step:.2f}s "
                           f"exit {sample.exit:.2f}s" + (f" steady {sample.steady:.0f}/s" if sample.steady else "")
-                          + (f" own exit {sample.own_exit:.2f}s" if sample.own_exit is not None else ""),
+                          + (f" own exit {sample.own_exit:.2f}s" if sample.own_exit is not None else "")
+                          + (f" own CPU {sample.own_cpu:.1f}%" if sample.own_cpu is not None else ""),
                           flush=True)
         lines += report(case, result)
     print("\nmedians (seconds; steps/s); targets: wall and first step ratio <= 1.0, ftrun exit <= 0.3 s without "

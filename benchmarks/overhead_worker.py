@@ -6,7 +6,8 @@
 
 Each process writes one JSON line to ``<--out>/rank<R>.json``: ``first_step`` (time.time() at the end of its
 first step, after the collective), ``steady`` (steps per second from ``--warmup`` to the end), ``end`` (right
-before the interpreter exits, after destroy_process_group).
+before the interpreter exits, after destroy_process_group). It writes its pid to ``<--out>/pid<R>`` as it starts,
+and rank 0 creates ``<--out>/steady`` at step ``--warmup``: the benchmark then measures the launcher's own CPU.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def main() -> None:
     parser.add_argument("--snapshot-every", type=int, default=0)
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
+    with open(os.path.join(args.out, f"pid{rank}"), "w") as f:
+        f.write(str(os.getpid()))
     dist.init_process_group("gloo")
     result: dict[str, float] = {}
     if args.mode == "trivial":
@@ -68,6 +71,8 @@ def train(args: argparse.Namespace, result: dict[str, float]) -> None:
             result["first_step"] = time.time()
         if step == args.warmup:
             t_warm = time.perf_counter()
+            if os.environ["RANK"] == "0":
+                open(os.path.join(args.out, "steady"), "w").close()
         if snapshotter is not None and (step + 1) % args.snapshot_every == 0:
             snapshotter.save(step + 1)
     result["steady"] = (args.steps - 1 - args.warmup) / (time.perf_counter() - t_warm)
