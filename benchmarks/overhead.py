@@ -168,7 +168,7 @@ def measure_own_cpu(procs: list[subprocess.Popen[bytes]], out: str, result: list
     before, t0 = own_seconds(), time.monotonic()
     time.sleep(OWN_WINDOW)
     after, elapsed = own_seconds(), time.monotonic() - t0
-    if not marker.exists() or any(proc.poll() is not None for proc in procs):
+    if any(proc.poll() is not None for proc in procs):
         return  # the job ended inside the window: its exit is not the steady state
     result.append(100 * (after - before) / elapsed)
 

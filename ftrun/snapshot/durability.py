@@ -142,8 +142,8 @@ class Durability:
             if self.copies is not None:
                 self.copies.poll()
         now = time.monotonic()
-        due = self._snapshots >= self.spec.persist_every  # node 0 opens a round about now: hold for it at once
-        if self.hold is None and now < self._next_read and not self.leader and not due:
+        # a round due: node 0 opens it about now, so hold for it at once
+        if self.hold is None and now < self._next_read and not self.leader and not self._due:
             return
         self._next_read = now + READ_INTERVAL
         current = self._read_round()
@@ -165,11 +165,17 @@ class Durability:
         (a hold, a round due or open); else until its next read of the round document (every node but 0), or of
         the running DCP copy (node 0); else :data:`~ftrun.snapshot.protocol.POLL_WAIT` (the keeper answers a change
         at once: a snapshot passed, a persist written)."""
-        if self.hold is not None or self.open is not None or self._snapshots >= self.spec.persist_every:
+        if self.hold is not None or self.open is not None or self._due:
             return 0.0
         if not self.leader:
             return min(POLL_WAIT, max(0.0, self._next_read - time.monotonic()))
         return READ_INTERVAL if self.copies is not None and self.copies.busy() else POLL_WAIT
+
+    @property
+    def _due(self) -> bool:
+        """Whether its ranks passed ``persist_every`` snapshot steps since it opened (node 0) or held for the last
+        round: a round is due."""
+        return self._snapshots >= self.spec.persist_every
 
     def snapshot_passed(self, count: int) -> None:
         """Its ranks passed ``count`` more snapshot steps (every one took or skipped each)."""
@@ -188,7 +194,7 @@ class Durability:
             if self._final > self.done and not self._final_opened:
                 self._final_opened = True
                 self._open(Round(self._round_number() + 1, self.generation, self._final, final=True))
-            elif self._snapshots >= self.spec.persist_every and self.generation >= 0 and not self._final:
+            elif self._due and self.generation >= 0 and not self._final:
                 self._snapshots = 0
                 self._open(Round(self._round_number() + 1, self.generation))
             return
