@@ -23,6 +23,9 @@ from conftest import SCRIPTS, assert_job_left_nothing, free_port
 from ftrun.control.coordination import Coordinator, Failure, Generation, open_run
 from ftrun.control.signed import TAG_MARK, SignedStore
 from ftrun.control.ownership import Owner, take
+from ftrun.control import store as store_module
+from ftrun.control.generation_watch import GenerationWatch
+from ftrun.control.spec import STOP_KIND
 from ftrun.control.store import LOOPBACK, C10dStore, check_bind_address, host_store, route_address
 from ftrun.errors import UsageError
 from ftrun.events import EventLog, read_events
@@ -31,6 +34,9 @@ from ftrun.launch.slurm import SlurmStep, agree_node_rank
 from ftrun.snapshot.link import Commits, Progress, ProgressTracker
 
 SECRET = "0123456789abcdef" * 4
+# a control store in a process of its own, which a test can kill: prints its port
+STORE_HOST = ("import time; from ftrun.control.store import host_store; store = host_store(0); "
+              "print(store.port, flush=True); time.sleep(120)")
 
 
 @pytest.fixture
@@ -302,6 +308,38 @@ def test_node_0_computes_the_progress_and_the_others_read_one_key(server, tmp_pa
     publish("commit", {n: [30, 40] if n != 4 else [20, 40] for n in range(6)})
     publish("parity", {n: [20, 40] for n in range(6)})
     assert trackers[0].look(1) == Progress(40, 40) == trackers[2].look(1)
+
+
+def test_a_generation_watch_tells_every_move_at_once_a_forged_one_changes_nothing_and_a_lost_store(monkeypatch):
+    """The supervisor's GenerationWatch, on a connection of its own: set by each move (a failure's, a stop's),
+    never without one, once by a forged history key (the generation read then is the same), and when the store's
+    process dies. Its rounds are made short: a round that ends unanswered goes on waiting on the same connection."""
+    monkeypatch.setattr(store_module, "_WAIT_ROUND", timedelta(milliseconds=100))
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        port = int(host.stdout.readline())
+        store = SignedStore(C10dStore(TCPStore(LOOPBACK, port, is_master=False)), SECRET, lambda message: None)
+        coord = coordinator(store)
+        coord.init_job({"nnodes": 2})
+        seen = coord.current_raw()
+        watcher = coordinator(store, node=1)
+        watch = GenerationWatch(C10dStore(TCPStore(LOOPBACK, port, is_master=False)), watcher, after=0)
+        assert not watch.moved.wait(0.5)  # several rounds, nothing moved
+        for failure in (Failure("crash", "rank 1 crashed", 0, 1, "waitpid"), Failure(STOP_KIND, "stop", 0)):
+            seen, won = coord.bump(seen, failure)
+            assert won and watch.moved.wait(10)
+            watch.moved.clear()
+            assert watcher.current_raw() == seen
+        store.raw.set(coord.key("history", 3), b"forged")
+        assert watch.moved.wait(10) and not watch.lost
+        watch.moved.clear()
+        assert watcher.current_raw() == seen and not watch.moved.wait(0.3)
+        host.kill()
+        assert watch.moved.wait(10) and watch.lost
+    finally:
+        host.kill()
+        host.wait()
 
 
 def test_each_run_of_a_job_id_has_its_own_keys(server, signed):

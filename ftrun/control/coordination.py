@@ -31,7 +31,8 @@ Protocol of a run, in the order a generation goes through it:
    generation g to g+1 by compare-and-set on the exact bytes it read (authentic or not), with the cause;
    exactly one writer wins, everyone else reads the winner's document (each proposal carries a random nonce:
    the store tells the winner by the bytes it holds, and two nodes may propose the same cause at once).
-   ``history/<g>`` keeps every generation's document.
+   ``history/<g>`` keeps every generation's document; its appearance wakes the supervisors
+   (:mod:`ftrun.control.generation_watch`), which then read ``gen``.
 2. Every supervisor watching ``gen`` stops its trainers when it changes, then marks ``gen/<g>/ready/<node>``
    with its incarnation (``node/<r>/owner`` names the supervisor that runs node rank r and counts those that
    ever did; see :mod:`ftrun.control.ownership`, which also has the hot spares' claims). Node 0

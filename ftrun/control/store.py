@@ -25,7 +25,7 @@ from datetime import timedelta
 from typing import Protocol
 
 import psutil
-from torch.distributed import DistError, TCPStore
+from torch.distributed import DistError, DistStoreError, TCPStore
 
 from ftrun.errors import UsageError
 
@@ -35,6 +35,9 @@ WILDCARDS = ("0.0.0.0", "::", "")
 ABSENT = b"\x00ftrun: no such key\x00"  # never a stored value: values are signed (see C10dStore)
 # Store operations (get/wait) that outlive this are errors; the job itself only uses non-blocking calls.
 STORE_OP_TIMEOUT = timedelta(seconds=60)
+# C10dStore.wait's rounds: long, since each one that ends unanswered prints two C++ warnings (up to 24.8 days fit
+# the socket's millisecond timeout)
+_WAIT_ROUND = timedelta(days=1)
 _HANDSHAKE_TIMEOUT = 5.0
 
 
@@ -95,6 +98,17 @@ class C10dStore:
 
     def check(self, keys: Sequence[str]) -> bool:
         return bool(self.tcp.check(list(keys)))
+
+    def wait(self, key: str) -> None:
+        """Block until ``key`` is set: the server answers the moment it is, no polling. It holds the connection
+        meanwhile: only on a connection of its own. Raises ``DistError`` when the store is gone."""
+        while True:
+            try:
+                self.tcp.wait([key], _WAIT_ROUND)
+                return
+            except DistStoreError as err:  # the round is over, the key not set (the connection stays usable)
+                if "timeout" not in str(err):
+                    raise
 
     def close(self) -> None:
         """Nothing to do: torch closes the connection when the store object goes."""

@@ -58,7 +58,8 @@ from ftrun.launch.processes import (SUPERVISOR_NAME, become_subreaper, describe_
                                     kill_descendants, reap, set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, safe_job_id, shm_path)
-from ftrun.control.store import host_store
+from ftrun.control.generation_watch import GenerationWatch
+from ftrun.control.store import C10dStore, host_store
 from ftrun.launch.output import Output, OutputSettings
 from ftrun.launch.peers import PeerWatch
 from ftrun.launch.spare import Spare
@@ -81,6 +82,8 @@ SECONDARY_GRACE = 0.15
 PEER_ERRORS = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited",
                "ncclremoteerror", "distnetworkerror")
 PEER_CHECK_INTERVAL = 0.25
+# seconds between a watching supervisor's reads of the generation that its GenerationWatch did not ask for
+GEN_CHECK_INTERVAL = 0.25
 BEAT_INTERVAL = 0.25
 KEEPER_START_TIMEOUT = 30.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
@@ -171,6 +174,7 @@ class Supervisor:
         self.keeper: subprocess.Popen[bytes] | None = None
         self.keeper_starts = 0
         self.link: KeeperLink | None = None
+        self.gen_watch: GenerationWatch | None = None
         # the keeper's peer socket (erasure coding): opened once, so a restarted keeper keeps its address
         self.secret = secret  # for the keeper only, never for trainers
         self.peer_socket: socket.socket | None = None
@@ -207,6 +211,7 @@ class Supervisor:
             self.coord.touch_beats()
             beater = _Beater(self.spec, self.report)
             beater.start()
+            self.gen_watch = self._generation_watch()
             self.heartbeats = HeartbeatTable(shm_path(self.spec.job_id, self.node, "heartbeat"),
                                              self.spec.nproc_per_node)
             self._start_keeper()
@@ -323,6 +328,30 @@ class Supervisor:
         unlink_segments(self.spec.job_id, self.node)
 
     # -- generations ------------------------------------------------------------------------------------------
+    def _generation_watch(self) -> GenerationWatch | None:
+        """A watch of the generation on a store connection of its own; None where the store cannot wait."""
+        address = spec_address(self.spec)
+        if address.backend != "c10d":
+            return None
+        store = open_store(address, self.spec.rdzv_timeout, self.report)
+        assert isinstance(store, C10dStore)
+        return GenerationWatch(store, self.coord, self.coord.current().gen)
+
+    def _gen_check_interval(self, done: bool) -> float:
+        """How long a watching supervisor may go without reading the generation: the store's poll interval
+        (0 for c10d: each look at the trainers) without a working watch, or once this node is done (every node
+        done ends the job: no waiting for that); else :data:`GEN_CHECK_INTERVAL`, a move being told at once."""
+        if self.gen_watch is None or self.gen_watch.lost or done:
+            return self.coord.store.poll_interval
+        return GEN_CHECK_INTERVAL
+
+    def _pause(self) -> None:
+        """Until the next look at the trainers, or a move of the generation, whichever comes first."""
+        if self.gen_watch is None:
+            time.sleep(self.spec.monitor_interval)
+        else:
+            self.gen_watch.moved.wait(self.spec.monitor_interval)
+
     def _generations(self) -> int:
         seen = self.coord.current_raw()
         if self.incarnation > 1 and self.node in self.coord.marks(Generation.decode(seen).gen, "ready"):
@@ -531,6 +560,7 @@ class Supervisor:
                         signature=message or describe_exit(code), early=self._before_first_beat(g)))
             if not done and all(t.exit_code == 0 for t in self.trainers.values()):
                 done = True
+                next_gen_check = 0.0  # whether every node is done: at once, then at each look
                 self.coord.mark(g, "done")
                 self.events.emit("node_done", f"all {len(self.trainers)} trainers exited 0", console=False,
                                  node=self.node, generation=g)
@@ -548,8 +578,13 @@ class Supervisor:
                 self.coord.mark(g, "up", time.time())
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
-            if now >= next_gen_check:  # failures seen elsewhere; once this node is done, whether every node is
-                next_gen_check = now + self.coord.store.poll_interval
+            # failures seen elsewhere (told by the watch, or read now and then); once this node is done, whether
+            # every node is
+            watch = self.gen_watch
+            if (watch is not None and watch.moved.is_set()) or now >= next_gen_check:
+                if watch is not None:
+                    watch.moved.clear()  # before the read: a move after it sets it again
+                next_gen_check = now + self._gen_check_interval(done)
                 now_raw = self.coord.current_raw()
                 if now_raw != seen:
                     return now_raw
@@ -567,7 +602,7 @@ class Supervisor:
                     self._send_suspects(g, table)  # a peer attributes a hang: report this node's silent trainers
                 if leader is not None:
                     leader.poll()
-            time.sleep(self.spec.monitor_interval)
+            self._pause()
 
     def _peer_watch(self) -> PeerWatch:
         assert self.incarnation is not None
