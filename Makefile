@@ -18,7 +18,7 @@ run: install
 	$(BIN)/python examples/demo.py
 
 # two pytest processes, each test file whole in one of them (its module fixtures, e.g. an etcd cluster, made once):
-# most of a test is waiting, or one process importing torch: two at once fit 2 cores (here 614-688 s, not 889 s)
+# most of a test is waiting, or one process importing torch: two at once fit 2 cores (here 614-736 s, not 889 s)
 test: install
 	$(BIN)/python -m pytest -n 2 --dist loadfile
 
