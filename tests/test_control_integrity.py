@@ -326,6 +326,8 @@ def test_a_generation_watch_tells_every_move_at_once_a_forged_one_changes_nothin
         watcher = coordinator(store, node=1)
         watch = GenerationWatch(C10dStore(TCPStore(LOOPBACK, port, is_master=False)), watcher, after=0)
         assert not watch.moved.wait(0.5)  # several rounds, nothing moved
+        coordinator(store, node=1).current_raw()  # a fresh reader reads the missing history/1: the store wakes
+        assert not watch.moved.wait(0.3)  # the watch's wait, which must not take that for a move
         for failure in (Failure("crash", "rank 1 crashed", 0, 1, "waitpid"), Failure(STOP_KIND, "stop", 0)):
             seen, won = coord.bump(seen, failure)
             assert won and watch.moved.wait(10)

@@ -101,14 +101,20 @@ class C10dStore:
 
     def wait(self, key: str) -> None:
         """Block until ``key`` is set: the server answers the moment it is, no polling. It holds the connection
-        meanwhile: only on a connection of its own. Raises ``DistError`` when the store is gone."""
+        meanwhile: only on a connection of its own. Raises ``DistError`` when the store is gone.
+
+        The server also answers a wait when anyone reads the missing key as :meth:`get_many` does (a
+        ``compare_set`` that writes nothing still wakes the key's waiters), so an answer is checked: a key still
+        missing is waited for again."""
         while True:
             try:
                 self.tcp.wait([key], _WAIT_ROUND)
-                return
             except DistStoreError as err:  # the round is over, the key not set (the connection stays usable)
                 if "timeout" not in str(err):
                     raise
+                continue
+            if self.tcp.check([key]):
+                return
 
     def close(self) -> None:
         """Nothing to do: torch closes the connection when the store object goes."""
