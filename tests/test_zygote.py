@@ -58,3 +58,91 @@ def test_preload_in_a_process_freezes_what_it_imported():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=80)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["True", "True"]
+
+
+READY_TRAINER = """\
+import json, os, sys
+links = []
+for fd in os.listdir("/proc/self/fd"):
+    try:
+        links.append(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:  # the listing's own
+        pass
+print(json.dumps({"mark": os.environ.get("MARK"), "cwd": os.getcwd(), "pid": os.getpid(), "ppid": os.getppid(),
+                  "sockets": [link for link in links if link.startswith("socket:")]}))
+"""
+
+
+def test_the_zygote_forks_trainers_ahead_and_a_request_runs_in_one_of_them(tmp_path):
+    """The zygote keeps ``ready`` trainers forked, re-parented and waiting: a request runs in one of them, with
+    its own environment, directory and stdout, and nothing of the zygote's sockets; one that died before its
+    request is skipped (the trainer is forked when asked); they are forked again after a quiet spell, and end
+    with the zygote."""
+    script = tmp_path / "trainer.py"
+    script.write_text(READY_TRAINER)
+    driver = textwrap.dedent(f"""
+        import json, os, signal, sys, time
+        import psutil
+        import torch
+        from ftrun.launch.processes import READY_NAME, become_subreaper
+        from ftrun.launch.zygote import REFILL_QUIET, SpawnRequest, ZygoteClient
+
+        def ready():
+            return sorted(p.pid for p in psutil.Process().children() if p.name() == READY_NAME)
+
+        def wait_ready(count):
+            deadline = time.monotonic() + 30
+            while len(ready()) != count:
+                assert time.monotonic() < deadline, ready()
+                time.sleep(0.01)
+            return ready()
+
+        become_subreaper()
+        zygote = ZygoteClient(ready=2)
+        first = wait_ready(2)
+        os.kill(first[1], signal.SIGKILL)
+        os.waitpid(first[1], 0)
+        reports = []
+        for mark in ("a", "b"):
+            out = open({str(tmp_path)!r} + f"/{{mark}}.out", "w")
+            pid = zygote.spawn(SpawnRequest({str(script)!r}, [], False, dict(os.environ, MARK=mark),
+                                            {str(tmp_path)!r}, stdio=[1]), fds=[out.fileno()])
+            out.close()
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, status
+            reports.append(json.load(open({str(tmp_path)!r} + f"/{{mark}}.out")))
+        assert reports[0]["pid"] == first[0] and reports[1]["pid"] not in first, (first, reports)
+        time.sleep(REFILL_QUIET)
+        again = wait_ready(2)
+        zygote.close()
+        for pid in again:
+            _, status = os.waitpid(pid, 0)
+            assert os.waitstatus_to_exitcode(status) == 0, status
+        print(json.dumps({{"driver": os.getpid(), "reports": reports}}))
+        """)
+    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=80)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    for mark, report in zip("ab", found["reports"]):
+        assert report["mark"] == mark and report["cwd"] == str(tmp_path)
+        assert report["sockets"] == [], report  # neither the zygote's nor another ready trainer's
+        assert report["ppid"] == found["driver"]  # the supervisor's child, as any trainer
+
+
+def test_a_trainer_that_cannot_become_the_supervisors_child_is_an_error_not_a_lost_trainer(tmp_path):
+    """Without the child-subreaper mark a forked trainer is re-parented elsewhere, where its supervisor would never
+    see it exit: the zygote answers an error (the supervisor then starts trainers as new processes)."""
+    driver = textwrap.dedent("""
+        import os
+        from ftrun.launch.zygote import SpawnRequest, ZygoteClient
+        zygote = ZygoteClient(ready=0)
+        try:
+            zygote.spawn(SpawnRequest("unused.py", [], False, dict(os.environ), os.getcwd()))
+        except RuntimeError as err:
+            print(err)
+        finally:
+            zygote.close()
+        """)
+    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "not re-parented to the supervisor" in done.stdout, done.stdout

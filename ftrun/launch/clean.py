@@ -25,7 +25,7 @@ import psutil
 from ftrun.control.spec import ENV_NODE_SPEC, safe_job_id, shm_dir
 from ftrun.launch.env import ENV_JOB_ID
 from ftrun.launch.handoff import SUPERVISOR_MODULE
-from ftrun.launch.processes import LAUNCHER_NAME, SUPERVISOR_NAME, ZYGOTE_NAME
+from ftrun.launch.processes import LAUNCHER_NAME, READY_NAME, SUPERVISOR_NAME, ZYGOTE_NAME
 
 _NAMES = [re.compile(pattern) for pattern in (
     r"ftrun-(?P<job>.+)-launcher",
@@ -134,10 +134,12 @@ def _job_processes(jobs: set[str]) -> dict[str, list[str]]:
 
 
 def _label(proc: psutil.Process) -> str:
-    """``launcher``, ``supervisor``, ``keeper``, ``zygote``, ``trainer``, or the process name. Supervisors,
-    zygotes and trainers are forks of the launcher, with its argv: they are told by their process names (a
-    trainer's parent is its supervisor); a supervisor or trainer started as a new interpreter by its module."""
-    names = {LAUNCHER_NAME: "launcher", SUPERVISOR_NAME: "supervisor", ZYGOTE_NAME: "zygote"}
+    """``launcher``, ``supervisor``, ``keeper``, ``zygote``, ``ready trainer``, ``trainer``, or the process name.
+    Supervisors, zygotes and trainers are forks of the launcher, with its argv: they are told by their process
+    names (a trainer's parent is its supervisor); a supervisor or trainer started as a new interpreter by its
+    module."""
+    names = {LAUNCHER_NAME: "launcher", SUPERVISOR_NAME: "supervisor", ZYGOTE_NAME: "zygote",
+             READY_NAME: "ready trainer"}
     if proc.name() in names:
         return names[proc.name()]
     argv = proc.cmdline()

@@ -23,6 +23,7 @@ _PR_SET_NAME = 15
 LAUNCHER_NAME = "ftrun"
 SUPERVISOR_NAME = "ftrun-node"
 ZYGOTE_NAME = "ftrun-zygote"
+READY_NAME = "ftrun-ready"  # a trainer forked ahead by the zygote, waiting for its request
 _PR_SET_CHILD_SUBREAPER = 36
 _libc = ctypes.CDLL(None, use_errno=True)
 

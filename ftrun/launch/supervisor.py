@@ -191,7 +191,7 @@ class Supervisor:
 
     # -- life cycle -------------------------------------------------------------------------------------------
     def run(self) -> int:
-        become_subreaper()
+        """Supervise the node until the job ends; the exit code. The process is a child subreaper (:func:`main`)."""
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(KEEPER_NODE_LOST, lambda *_: self._lose_node("parity-loss (from the keeper)"))
@@ -949,8 +949,10 @@ def main(handoff: int | None = None) -> NoReturn:
     if handed is None:  # the launcher stopped before it needed this node
         os._exit(0)
     spec, secret = handed
-    # the zygote first, before any thread or connection of this process: the trainers are forks of it
-    zygote = ZygoteClient() if spec.zygote and not spec.no_python else None
+    # the zygote first, before any thread or connection of this process: the trainers are forks of it, which it
+    # makes ahead and which are re-parented to this process at once (a spare's too)
+    become_subreaper()
+    zygote = ZygoteClient(ready=spec.nproc_per_node) if spec.zygote and not spec.no_python else None
     me = uuid.uuid4().hex[:12]
     # each has stopped and reaped everything it started
     code = _run_spare(spec, me, secret, zygote) if spec.spare else Supervisor(spec, me, secret, zygote=zygote).run()

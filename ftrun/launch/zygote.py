@@ -25,13 +25,26 @@ Each trainer is forked twice (zygote -> intermediate -> trainer) and the interme
 trainer is re-parented to the supervisor, a child subreaper: the supervisor then waits for it like any child
 and sees its exit status within one poll. The trainer leads its own session, and arms PR_SET_PDEATHSIG only
 once it is the supervisor's child, so it dies with the supervisor.
+
+Ready trainers. Those two forks and the intermediate's exit take about 15 ms per trainer, one trainer after the
+other: 120 ms of every restart of a node with 8 trainers. So the zygote forks its trainers ahead: it keeps
+``ready`` of them (the node's trainers per generation) forked, re-parented and waiting, each on a socket pair
+of its own, and a request is handed to one of them (its descriptors, then the request's line): the answer
+comes at once. The zygote forks them again once no request came for :data:`REFILL_QUIET` seconds (after a
+generation's trainers started, not between them), and one that is not ready when asked is forked then, as
+before. A waiting trainer is named :data:`~ftrun.launch.processes.READY_NAME`; it has run nothing of the
+user's, holds no descriptor of the zygote's but the standard ones, and exits when its socket closes (the zygote
+is gone) or with the supervisor. Invariant: a trainer runs exactly one request, with nothing in its process
+that another request left.
 """
 from __future__ import annotations
 
 import gc
 import importlib
+import io
 import json
 import os
+import select
 import socket
 import signal
 import sys
@@ -42,13 +55,16 @@ from typing import NoReturn
 
 from ftrun.control.spec import FORWARDED_SIGNALS
 from ftrun.launch.bootstrap import run_main
-from ftrun.launch.processes import ZYGOTE_NAME, die_with_parent, set_process_name
+from ftrun.launch.processes import READY_NAME, ZYGOTE_NAME, die_with_parent, set_process_name
 
 # imported by the supervisor before the fork: torch, torch.distributed. By preload(): torch._dynamo, which
 # DistributedDataParallel and the optimizers' first step import (1-4 s per trainer otherwise).
 PRELOAD = ("torch.nn.parallel", "torch._dynamo", "numpy")
 SPAWN_TIMEOUT = 60.0  # seconds for one fork, the zygote's own preload() included where it makes it
+REFILL_QUIET = 0.5  # seconds without a request before the zygote forks ready trainers again
 _REPARENT_TIMEOUT = 5.0
+_HAND_MARK = b"R"  # the byte that carries a request's descriptors to a ready trainer
+_REPARENTED = b"P"  # a trainer's first byte to the zygote: it is the supervisor's child now
 
 
 @dataclass(frozen=True)
@@ -67,9 +83,10 @@ class SpawnRequest:
 
 class ZygoteClient:
     """The supervisor's handle on its zygote, forked from the calling process when made: make it before any
-    thread starts. :meth:`close` ends the zygote."""
+    thread starts. The zygote keeps ``ready`` trainers forked ahead (module docstring). :meth:`close` ends
+    the zygote."""
 
-    def __init__(self) -> None:
+    def __init__(self, ready: int = 0) -> None:
         ours, theirs = socket.socketpair()
         supervisor = os.getpid()
         sys.stdout.flush()
@@ -77,7 +94,7 @@ class ZygoteClient:
         pid = os.fork()
         if pid == 0:
             ours.close()
-            _zygote(theirs, supervisor)
+            _zygote(theirs, supervisor, ready)
         theirs.close()
         self.pid = pid
         self._sock = ours
@@ -115,56 +132,132 @@ class ZygoteClient:
                 pass
 
 
-def _serve(sock: socket.socket, supervisor: int) -> SpawnRequest | None:
-    """Answer spawn requests; returns only inside a newly forked trainer, with what it must run."""
+@dataclass
+class _Ready:
+    """A trainer forked ahead, waiting for its request on ``sock``."""
+
+    pid: int
+    sock: socket.socket
+
+
+def _serve(sock: socket.socket, supervisor: int, ready: int) -> SpawnRequest | None:
+    """Answer spawn requests, keeping ``ready`` trainers forked ahead; returns only inside a trainer, with what
+    it must run."""
     stream = sock.makefile("rwb")
-    for line in stream:
+    waiting: list[_Ready] = []
+    last_request = -REFILL_QUIET
+    while True:
+        if len(waiting) < ready and not select.select([sock], [], [], max(
+                0.0, last_request + REFILL_QUIET - time.monotonic()))[0]:
+            try:
+                made = _fork_ready(supervisor, [stream, sock, *(r.sock for r in waiting)])
+            except OSError:  # no more processes now (a limit): fork when asked, as without ready ones
+                ready = len(waiting)
+                continue
+            if isinstance(made, SpawnRequest):
+                return made
+            waiting.append(made)
+            continue
+        line = stream.readline()
+        if not line:
+            return None  # the supervisor closed the socket
+        last_request = time.monotonic()
         try:
             request = SpawnRequest(**json.loads(line))
         except (TypeError, ValueError) as err:
-            stream.write((json.dumps({"error": f"bad request: {err}"}) + "\n").encode())
-            stream.flush()
+            _answer(stream, {"error": f"bad request: {err}"})
             continue
         stdio: list[int] = []
         if request.stdio:
-            stream.write((json.dumps({"send_fds": len(request.stdio)}) + "\n").encode())
-            stream.flush()
+            _answer(stream, {"send_fds": len(request.stdio)})
             _, stdio, _, _ = socket.recv_fds(sock, 1, len(request.stdio))
             if len(stdio) != len(request.stdio):
                 _close_all(stdio)
-                stream.write((json.dumps({"error": f"got {len(stdio)} of {len(request.stdio)} descriptors"})
-                              + "\n").encode())
-                stream.flush()
+                _answer(stream, {"error": f"got {len(stdio)} of {len(request.stdio)} descriptors"})
                 continue
-        sys.stdout.flush()
-        sys.stderr.flush()
-        read_end, write_end = os.pipe()
-        gc.freeze()  # everything made so far: the trainer's collections skip it (module docstring)
-        intermediate = os.fork()
-        if intermediate == 0:
-            os.close(read_end)
-            trainer = os.fork()
-            if trainer == 0:
-                os.close(write_end)
-                stream.close()
-                sock.close()
-                for target, fd in zip(request.stdio, stdio):
-                    os.dup2(fd, target)
-                _close_all(stdio)
-                for forwarded in FORWARDED_SIGNALS.values():  # ignored by the supervisor this was forked from
-                    signal.signal(forwarded, signal.SIG_DFL)  # until it handled them; a trainer's own default
-                _become_trainer(supervisor)
-                return request
-            os.write(write_end, str(trainer).encode())
-            os._exit(0)
-        _close_all(stdio)  # the trainer has them
-        os.close(write_end)
-        pid = os.read(read_end, 32)
+        try:
+            while True:  # a ready trainer that died meanwhile is skipped (the supervisor reaps it)
+                trainer = waiting.pop() if waiting else _fork_ready(supervisor, [stream, sock])
+                if isinstance(trainer, SpawnRequest):
+                    return trainer
+                if _hand(trainer, line, stdio):
+                    break
+        except OSError as err:
+            _answer(stream, {"error": f"fork failed: {err}"})
+            continue
+        finally:
+            _close_all(stdio)  # the trainer has them
+        _answer(stream, {"pid": trainer.pid})
+
+
+def _answer(stream: io.BufferedRWPair, reply: dict[str, object]) -> None:
+    stream.write((json.dumps(reply) + "\n").encode())
+    stream.flush()
+
+
+def _hand(trainer: _Ready, line: bytes, stdio: list[int]) -> bool:
+    """Send a ready trainer its request (its descriptors first); False when it is gone."""
+    try:
+        socket.send_fds(trainer.sock, [_HAND_MARK], stdio)
+        trainer.sock.sendall(line)
+        return True
+    except OSError:
+        return False
+    finally:
+        trainer.sock.close()
+
+
+def _fork_ready(supervisor: int, zygote_files: Sequence[socket.socket | io.IOBase]) -> _Ready | SpawnRequest:
+    """Fork a trainer that waits, re-parented to ``supervisor``, for its request: its handle here; in the
+    trainer, once the request came, the request. ``zygote_files``: what the trainer closes (the zygote's sockets
+    and their streams)."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ours, theirs = socket.socketpair()
+    read_end, write_end = os.pipe()
+    gc.freeze()  # everything made so far: the trainer's collections skip it (module docstring)
+    intermediate = os.fork()
+    if intermediate == 0:
         os.close(read_end)
-        os.waitpid(intermediate, 0)
-        stream.write((json.dumps({"pid": int(pid)} if pid else {"error": "fork failed"}) + "\n").encode())
-        stream.flush()
-    return None
+        trainer = os.fork()
+        if trainer == 0:
+            os.close(write_end)
+            ours.close()
+            for file in zygote_files:
+                file.close()
+            for forwarded in FORWARDED_SIGNALS.values():  # ignored by the supervisor this was forked from
+                signal.signal(forwarded, signal.SIG_DFL)  # until it handled them; a trainer's own default
+            _become_trainer(supervisor)
+            theirs.sendall(_REPARENTED)
+            return _await_request(theirs)
+        os.write(write_end, str(trainer).encode())
+        os._exit(0)
+    theirs.close()
+    os.close(write_end)
+    pid = os.read(read_end, 32)
+    os.close(read_end)
+    os.waitpid(intermediate, 0)
+    if not pid or ours.recv(1) != _REPARENTED:  # the supervisor's child from here on, or gone
+        ours.close()
+        raise OSError("the trainer was not forked" if not pid else "the trainer was not re-parented to the "
+                      "supervisor (is it a child subreaper?)")
+    return _Ready(int(pid), ours)
+
+
+def _await_request(sock: socket.socket) -> SpawnRequest:
+    """In a ready trainer: wait for the request, take its descriptors as stdout/stderr; exit when the zygote
+    closed the socket without one."""
+    set_process_name(READY_NAME)
+    mark, stdio, _, _ = socket.recv_fds(sock, 1, 2)
+    line = sock.makefile("rb").readline() if mark == _HAND_MARK else b""
+    sock.close()
+    if not line:
+        os._exit(0)
+    request = SpawnRequest(**json.loads(line))
+    for target, fd in zip(request.stdio, stdio):
+        os.dup2(fd, target)
+    _close_all(stdio)
+    return request
 
 
 def _close_all(fds: list[int]) -> None:
@@ -210,13 +303,13 @@ def preload() -> None:
     gc.freeze()
 
 
-def _zygote(sock: socket.socket, supervisor: int) -> NoReturn:
+def _zygote(sock: socket.socket, supervisor: int, ready: int) -> NoReturn:
     """The forked child: serve, or, in a trainer forked from here, run the user's code and exit as Python would
     (by SystemExit through the supervisor's own frames, which hold no cleanup that must not run here)."""
     die_with_parent(supervisor)
     set_process_name(ZYGOTE_NAME)  # its argv is the launcher's (all are forks of it)
     preload()  # nothing to do where the launcher did it before forking the supervisor
-    request = _serve(sock, supervisor)
+    request = _serve(sock, supervisor, ready)
     if request is None:  # the supervisor closed the socket
         os._exit(0)
     set_process_name(os.path.basename(sys.executable))  # as a trainer started by torchrun shows
