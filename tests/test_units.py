@@ -1,11 +1,15 @@
-"""Unit tests of the pieces that need no running job: config, fault specs, heartbeat table, hang detection."""
+"""Unit tests of the pieces that need no running job: config, fault specs, heartbeat table, hang detection, the
+supervisor's wake-ups."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import select
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +18,9 @@ from ftrun.launch.config import JobConfig, build_config, load_yaml
 from ftrun.errors import UsageError
 from ftrun.control.faults import Fault, decode_trainer_faults, parse_fault, trainer_faults_env
 from ftrun.control.heartbeat import PHASE_EXITING, Beat, HeartbeatTable, HeartbeatWriter
+from ftrun.control.generation_watch import Wakeup
 from ftrun.launch.hangs import HangDetector
+from ftrun.launch.processes import ExitWatch, reap
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -255,3 +261,34 @@ def test_the_cli_checks_its_input_without_importing_torch():
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
+
+
+def test_a_wakeup_is_an_event_that_select_sees_and_a_set_after_a_clear_is_kept():
+    wake = Wakeup()
+    assert not wake.is_set() and not select.select([wake], [], [], 0)[0]
+    wake.set()
+    wake.set()
+    assert wake.is_set() and select.select([wake], [], [], 0)[0]
+    wake.clear()
+    assert not wake.wait(0.05)
+    threading.Timer(0.1, wake.set).start()
+    assert wake.wait(5) and select.select([wake], [], [], 0)[0]
+
+
+def test_an_exit_watch_is_readable_when_a_child_exits_and_empty_once_it_is_forgotten():
+    exits = ExitWatch()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.3)"])
+    try:
+        exits.watch(child.pid)
+        if not exits.fds():
+            pytest.skip("no pidfd_open here (Linux < 5.3)")
+        assert not select.select(exits.fds(), [], [], 0)[0]  # running
+        assert select.select(exits.fds(), [], [], 30)[0]  # exited (not yet reaped)
+        deadline = time.monotonic() + 10
+        while child.pid not in reap() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        exits.forget(child.pid)
+        assert exits.fds() == []
+    finally:
+        child.kill()
+        child.wait()

@@ -67,6 +67,30 @@ def reap() -> dict[int, int]:
         done[pid] = os.waitstatus_to_exitcode(status)
 
 
+class ExitWatch:
+    """Descriptors that become readable when a watched child exits (``pidfd_open``), so that a ``select`` on
+    :meth:`fds` ends the moment one does, instead of at the next poll. Invariant: a child is forgotten when it
+    is reaped (its descriptor would stay readable). Where the kernel has no pidfds (before Linux 5.3) nothing is
+    watched and the caller's poll alone sees exits."""
+
+    def __init__(self) -> None:
+        self._fds: dict[int, int] = {}
+
+    def watch(self, pid: int) -> None:
+        try:
+            self._fds[pid] = os.pidfd_open(pid)
+        except (OSError, AttributeError):
+            pass
+
+    def forget(self, pid: int) -> None:
+        fd = self._fds.pop(pid, None)
+        if fd is not None:
+            os.close(fd)
+
+    def fds(self) -> list[int]:
+        return list(self._fds.values())
+
+
 def describe_exit(code: int) -> str:
     if code < 0:
         try:

@@ -4,11 +4,12 @@ Loop (the protocol itself is in :mod:`ftrun.control.coordination`)::
 
     join (replacement? bump) -> rendezvous(g) -> start trainers -> watch -> stop trainers -> next g | exit
 
-While watching, every poll (20 ms) it reaps children (a crash is seen by waitpid), reads the heartbeat
-table (hangs), reads the generation key (failures seen elsewhere), and four times a second the peers'
-beat counters (lost nodes). The first failure seen moves the job to the next generation; every node then
-stops its trainers (SIGCONT, SIGTERM, SIGKILL after ``stop_grace``) and meets the others at the next
-rendezvous.
+While watching, at every look (every ``--monitor-interval``, 20 ms, and at once when a trainer exits or the
+generation moves: it waits on the trainers' pidfds and the :class:`GenerationWatch` in one ``select``) it reaps
+children (a crash is seen by waitpid), reads the heartbeat table (hangs), reads the generation key when told or
+every 0.25 s (failures seen elsewhere), and four times a second the peers' beat counters (lost nodes). The
+first failure seen moves the job to the next generation; every node then stops its trainers (SIGCONT, SIGTERM,
+SIGKILL after ``stop_grace``) and meets the others at the next rendezvous.
 
 Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
 trainer and kept across generations; if it dies it is restarted at once and the trainers keep running. A
@@ -54,7 +55,7 @@ from ftrun.launch.env import TrainerPlace, trainer_env
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
-from ftrun.launch.processes import (SUPERVISOR_NAME, become_subreaper, describe_exit, die_with_parent,
+from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper, describe_exit, die_with_parent,
                                     kill_descendants, reap, set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, safe_job_id, shm_path)
@@ -175,6 +176,7 @@ class Supervisor:
         self.keeper_starts = 0
         self.link: KeeperLink | None = None
         self.gen_watch: GenerationWatch | None = None
+        self.exits = ExitWatch()  # the running trainers: a look follows each exit at once
         # the keeper's peer socket (erasure coding): opened once, so a restarted keeper keeps its address
         self.secret = secret  # for the keeper only, never for trainers
         self.peer_socket: socket.socket | None = None
@@ -346,11 +348,17 @@ class Supervisor:
         return GEN_CHECK_INTERVAL
 
     def _pause(self) -> None:
-        """Until the next look at the trainers, or a move of the generation, whichever comes first."""
-        if self.gen_watch is None:
-            time.sleep(self.spec.monitor_interval)
-        else:
-            self.gen_watch.moved.wait(self.spec.monitor_interval)
+        """Until the next look at the trainers, a trainer's exit or a move of the generation, whichever comes
+        first."""
+        wakers = [*self.exits.fds(), *([self.gen_watch.moved] if self.gen_watch is not None else [])]
+        select.select(wakers, [], [], self.spec.monitor_interval)
+
+    def _reap(self) -> dict[int, int]:
+        """:func:`reap`, forgetting the reaped trainers' exit descriptors."""
+        done = reap()
+        for pid in done:
+            self.exits.forget(pid)
+        return done
 
     def _generations(self) -> int:
         seen = self.coord.current_raw()
@@ -485,6 +493,7 @@ class Supervisor:
             finally:
                 self.output.spawned(stdio)
             self.trainers[pid] = Trainer(local, place.rank, pid)
+            self.exits.watch(pid)
             self.detectors[local].trainer_started(time.monotonic())
         took = time.monotonic() - t0
         self.coord.mark(gen, "started", time.time())
@@ -533,7 +542,7 @@ class Supervisor:
             if self._stopping:
                 return self._ask_stop(seen)
             exited = []  # every exit of the batch is recorded before one is acted on (a return ends the loop)
-            for pid, code in reap().items():
+            for pid, code in self._reap().items():
                 if self.keeper is not None and pid == self.keeper.pid:
                     self._keeper_exited(code)
                 elif (trainer := self.trainers.get(pid)) is not None:
@@ -833,7 +842,7 @@ class Supervisor:
                 killed = True
                 for trainer in running:
                     signal_group(trainer.pid, signal.SIGKILL)
-            for pid, code in reap().items():
+            for pid, code in self._reap().items():
                 if pid in self.trainers:
                     self.trainers[pid].exit_code = code
                 elif self.keeper is not None and pid == self.keeper.pid and not self._stopping:
@@ -850,6 +859,8 @@ class Supervisor:
         self.events.emit("stopped", f"stopped {len(running)} trainers in {took * 1000:.0f} ms"
                          f"{' (SIGKILL after grace)' if killed else ''}", console=False, node=self.node,
                          seconds=took, sigkill=killed)
+        for pid in self.trainers:
+            self.exits.forget(pid)  # reaped, or killed and left to the next reap
         self.trainers.clear()
 
 
