@@ -851,7 +851,7 @@ class Supervisor:
                 for trainer in running:
                     if trainer.exit_code is None and not _exists(trainer.pid):
                         trainer.exit_code = -signal.SIGKILL
-            time.sleep(0.005)
+            select.select(self.exits.fds(), [], [], 0.005)  # until one exits, or 5 ms
         for trainer in self.trainers.values():
             signal_group(trainer.pid, signal.SIGKILL)  # anything the trainers left behind in their groups
         self.output.finish()  # their last output written out, this generation's files closed
