@@ -3,8 +3,10 @@ the loss; node-rank ownership and claims on a real store."""
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
+import time
 from pathlib import Path
 
 import psutil
@@ -156,3 +158,26 @@ def test_a_keeper_waits_for_the_socket_of_its_node_then_says_in_one_line_that_an
     timer.start()
     keeper.listen_alone("job-socket-test", 3).close()
     timer.join()
+
+
+@pytest.mark.timeout(60)
+def test_a_keeper_started_ahead_waits_without_touching_any_node_and_leaves_when_never_needed():
+    """A spare's keeper is started with the spare (its imports done when a node is claimed): until its start it
+    listens on no port; closed unused, it exits 0. (Started, it serves as any keeper: every job's keepers now
+    start this way.)"""
+    from ftrun.launch.keeper_ahead import KeeperAhead
+
+    ahead = KeeperAhead()
+    try:
+        proc = psutil.Process(ahead.proc.pid)
+        deadline = time.monotonic() + 30
+        while "ftrun.snapshot.keeper" not in " ".join(proc.cmdline()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # its imports
+        assert proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        assert [c for c in proc.net_connections("all") if c.status == psutil.CONN_LISTEN] == []
+        ahead.close()
+        _, status = os.waitpid(ahead.proc.pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+    finally:
+        ahead.close()  # it exits at the end of its socket

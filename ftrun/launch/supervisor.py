@@ -66,6 +66,7 @@ from ftrun.launch.peers import PeerWatch
 from ftrun.launch.spare import Spare
 from ftrun.launch.bootstrap import ENV_EARLY_FAILURE
 from ftrun.launch.handoff import receive
+from ftrun.launch.keeper_ahead import KEEPER_COMMAND, KeeperAhead
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient
 from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD,
                                   NODE_LOST_SIGNAL as KEEPER_NODE_LOST, STOP_SIGNAL as KEEPER_STOP_SIGNAL,
@@ -158,7 +159,8 @@ class Supervisor:
     rank passes its ``incarnation`` and warm ``zygote``; otherwise the supervisor takes the rank at start."""
 
     def __init__(self, spec: NodeSpec, me: str, secret: str, incarnation: int | None = None,
-                 zygote: ZygoteClient | None = None, events: EventLog | None = None) -> None:
+                 zygote: ZygoteClient | None = None, events: EventLog | None = None,
+                 keeper_ahead: KeeperAhead | None = None) -> None:
         self.spec = spec
         self.node = spec.node_rank
         self.me = me
@@ -170,6 +172,7 @@ class Supervisor:
         self.detectors = [HangDetector(spec.hang_timeout_initial, spec.hang_timeout, spec.hang_step_factor)
                           for _ in range(spec.nproc_per_node)]
         self.zygote = zygote
+        self.keeper_ahead = keeper_ahead
         self.trainer_store: TCPStore | None = None
         self.heartbeats: HeartbeatTable | None = None
         self.keeper: subprocess.Popen[bytes] | None = None
@@ -274,7 +277,8 @@ class Supervisor:
         return f"{self.spec.master_addr}:{self.peer_socket.getsockname()[1]}"
 
     def _start_keeper(self) -> None:
-        """Start the node's keeper (it re-adopts what a previous one left) and wait until it serves."""
+        """Start the node's keeper (it re-adopts what a previous one left) and wait until it serves: the one
+        started ahead the first time (:mod:`ftrun.launch.keeper_ahead`), else a new process."""
         t0 = time.monotonic()
         env = dict(os.environ)
         env[ENV_NODE_SPEC] = self.spec.encode()
@@ -284,11 +288,13 @@ class Supervisor:
         if self.peer_socket is not None:
             env[ENV_JOB_SECRET] = self.secret
             env[ENV_PEER_FD] = str(self.peer_socket.fileno())
-        supervisor = os.getpid()
-        proc = subprocess.Popen([sys.executable, "-P", "-m", "ftrun.snapshot.keeper"], env=env,
-                                stdout=subprocess.PIPE, start_new_session=True,
-                                pass_fds=[self.peer_socket.fileno()] if self.peer_socket is not None else [],
-                                preexec_fn=lambda: die_with_parent(supervisor))
+        ahead, self.keeper_ahead = self.keeper_ahead, None
+        proc = ahead.start(env, self.peer_socket) if ahead is not None else None
+        if proc is None:
+            supervisor = os.getpid()
+            proc = subprocess.Popen(KEEPER_COMMAND, env=env, stdout=subprocess.PIPE, start_new_session=True,
+                                    pass_fds=[self.peer_socket.fileno()] if self.peer_socket is not None else [],
+                                    preexec_fn=lambda: die_with_parent(supervisor))
         assert proc.stdout is not None
         ready, _, _ = select.select([proc.stdout], [], [], KEEPER_START_TIMEOUT)
         line = proc.stdout.readline() if ready else b""
@@ -316,6 +322,8 @@ class Supervisor:
 
     def _stop_keeper(self) -> None:
         """Stop the keeper (it unlinks the node's snapshot segments) and make sure none are left."""
+        if self.keeper_ahead is not None:  # never started
+            self.keeper_ahead.close()
         if self.link is not None:
             self.link.stop()
         if self.keeper is not None:
@@ -932,8 +940,9 @@ def _reaped(pid: int) -> bool:
         return True
 
 
-def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None) -> int:
-    """A hot spare: wait with a warm zygote for a lost node, then supervise the node rank it claimed."""
+def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None, keeper: KeeperAhead) -> int:
+    """A hot spare: wait with a warm zygote and a keeper started ahead for a lost node, then supervise the node
+    rank it claimed."""
     events = EventLog(f"spare {spec.spare}", spec.log_dir)
     try:
         use_job(spec.job_id, secret, lambda message: events.emit("store_rejected", message), run=spec.run)
@@ -946,10 +955,11 @@ def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None
     if claimed is None:
         if zygote is not None:
             zygote.close()
+        keeper.close()
         return EXIT_DONE
     node_spec = replace(spec, node_rank=claimed.node)
     events = EventLog(f"node {claimed.node}", spec.log_dir)
-    return Supervisor(node_spec, me, secret, claimed.incarnation, zygote, events).run()
+    return Supervisor(node_spec, me, secret, claimed.incarnation, zygote, events, keeper).run()
 
 
 def main(handoff: int | None = None) -> NoReturn:
@@ -964,9 +974,11 @@ def main(handoff: int | None = None) -> NoReturn:
     # makes ahead and which are re-parented to this process at once (a spare's too)
     become_subreaper()
     zygote = ZygoteClient(ready=spec.nproc_per_node) if spec.zygote and not spec.no_python else None
+    keeper = KeeperAhead()  # after the zygote's fork: the zygote and trainers hold nothing of it
     me = uuid.uuid4().hex[:12]
     # each has stopped and reaped everything it started
-    code = _run_spare(spec, me, secret, zygote) if spec.spare else Supervisor(spec, me, secret, zygote=zygote).run()
+    code = (_run_spare(spec, me, secret, zygote, keeper) if spec.spare
+            else Supervisor(spec, me, secret, zygote=zygote, keeper_ahead=keeper).run())
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skips tearing down torch at interpreter exit (about 0.5 s, with nothing left to do)

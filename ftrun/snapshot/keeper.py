@@ -81,6 +81,8 @@ ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
 ENV_JOB_SECRET = "FTRUN_JOB_SECRET"  # hex; keepers authenticate each other with it (never given to trainers)
 ENV_PEER_FD = "FTRUN_KEEPER_PEER_FD"  # the listening TCP socket for peers, inherited from the supervisor
 ENV_EARLIER_RUN = "FTRUN_KEEPER_EARLIER_RUN"  # "1": segments found at start are from an earlier run (SLURM step)
+# a keeper started ahead of its node: the descriptor of the socket its environment (and peer socket) comes on
+ENV_KEEPER_HANDOFF = "FTRUN_KEEPER_HANDOFF"
 # How the supervisor stops its keeper. SIGTERM, SIGINT, SIGUSR1 and SIGUSR2 are ignored: SLURM sends SIGTERM (and, with
 # --signal, SIGUSR1/2 as a pre-emption warning) to every process of a step at once, and the keeper must outlive it
 # to persist the final step.
@@ -904,7 +906,24 @@ def listen_alone(job: str, node: int) -> socket.socket:
         time.sleep(0.05)
 
 
+def await_start(sock: socket.socket) -> None:
+    """In a keeper started ahead (its imports done): wait on ``sock`` for the node's start, a byte carrying the
+    peer socket (when erasure coding is on) then the keeper's environment as one JSON line, which replaces this
+    process's; exit when ``sock`` closes without one (the supervisor never needed it)."""
+    mark, fds, _, _ = socket.recv_fds(sock, 1, 1)
+    line = sock.makefile("rb").readline() if mark else b""
+    sock.close()
+    if not line:
+        os._exit(0)
+    os.environ.clear()
+    os.environ.update(json.loads(line))
+    if fds:
+        os.environ[ENV_PEER_FD] = str(fds[0])
+
+
 def main() -> None:
+    if ENV_KEEPER_HANDOFF in os.environ:
+        await_start(socket.socket(fileno=int(os.environ.pop(ENV_KEEPER_HANDOFF))))
     reuse_large_blocks()  # before any thread starts: pyeclib's fragments then cost no page faults
     spec = NodeSpec.from_env()
     server = listen_alone(safe_job_id(spec.job_id), spec.node_rank)  # before anything touches the node's files
