@@ -146,3 +146,31 @@ def test_a_trainer_that_cannot_become_the_supervisors_child_is_an_error_not_a_lo
     done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "not re-parented to the supervisor" in done.stdout, done.stdout
+
+
+def test_a_zygote_ended_while_it_forks_ready_trainers_leaves_no_process_running_its_code(tmp_path):
+    """A supervisor ends its zygote (the job ended) while the zygote is forking ready trainers: each one half made
+    exits quietly; none runs the zygote's loop (it printed 'ValueError: peek of closed file')."""
+    driver = textwrap.dedent("""
+        import os, time
+        from ftrun.launch.processes import become_subreaper, reap
+        from ftrun.launch.zygote import ZygoteClient, preload
+        become_subreaper()
+        preload()  # as the launcher does: each zygote starts forking at once
+        for attempt in range(12):
+            zygote = ZygoteClient(ready=8)
+            time.sleep(0.008 * attempt)
+            zygote.close()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            reap()
+            try:
+                os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                break
+            time.sleep(0.02)
+        print("done")
+        """)
+    done = subprocess.run([sys.executable, "-c", driver], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

@@ -218,20 +218,16 @@ def _fork_ready(supervisor: int, zygote_files: Sequence[socket.socket | io.IOBas
     gc.freeze()  # everything made so far: the trainer's collections skip it (module docstring)
     intermediate = os.fork()
     if intermediate == 0:
-        os.close(read_end)
-        trainer = os.fork()
-        if trainer == 0:
-            os.close(write_end)
-            ours.close()
-            for file in zygote_files:
-                file.close()
-            for forwarded in FORWARDED_SIGNALS.values():  # ignored by the supervisor this was forked from
-                signal.signal(forwarded, signal.SIG_DFL)  # until it handled them; a trainer's own default
-            _become_trainer(supervisor)
-            theirs.sendall(_REPARENTED)
-            return _await_request(theirs)
-        os.write(write_end, str(trainer).encode())
-        os._exit(0)
+        trainer = -1
+        try:
+            os.close(read_end)
+            trainer = os.fork()
+            if trainer == 0:
+                return _become_ready(supervisor, theirs, [write_end], [ours, *zygote_files])
+            os.write(write_end, str(trainer).encode())
+        finally:
+            if trainer != 0:  # never back into the zygote's loop (an error included)
+                os._exit(0)
     theirs.close()
     os.close(write_end)
     pid = os.read(read_end, 32)
@@ -242,6 +238,24 @@ def _fork_ready(supervisor: int, zygote_files: Sequence[socket.socket | io.IOBas
         raise OSError("the trainer was not forked" if not pid else "the trainer was not re-parented to the "
                       "supervisor (is it a child subreaper?)")
     return _Ready(int(pid), ours)
+
+
+def _become_ready(supervisor: int, sock: socket.socket, fds: list[int],
+                  files: Sequence[socket.socket | io.IOBase]) -> SpawnRequest:
+    """In a trainer just forked: close the zygote's ``fds`` and ``files``, become the supervisor's child, tell the
+    zygote, and wait on ``sock`` for the request. Any error (the zygote went away) ends the process: it never runs
+    the zygote's code again."""
+    try:
+        _close_all(fds)
+        for file in files:
+            file.close()
+        for forwarded in FORWARDED_SIGNALS.values():  # ignored by the supervisor this was forked from
+            signal.signal(forwarded, signal.SIG_DFL)  # until it handled them; a trainer's own default
+        _become_trainer(supervisor)
+        sock.sendall(_REPARENTED)
+        return _await_request(sock)
+    except BaseException:  # noqa: BLE001 - nothing of the zygote's may run in a trainer
+        os._exit(1)
 
 
 def _await_request(sock: socket.socket) -> SpawnRequest:
