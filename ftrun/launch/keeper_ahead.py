@@ -3,8 +3,9 @@
 A keeper is a new interpreter that imports numpy, pyeclib and ftrun's snapshot modules before it serves: 0.2-0.4 s
 here, half of what a hot spare takes from claiming a lost node's rank to training again. So every supervisor,
 a spare's and a replacement's too, starts its keeper process as it starts itself, with a socket pair to it, and
-hands it the node when the node is known (:meth:`KeeperAhead.start`): the peer socket (SCM_RIGHTS), then the
-keeper's environment as one JSON line (:func:`ftrun.snapshot.keeper.await_start`). From there the keeper runs
+hands it the node when the node is known (:meth:`KeeperAhead.start`): the peer socket, then the keeper's
+environment as one JSON line (:func:`~ftrun.snapshot.protocol.send_handoff`,
+:func:`ftrun.snapshot.keeper.await_start`). From there the keeper runs
 as one started the usual way, and prints ``ready`` when it serves.
 
 Invariant: a keeper started ahead touches nothing of any node (no socket, no segment) before its start; one
@@ -21,9 +22,9 @@ import sys
 
 from ftrun.launch.processes import die_with_parent
 from ftrun.snapshot.keeper import ENV_KEEPER_HANDOFF, ENV_PEER_FD
+from ftrun.snapshot.protocol import send_handoff
 
 KEEPER_COMMAND = [sys.executable, "-P", "-m", "ftrun.snapshot.keeper"]
-_START_MARK = b"S"
 
 
 class KeeperAhead:
@@ -47,14 +48,8 @@ class KeeperAhead:
         if sock is None:
             return None
         env = {name: value for name, value in env.items() if name != ENV_PEER_FD}
-        try:
-            socket.send_fds(sock, [_START_MARK], [peer.fileno()] if peer is not None else [])
-            sock.sendall((json.dumps(env) + "\n").encode())
-            return self.proc
-        except OSError:
-            return None
-        finally:
-            sock.close()
+        line = (json.dumps(env) + "\n").encode()
+        return self.proc if send_handoff(sock, line, [peer.fileno()] if peer is not None else []) else None
 
     def close(self) -> None:
         """Let an unused keeper exit (it reads the end of its socket)."""

@@ -29,13 +29,13 @@ once it is the supervisor's child, so it dies with the supervisor.
 Ready trainers. Those two forks and the intermediate's exit take about 15 ms per trainer, one trainer after the
 other: 120 ms of every restart of a node with 8 trainers. So the zygote forks its trainers ahead: it keeps
 ``ready`` of them (the node's trainers per generation) forked, re-parented and waiting, each on a socket pair
-of its own, and a request is handed to one of them (its descriptors, then the request's line): the answer
-comes at once. The zygote forks them again once no request came for :data:`REFILL_QUIET` seconds (after a
-generation's trainers started, not between them), and one that is not ready when asked is forked then, as
-before. A waiting trainer is named :data:`~ftrun.launch.processes.READY_NAME`; it has run nothing of the
-user's, holds no descriptor of the zygote's but the standard ones, and exits when its socket closes (the zygote
-is gone) or with the supervisor. Invariant: a trainer runs exactly one request, with nothing in its process
-that another request left.
+of its own, and a request is handed to one of them (its descriptors, then the request's line:
+:func:`~ftrun.snapshot.protocol.send_handoff`): the answer comes at once. The zygote forks them again once no
+request came for :data:`REFILL_QUIET` seconds (after a generation's trainers started, not between them), and one
+that is not ready when asked is forked then, as before. A waiting trainer is named
+:data:`~ftrun.launch.processes.READY_NAME`; it has run nothing of the user's, holds no descriptor of the zygote's
+but the standard ones, and exits when its socket closes (the zygote is gone) or with the supervisor. Invariant:
+a trainer runs exactly one request, with nothing in its process that another request left.
 """
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ from typing import NoReturn
 from ftrun.control.spec import FORWARDED_SIGNALS
 from ftrun.launch.bootstrap import run_main
 from ftrun.launch.processes import READY_NAME, ZYGOTE_NAME, die_with_parent, set_process_name
+from ftrun.snapshot.protocol import receive_handoff, send_handoff
 
 # imported by the supervisor before the fork: torch, torch.distributed. By preload(): torch._dynamo, which
 # DistributedDataParallel and the optimizers' first step import (1-4 s per trainer otherwise).
@@ -63,7 +64,6 @@ PRELOAD = ("torch.nn.parallel", "torch._dynamo", "numpy")
 SPAWN_TIMEOUT = 60.0  # seconds for one fork, the zygote's own preload() included where it makes it
 REFILL_QUIET = 0.5  # seconds without a request before the zygote forks ready trainers again
 _REPARENT_TIMEOUT = 5.0
-_HAND_MARK = b"R"  # the byte that carries a request's descriptors to a ready trainer
 _REPARENTED = b"P"  # a trainer's first byte to the zygote: it is the supervisor's child now
 
 
@@ -146,11 +146,15 @@ def _serve(sock: socket.socket, supervisor: int, ready: int) -> SpawnRequest | N
     stream = sock.makefile("rwb")
     waiting: list[_Ready] = []
     last_request = -REFILL_QUIET
+
+    def fork_ready() -> _Ready | SpawnRequest:
+        return _fork_ready(supervisor, [stream, sock, *(r.sock for r in waiting)])
+
     while True:
         if len(waiting) < ready and not select.select([sock], [], [], max(
                 0.0, last_request + REFILL_QUIET - time.monotonic()))[0]:
             try:
-                made = _fork_ready(supervisor, [stream, sock, *(r.sock for r in waiting)])
+                made = fork_ready()
             except OSError:  # no more processes now (a limit): fork when asked, as without ready ones
                 ready = len(waiting)
                 continue
@@ -177,10 +181,10 @@ def _serve(sock: socket.socket, supervisor: int, ready: int) -> SpawnRequest | N
                 continue
         try:
             while True:  # a ready trainer that died meanwhile is skipped (the supervisor reaps it)
-                trainer = waiting.pop() if waiting else _fork_ready(supervisor, [stream, sock])
+                trainer = waiting.pop() if waiting else fork_ready()
                 if isinstance(trainer, SpawnRequest):
                     return trainer
-                if _hand(trainer, line, stdio):
+                if send_handoff(trainer.sock, line, stdio):
                     break
         except OSError as err:
             _answer(stream, {"error": f"fork failed: {err}"})
@@ -193,18 +197,6 @@ def _serve(sock: socket.socket, supervisor: int, ready: int) -> SpawnRequest | N
 def _answer(stream: io.BufferedRWPair, reply: dict[str, object]) -> None:
     stream.write((json.dumps(reply) + "\n").encode())
     stream.flush()
-
-
-def _hand(trainer: _Ready, line: bytes, stdio: list[int]) -> bool:
-    """Send a ready trainer its request (its descriptors first); False when it is gone."""
-    try:
-        socket.send_fds(trainer.sock, [_HAND_MARK], stdio)
-        trainer.sock.sendall(line)
-        return True
-    except OSError:
-        return False
-    finally:
-        trainer.sock.close()
 
 
 def _fork_ready(supervisor: int, zygote_files: Sequence[socket.socket | io.IOBase]) -> _Ready | SpawnRequest:
@@ -262,9 +254,7 @@ def _await_request(sock: socket.socket) -> SpawnRequest:
     """In a ready trainer: wait for the request, take its descriptors as stdout/stderr; exit when the zygote
     closed the socket without one."""
     set_process_name(READY_NAME)
-    mark, stdio, _, _ = socket.recv_fds(sock, 1, 2)
-    line = sock.makefile("rb").readline() if mark == _HAND_MARK else b""
-    sock.close()
+    line, stdio = receive_handoff(sock, 2)
     if not line:
         os._exit(0)
     request = SpawnRequest(**json.loads(line))

@@ -70,7 +70,8 @@ from ftrun.control.faults import Fault, parse_faults
 from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir
 from ftrun.snapshot.heap import reuse_large_blocks
 from ftrun.snapshot.priority import lower_priority, lower_to_background
-from ftrun.snapshot.protocol import PEER_LOST, POLL_WAIT, LineSocket, listen, same_user, socket_name
+from ftrun.snapshot.protocol import (PEER_LOST, POLL_WAIT, LineSocket, listen, receive_handoff, same_user,
+                                     socket_name)
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, RESTORED, SLOTS_PER_RANK, SPARE_SLOT,
@@ -910,9 +911,7 @@ def await_start(sock: socket.socket) -> None:
     """In a keeper started ahead (its imports done): wait on ``sock`` for the node's start, a byte carrying the
     peer socket (when erasure coding is on) then the keeper's environment as one JSON line, which replaces this
     process's; exit when ``sock`` closes without one (the supervisor never needed it)."""
-    mark, fds, _, _ = socket.recv_fds(sock, 1, 1)
-    line = sock.makefile("rb").readline() if mark else b""
-    sock.close()
+    line, fds = receive_handoff(sock, 1)
     if not line:
         os._exit(0)
     os.environ.clear()

@@ -22,6 +22,10 @@ supervisor  ``held {generation}`` -> ``{held: {rank: [steps]}}``: verified steps
             comes once its ``version`` differs from ``seen`` (the caller's last), or after ``wait`` seconds (at
             most ``POLL_WAIT``): an idle node's link sleeps in the keeper instead of asking 100 times a second.
             ``nudge`` -> ``{}``: a waiting ``poll`` answers now.
+
+Hand-off (:func:`send_handoff`, :func:`receive_handoff`): how a process started ahead, a keeper or a zygote's
+ready trainer, is told what to run once it is needed, on a socket pair of its own: descriptors (SCM_RIGHTS, on
+one marker byte), then one line.
 """
 
 from __future__ import annotations
@@ -31,12 +35,38 @@ import os
 import socket
 import struct
 import time
+from collections.abc import Sequence
 from typing import Any
 
 MAX_LINE = 1 << 20
 ENV_KEEPER_SOCKET = "FTRUN_KEEPER_SOCKET"
 POLL_WAIT = 1.0  # seconds: the longest a ``poll`` waits for a change
 PEER_LOST = "peer lost"  # starts the error of a rebuild that failed because a survivor became unreachable
+
+
+_HANDOFF_MARK = b"H"  # the byte that carries a hand-off's descriptors
+
+
+def send_handoff(sock: socket.socket, line: bytes, fds: Sequence[int] = ()) -> bool:
+    """Hand the process waiting in :func:`receive_handoff` at the other end of ``sock`` ``fds`` then ``line``
+    (ending in a newline), and close ``sock``; False when that process is gone."""
+    try:
+        socket.send_fds(sock, [_HANDOFF_MARK], list(fds))
+        sock.sendall(line)
+        return True
+    except OSError:
+        return False
+    finally:
+        sock.close()
+
+
+def receive_handoff(sock: socket.socket, max_fds: int) -> tuple[bytes, list[int]]:
+    """Wait on ``sock`` for what :func:`send_handoff` sends, and close it: (line, descriptors), or (b"", [])
+    when the other end closed it without a hand-off."""
+    mark, fds, _, _ = socket.recv_fds(sock, 1, max_fds)
+    line = sock.makefile("rb").readline() if mark == _HANDOFF_MARK else b""
+    sock.close()
+    return line, fds
 
 
 class KeeperUnavailable(ConnectionError):
