@@ -6,6 +6,7 @@ Outside ftrun (plain ``python`` or ``torchrun``) every call is a no-op, so scrip
 
 from __future__ import annotations
 
+import ftrun.startup  # noqa: F401 - first: it records the modules loaded before any of ftrun's
 from ftrun.control.heartbeat import heartbeat
 
 __version__ = "0.1.0"

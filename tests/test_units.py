@@ -229,8 +229,8 @@ def test_the_etcd_example_config_is_a_valid_job():
 
 
 # The packages from the bottom up: a module imports only from its own layer or those below it.
-LAYERS = (("ftrun.errors", "ftrun.events"), ("ftrun.control",), ("ftrun.snapshot",), ("ftrun.ui",), ("ftrun.launch",),
-          ("ftrun.cli", "ftrun.__main__", "ftrun.dcp", "ftrun"))
+LAYERS = (("ftrun.errors", "ftrun.events", "ftrun.startup"), ("ftrun.control",), ("ftrun.snapshot",), ("ftrun.ui",),
+          ("ftrun.launch",), ("ftrun.cli", "ftrun.__main__", "ftrun.dcp", "ftrun"))
 
 
 def _layer(module: str) -> int | None:

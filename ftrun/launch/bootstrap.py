@@ -28,6 +28,8 @@ import time
 import traceback
 from types import TracebackType
 
+from ftrun.launch.as_main import NotRunnable, run_as_main
+
 ENV_EARLY_FAILURE = "FTRUN_EARLY_FAILURE"  # {"generation": G, "signature": "Type: message"}, set by the supervisor
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # ftrun's own frames: under this folder
 _RUNPY = os.path.abspath(runpy.__file__)  # when runpy is not frozen ("<frozen runpy>")
@@ -109,7 +111,8 @@ def _print_exception(exc: BaseException, tb: TracebackType | None) -> None:
 
 def run_main(target: str, args: list[str], module: bool) -> None:
     """Run ``target`` (a script path, or a module name with ``module``) as ``__main__`` with ``args``, in the
-    current directory; returns when it returns, raises SystemExit when it fails (see the module docstring)."""
+    current directory (:func:`~ftrun.launch.as_main.run_as_main`); returns when it returns, raises SystemExit
+    when it fails (see the module docstring)."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     earlier = os.environ.pop(ENV_EARLY_FAILURE, None)  # for this code only, not the user's (nor its children)
     if error_file:
@@ -123,13 +126,7 @@ def run_main(target: str, args: list[str], module: bool) -> None:
 
         track_ddp_modules()
     try:
-        if module:
-            sys.path.insert(0, os.getcwd())
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            if not os.path.isdir(target):  # as python: the script's directory first (run_path puts a directory)
-                sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
-            runpy.run_path(target, run_name="__main__")
+        run_as_main(target, module)
     except SystemExit:
         raise
     except BaseException as exc:
@@ -144,7 +141,7 @@ def run_main(target: str, args: list[str], module: bool) -> None:
             sys.stderr.write(f"rank {os.environ.get('RANK', '?')}: same failure as generation {repeated}: {first} "
                              "(traceback above)\n")  # one write: whole beside other ranks' lines
             _flush(sys.stderr)
-        elif module and isinstance(exc, ImportError) and tb is None:
+        elif isinstance(exc, NotRunnable) and tb is None:
             _flush(sys.stdout)
             print(f"{sys.executable}: {exc}", file=sys.stderr, flush=True)  # no such module: as `python -m`
         else:

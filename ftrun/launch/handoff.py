@@ -30,13 +30,14 @@ import signal
 import subprocess
 import sys
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import IO, TYPE_CHECKING, NoReturn
 
 from ftrun.control.spec import FORWARDED_SIGNALS, NodeSpec, safe_job_id
 from ftrun.errors import UsageError
 from ftrun.launch.capacity import local_fit_problem, this_host
 from ftrun.launch.env import ENV_JOB_ID
+from ftrun.launch.import_settings import ImportSetting, import_time_settings
 from ftrun.launch.processes import ForkedChild, die_with_parent
 
 if TYPE_CHECKING:  # the supervisor imports this module for receive(): not the config's (yaml, ...)
@@ -121,15 +122,21 @@ class Begun:
 
     target: str  # the script's absolute path, the executable's (--no-python), or the module name (-m)
     job_id: str
+    # why the trainers start as new interpreters though the zygote was not turned off (ftrun.launch.import_settings)
+    no_zygote_because: list[ImportSetting] = field(default_factory=list)
 
 
 def begin(cfg: JobConfig, script: str) -> Begun:
-    """Check the script and this host, and name the job; raises :class:`UsageError` on bad input."""
+    """Check the script and this host, and name the job; raises :class:`UsageError` on bad input. A script
+    that sets torch's import-time variables before it imports torch turns the zygote off."""
     target = resolve_target(cfg, script)
     check_directories(cfg)
     if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host())):
         raise UsageError(problem)
-    return Begun(target, job_id_for(cfg))
+    settings = import_time_settings(target, cfg.module, os.environ) if cfg.zygote and not cfg.no_python else []
+    if settings:
+        cfg.zygote = False
+    return Begun(target, job_id_for(cfg), settings)
 
 
 def exec_launcher(cfg: JobConfig, begun: Begun, args: list[str]) -> NoReturn:

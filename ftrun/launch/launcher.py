@@ -114,6 +114,7 @@ class Launcher:
         self.target = begun.target
         self.args = args
         self.job_id = begun.job_id
+        self.no_zygote_because = begun.no_zygote_because
         self.pending = pending  # supervisors forked by main(), waiting for a spec
         self.node_rank = cfg.node_rank or 0  # under srun: agreed with the other nodes once the store is up
         step = slurm_step(os.environ)
@@ -287,6 +288,14 @@ class Launcher:
                          job_id=self.job_id, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
                          store=f"{store_host}:{store_port}", node_rank=self.node_rank,
                          slurm_node=self.slurm.node_name if self.slurm else None)
+        if self.no_zygote_because:
+            settings = self.no_zygote_because
+            names = sorted({setting.name for setting in settings})
+            self.events.emit("no_zygote", "trainers start as new interpreters (as --no-zygote; restarts take seconds): "
+                             f"{', '.join(setting.describe() for setting in settings[:3])} before it imports torch, "
+                             "which reads it then; a trainer forked with torch imported would not. Set "
+                             f"{', '.join(names)} on ftrun's command line (NAME=VALUE ftrun ...) for restarts in a "
+                             "fraction of a second", variables=names)
         if cfg.ckpt_dir and not cfg.resume and self.node_rank == 0:
             self._move_aside(job_dir(cfg.ckpt_dir, self.job_id))
         signal.signal(signal.SIGINT, self._on_signal)

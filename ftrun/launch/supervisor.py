@@ -76,6 +76,10 @@ from ftrun.snapshot.protocol import socket_name
 from ftrun.ui.status import PUBLISH_INTERVAL, NodeStatus, RankStatus, publish
 
 POLL_INTERVAL = 0.02
+# A rendezvous polls first after this long, then twice as long each time, up to POLL_INTERVAL: the nodes of a
+# restart mark themselves ready within milliseconds of each other, and a long wait (a lost node's replacement)
+# still costs the store one read per POLL_INTERVAL.
+RDZV_FIRST_POLL = 0.001
 # A trainer that exits with an error code right after a peer died is usually a consequence (gloo reports the
 # lost connection); it waits this long for the root cause to be reported first. Signals and hangs do not wait.
 # An error that names a broken connection (PEER_ERRORS, lowercase) waits longer: until every other node's
@@ -436,6 +440,7 @@ class Supervisor:
         tell_at = time.monotonic() + self.spec.node_timeout if self.node == 0 else math.inf
         peers = self._peer_watch()
         next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
+        pause = RDZV_FIRST_POLL
         while not self._stopping:
             self._publish_status("starting" if gen == 0 else "restarting", gen)
             if self._everyone_ready(gen):
@@ -458,7 +463,8 @@ class Supervisor:
             if time.monotonic() > deadline:
                 raise JobFailed(f"node(s) {self._not_ready(gen)} did not join generation {gen} within "
                                 f"{self.spec.rdzv_timeout:g}s")
-            time.sleep(max(POLL_INTERVAL, self.coord.store.poll_interval))
+            time.sleep(max(pause, self.coord.store.poll_interval))
+            pause = min(2 * pause, POLL_INTERVAL)
         return None
 
     def _everyone_ready(self, gen: int) -> bool:

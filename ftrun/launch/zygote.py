@@ -53,6 +53,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import NoReturn
 
+from threadpoolctl import ThreadpoolController
+
 from ftrun.control.spec import FORWARDED_SIGNALS
 from ftrun.launch.bootstrap import run_main
 from ftrun.launch.processes import READY_NAME, ZYGOTE_NAME, die_with_parent, set_process_name
@@ -65,6 +67,12 @@ SPAWN_TIMEOUT = 60.0  # seconds for one fork, the zygote's own preload() include
 REFILL_QUIET = 0.5  # seconds without a request before the zygote forks ready trainers again
 _REPARENT_TIMEOUT = 5.0
 _REPARENTED = b"P"  # a trainer's first byte to the zygote: it is the supervisor's child now
+# A BLAS library (numpy's OpenBLAS) sizes its thread pool when it is loaded, before ftrun sets the trainers'
+# OMP_NUM_THREADS (1 with several trainers, as torchrun): a trainer sets it again (threadpoolctl, which finds
+# whichever BLAS is loaded), unless one of these, read by a BLAS before OMP_NUM_THREADS, was set by the user
+BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
+                         "VECLIB_MAXIMUM_THREADS")
+_blas: ThreadpoolController | None = None  # the BLAS libraries loaded, found once by preload()
 
 
 @dataclass(frozen=True)
@@ -287,23 +295,46 @@ def _run(request: SpawnRequest) -> None:
     os.chdir(request.cwd)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[attr-defined]
+    _fresh_randomness()
     threads = request.env.get("OMP_NUM_THREADS", "")
     if threads.isdigit() and int(threads) > 0:
         import torch
 
         torch.set_num_threads(int(threads))
+        if _blas is not None and not any(name in request.env for name in BLAS_THREAD_VARIABLES):
+            _blas.limit(limits=int(threads))  # as a new interpreter's numpy reads OMP_NUM_THREADS at its import
     # as `python script.py` would: a failure's traceback shows the user's frames only, and exits 1
     run_main(request.target, request.args, request.module)
+
+
+def _fresh_randomness() -> None:
+    """Draw again from the OS what a new interpreter draws and a fork shares with its siblings: the seed of
+    torch's default generator (``import torch`` seeds it at random; CUDA's stay unseeded until used, as in a new
+    interpreter), numpy's global ``RandomState`` and ``multiprocessing``'s authentication key. Python's
+    ``random`` reseeds itself in a fork. (The seed of ``hash()`` of strings cannot change after the start: every
+    trainer of a host shares it.)"""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.default_generator.seed()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed()
+    multiprocessing = sys.modules.get("multiprocessing")
+    if multiprocessing is not None:
+        multiprocessing.current_process().authkey = os.urandom(32)
 
 
 def preload() -> None:
     """Import :data:`PRELOAD` (what is already imported costs nothing) and freeze every object made so far
     (module docstring). Only in a process that has no thread of its own yet: it forks next."""
+    global _blas
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except Exception:  # best effort: a trainer imports what it uses itself
             pass
+    if _blas is None:
+        _blas = ThreadpoolController().select(user_api="blas")
     gc.freeze()
 
 
