@@ -197,15 +197,17 @@ def start_job(tmp_path):
     jobs: list[Job] = []
 
     def start(*args: str, job_id: str | None = None, log_dir: Path | None = None, env: dict | None = None,
-              prefix: tuple[str, ...] = ()) -> Job:
-        """``prefix``: the command that runs ftrun (``ip netns exec HOST``: in another host)."""
+              prefix: tuple[str, ...] = (), pass_fds: tuple[int, ...] = ()) -> Job:
+        """``prefix``: the command that runs ftrun (``ip netns exec HOST``: in another host); ``pass_fds``:
+        descriptors ftrun inherits besides stdin, stdout and stderr."""
         job_id = job_id or f"t{uuid.uuid4().hex[:10]}"
         log_dir = log_dir or tmp_path / f"logs-{job_id}"
         output = tmp_path / f"output-{job_id}-{len(jobs)}.txt"
         with open(output, "wb") as out:
             proc = subprocess.Popen([*prefix, sys.executable, "-m", "ftrun", "--rdzv-id", job_id, "--log-dir",
                                      str(log_dir), *args], stdout=out, stderr=subprocess.STDOUT,
-                                    start_new_session=True, cwd=tmp_path, env={**os.environ, **(env or {})})
+                                    start_new_session=True, cwd=tmp_path, env={**os.environ, **(env or {})},
+                                    pass_fds=pass_fds)
         job = Job(job_id, log_dir, proc, output)
         jobs.append(job)
         return job

@@ -1,11 +1,12 @@
 """A trainer forked from the zygote runs a third-party script as ``python script.py`` under torchrun would,
 though torch, numpy and ftrun's own modules are loaded before it: its randomness is its own, a module beside
-the script shadows one loaded before it, ``__main__`` stays the script's module after it returns, and numpy's
-BLAS threads follow ``OMP_NUM_THREADS``."""
+the script shadows one loaded before it, ``__main__`` stays the script's module after it returns, numpy's
+BLAS threads follow ``OMP_NUM_THREADS``, and no descriptor of ftrun's parent reaches it."""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -36,6 +37,13 @@ def pickled(tag):
         pass
 
 
+def link(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the listing's own descriptor
+        return None
+
+
 OUT = sys.argv[1]
 record = {
     "seed": torch.initial_seed(), "numpy": int(numpy.random.randint(2**31)),
@@ -44,6 +52,7 @@ record = {
     "source": len(__loader__.get_source("__main__")), "file": __file__,
     "blas": [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"],
     "omp": os.environ.get("OMP_NUM_THREADS"),
+    "fds": [link(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2],
 }
 print("PROBE " + json.dumps(record), flush=True)
 atexit.register(pickled, "atexit")
@@ -67,8 +76,10 @@ def test_a_script_runs_in_a_zygote_trainer_as_in_a_new_interpreter(start_job, tm
     (app / "statistics").mkdir()  # a package of the user's, beside the script
     (app / "statistics" / "__init__.py").write_text("WHO = 'package beside the script'\n")
     (app / "numpy").mkdir()  # no __init__.py: a namespace portion, which shadows nothing (as for python)
+    inherited = os.open(tmp_path / "inherited", os.O_CREAT | os.O_WRONLY, 0o600)  # as a shell's extra descriptor
     job = start_job("--nproc-per-node", "2", "--max-restarts", "1", "--inject", "crash@rank=1,step=1",
-                    str(app / "train.py"), str(out))
+                    str(app / "train.py"), str(out), pass_fds=(inherited,))
+    os.close(inherited)
     assert job.wait(90) == 0, job.output
     found = probes(job.output)
     assert len(found) == 4, job.output  # 2 ranks x 2 generations
@@ -79,6 +90,7 @@ def test_a_script_runs_in_a_zygote_trainer_as_in_a_new_interpreter(start_job, tm
         assert probe["builtins_module"] and probe["source"] == len(PROBE) and probe["file"] == str(app / "train.py")
         # OMP_NUM_THREADS: the user's, else cores / trainers (1 here, where numpy's OpenBLAS was loaded with 2)
         assert probe["blas"] and set(probe["blas"]) == {int(probe["omp"])}, probe
+        assert str(tmp_path / "inherited") not in probe["fds"], probe  # torchrun's trainers start with close_fds
     # generation 1 ran to its end: its atexit handler and its thread pickled a class of the script
     assert {p.name for p in out.iterdir() if p.name.endswith("-1")} == {
         f"{tag}-{rank}-1" for tag in ("atexit", "thread") for rank in (0, 1)}, job.output
@@ -182,4 +194,38 @@ def test_a_script_that_sets_omp_num_threads_before_torch_gets_it(start_job, tmp_
     assert "threads 0 2" in job.output and "threads 1 2" in job.output, job.output
     (notice,) = [e for e in job.events() if e["event"] == "no_zygote"]
     assert notice["variables"] == ["OMP_NUM_THREADS"] and "threads.py:2 sets OMP_NUM_THREADS" in notice["message"]
+    assert_job_left_nothing(job)
+
+
+LEAVES_UPLOADS = '''\
+import os, subprocess, sys
+out, fail = sys.argv[1], sys.argv[2] == "fail"
+if os.environ["RANK"] == "0":  # a last upload, started and not waited for: in its group, in a session of its own
+    for tag, own_session in (("group", False), ("session", True)):
+        subprocess.Popen(["sh", "-c", f"sleep 6; echo done > {out}/{tag}"], start_new_session=own_session)
+elif fail:
+    sys.exit(4)
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("outcome", ["succeeds", "fails"])
+def test_what_trainers_leave_running_outlives_a_job_that_succeeds(start_job, tmp_path, outcome):
+    import time
+
+    script, out = tmp_path / "uploads.py", tmp_path / "out"
+    script.write_text(LEAVES_UPLOADS)
+    out.mkdir()
+    job = start_job("--nproc-per-node", "2", "--max-restarts", "0", str(script), str(out),
+                    "fail" if outcome == "fails" else "ok")
+    assert job.wait(90) == (0 if outcome == "succeeds" else 3), job.output
+    deadline = time.monotonic() + (30 if outcome == "succeeds" else 8)  # the uploads take 6 s from their start
+    while len(list(out.iterdir())) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if outcome == "succeeds":  # as under torchrun
+        assert sorted(p.name for p in out.iterdir()) == ["group", "session"], job.output
+        (left,) = [e for e in job.events() if e["event"] == "left_running"]
+        assert len(left["pids"]) == 4  # two sh, two sleep
+    else:  # a failed job leaves nothing running
+        assert list(out.iterdir()) == [] and not [e for e in job.events() if e["event"] == "left_running"]
     assert_job_left_nothing(job)

@@ -146,12 +146,26 @@ def exec_launcher(cfg: JobConfig, begun: Begun, args: list[str]) -> NoReturn:
     with open(fd, "wb", closefd=False) as f:  # read back by resume() in this same process, after exec
         pickle.dump((cfg, begun, args), f)
     os.lseek(fd, 0, os.SEEK_SET)
+    close_inherited(keep=fd)
     env = dict(os.environ)
     env[ENV_JOB_ID] = begun.job_id
     env[ENV_LAUNCH_FD] = str(fd)
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-P", "-m", LAUNCHER_MODULE, *sys.argv[1:]], env)
+
+
+def close_inherited(keep: int) -> None:
+    """Let no descriptor this process inherited (beyond stdin, stdout and stderr) reach the launcher, and through
+    it the trainers: torchrun starts its trainers with ``close_fds``, and a descriptor of the user's shell or
+    build tool held open by every process of a job can keep a pipe from ever ending."""
+    for name in os.listdir("/proc/self/fd"):
+        descriptor = int(name)
+        if descriptor > 2 and descriptor != keep:
+            try:
+                os.set_inheritable(descriptor, False)
+            except OSError:  # the listing's own descriptor, closed since
+                pass
 
 
 def resume() -> tuple[JobConfig, Begun, list[str]]:

@@ -45,7 +45,7 @@ from ftrun.control.signed import SignedStore
 from ftrun.launch.handoff import Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, kill_descendants,
-                                    set_process_name)
+                                    left_by_user, set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.launch.zygote import preload
 from ftrun.control.secret import local_secret, shared_secret, write_secret_file
@@ -301,6 +301,7 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         self._handle_signals()
+        code = EXIT_FAILED
         try:
             for node in nodes:
                 self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
@@ -328,7 +329,7 @@ class Launcher:
             for path in (announce, secret_file):
                 with contextlib.suppress(FileNotFoundError):  # two launchers of a job may share this host
                     os.unlink(path)
-            kill_descendants()
+            kill_descendants(spare=_left_by_user if code == 0 else None)  # what the supervisors let outlive a success
             for node in nodes:  # what supervisors killed before they could clean up left behind
                 unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
@@ -400,6 +401,7 @@ class Launcher:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
         self._handle_signals()
+        code: int | None = None
         try:
             proc = self.procs[-1] = self._spawn(spec)
             while proc.poll() is None:
@@ -407,7 +409,7 @@ class Launcher:
             code = proc.returncode
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            kill_descendants()
+            kill_descendants(spare=_left_by_user if code == EXIT_DONE else None)
         if self.store_server is not None:  # this spare hosts the store (rank_by_store): the nodes still need it
             self._leave_as_spare(store, name, int(doc["nnodes"]))
         if code == EXIT_DONE:
@@ -606,6 +608,11 @@ class Launcher:
             while (coord.marked(0, "left") is None or any(doc.state == "waiting" for doc in spares(coord))
                    ) and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+
+def _left_by_user(proc: psutil.Process) -> bool:
+    """A program the trainers started (re-parented here when its supervisor ended), not one of ftrun's."""
+    return left_by_user(proc, set())
 
 
 def fork_supervisor() -> PendingSupervisor:

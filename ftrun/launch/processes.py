@@ -1,8 +1,10 @@
 """Process plumbing shared by the launcher, supervisors and zygotes: Linux prctl, process groups, reaping.
 
-Invariant kept with these: no process of a job outlives it. Every long-lived ftrun process is a child
-subreaper, so orphaned descendants come back to it; every child dies with its parent (PR_SET_PDEATHSIG);
-every trainer leads its own process group, so stopping it reaches whatever it forked.
+Invariant kept with these: no process of a job outlives it, but for the programs its trainers started and left
+running when the job succeeded (a last upload not waited for), which outlive it as under torchrun. Every
+long-lived ftrun process is a child subreaper, so orphaned descendants come back to it; every child dies with
+its parent (PR_SET_PDEATHSIG); every trainer leads its own process group, so stopping it reaches whatever it
+forked.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 
 import psutil
 
@@ -100,13 +103,22 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
-def kill_descendants(timeout: float = 5.0) -> None:
-    """SIGKILL every descendant of this process (and their groups), then reap them, bounded by ``timeout``."""
+def kill_descendants(timeout: float = 5.0, spare: Callable[[psutil.Process], bool] | None = None
+                     ) -> list[tuple[int, str]]:
+    """SIGKILL every descendant of this process, then reap them, bounded by ``timeout``; but a descendant for
+    which ``spare`` is true, and its own descendants, are left running: their (pid, name) are returned."""
+    spared: dict[int, str] = {}
+    if spare is not None:
+        for proc in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if proc.pid not in spared and spare(proc):
+                    for each in (proc, *proc.children(recursive=True)):
+                        spared[each.pid] = each.name()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        children = psutil.Process().children(recursive=True)
+        children = [child for child in psutil.Process().children(recursive=True) if child.pid not in spared]
         if not children:
-            return
+            break
         for child in children:
             try:
                 child.kill()
@@ -114,6 +126,15 @@ def kill_descendants(timeout: float = 5.0) -> None:
                 pass
         psutil.wait_procs(children, timeout=0.5)
         reap()
+    return list(spared.items())
+
+
+def left_by_user(proc: psutil.Process, ours: set[int]) -> bool:
+    """Whether ``proc`` is a program the trainers started (not a process of ftrun's: one of ``ours``, one named
+    ``ftrun...`` — supervisor, zygote, ready trainer — or a fork of ftrun's command line, a keeper's included)."""
+    if proc.pid in ours or proc.name().startswith(LAUNCHER_NAME):
+        return False
+    return not any(arg.startswith("ftrun.") for arg in proc.cmdline())
 
 
 class ForkedChild:

@@ -56,7 +56,7 @@ from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
 from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper, describe_exit, die_with_parent,
-                                    kill_descendants, reap, set_process_name, signal_group)
+                                    kill_descendants, left_by_user, reap, set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, safe_job_id, shm_path)
 from ftrun.control.generation_watch import GenerationWatch
@@ -209,6 +209,7 @@ class Supervisor:
         for slurm_warning in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(slurm_warning, lambda *_: None)
         beater: _Beater | None = None
+        succeeded = False
         try:
             if not self.secret:
                 raise JobFailed("no job secret in the environment; start supervisors with the ftrun launcher")
@@ -229,7 +230,9 @@ class Supervisor:
             self.events.emit("node_start", f"{what} up (pid {os.getpid()}, zygote "
                              f"{'pid ' + str(self.zygote.pid) if self.zygote else 'off'})",
                              node=self.node, incarnation=self.incarnation, pid=os.getpid())
-            return self._generations()
+            code = self._generations()
+            succeeded = code == EXIT_DONE
+            return code
         except JobFailed as err:
             self.events.emit("failed", f"job failed: {err}", node=self.node)
             return EXIT_JOB_FAILED
@@ -248,9 +251,22 @@ class Supervisor:
                 beater.stop()
             if self.heartbeats is not None:
                 self.heartbeats.close()
-            kill_descendants()
+            self._end_descendants(succeeded)
             if self.spec.log_dir is None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
+
+    def _end_descendants(self, succeeded: bool) -> None:
+        """Kill what is left under this process: ftrun's own processes always; those the trainers started and
+        left running (re-parented here) only if the job did not succeed. After a success they outlive the job,
+        as under torchrun (a last upload, started and not waited for)."""
+        ours = {pid for pid in (self.zygote.pid if self.zygote else None, self.keeper.pid if self.keeper else None)
+                if pid is not None}
+        left = kill_descendants(spare=(lambda proc: left_by_user(proc, ours)) if succeeded else None)
+        if left:
+            named = ", ".join(f"{pid} ({name})" for pid, name in left[:5])
+            self.events.emit("left_running", f"the trainers left {len(left)} process(es) running: {named}; the job "
+                             "succeeded, so they outlive it, as under torchrun", node=self.node,
+                             pids=[pid for pid, _ in left])
 
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping = True
@@ -867,7 +883,8 @@ class Supervisor:
                         trainer.exit_code = -signal.SIGKILL
             select.select(self.exits.fds(), [], [], 0.005)  # until one exits, or 5 ms
         for trainer in self.trainers.values():
-            signal_group(trainer.pid, signal.SIGKILL)  # anything the trainers left behind in their groups
+            if trainer in running or trainer.exit_code != 0:  # what a failed or stopped trainer left in its group
+                signal_group(trainer.pid, signal.SIGKILL)  # (one that exited 0: see _end_descendants)
         self.output.finish()  # their last output written out, this generation's files closed
         took = time.monotonic() - t0
         self.events.emit("stopped", f"stopped {len(running)} trainers in {took * 1000:.0f} ms"
