@@ -201,10 +201,16 @@ def run(
         "ckpt_format": ckpt_format,
         "resume": resume, "persist_grace": persist_grace, "inject": inject or None,
     })
+    from ftrun.launch.clean import running_here
     from ftrun.launch.handoff import begin, exec_launcher
 
     # checks what needs no torch, then this process becomes the launcher (see ftrun.launch.handoff)
-    exec_launcher(cfg, begin(cfg, script), list(script_args or []))
+    begun = begin(cfg, script)
+    nodes = range(cfg.nnodes) if cfg.local_mode else [cfg.node_rank] if cfg.node_rank is not None else []
+    problem = running_here(begun.job_id, nodes, cfg.local_mode)
+    if problem:
+        raise UsageError(f"{problem}: stop it first, or choose another --rdzv-id")
+    exec_launcher(cfg, begun, list(script_args or []))
 
 
 @app.command()
@@ -220,8 +226,12 @@ def store(
 
     from ftrun.control.store import check_bind_address, host_store
 
+    if not 0 <= port <= 65535:
+        raise UsageError(f"--port must be a port (0-65535; 0: any free one), got {port}")
+    if host is not None and not host.strip():
+        raise UsageError("--host must not be empty (0.0.0.0: every interface)")
     bind = check_bind_address(host if host is not None else socket.gethostname(), "--host")
-    server = host_store(port, bind=bind)
+    server = host_store(port, "control store", bind=bind, flag="--port")
     print(f"ftrun store listening on {bind}:{server.port} (Ctrl-C to stop)", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

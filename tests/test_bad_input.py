@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -10,13 +11,13 @@ import uuid
 
 import pytest
 
-from conftest import TRAIN_PLAIN, free_port, job_processes, job_segments
+from conftest import SCRIPTS, TRAIN_PLAIN, free_port, job_processes, job_segments
 
 
-def run_ftrun(*args: str, cwd=None) -> tuple[int, str, str]:
+def run_ftrun(*args: str, cwd=None, env: dict | None = None) -> tuple[int, str, str]:
     job_id = f"bad{uuid.uuid4().hex[:8]}"
     result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job_id, *args], capture_output=True,
-                            text=True, timeout=60, cwd=cwd)
+                            text=True, timeout=60, cwd=cwd, env={**os.environ, **(env or {})})
     assert not job_processes(job_id) and not job_segments(job_id)
     return result.returncode, result.stderr, job_id
 
@@ -99,10 +100,18 @@ def test_a_directory_without_main_and_a_file_as_directory(tmp_path):
     ("inject: crash@rank=1,step=2\n", ["key 'inject' must be list"]),
     ("- just\n- a list\n", ["top level must be a mapping"]),
     ("nnodes: [\n", ["not valid YAML"]),
+    ("nnodes: 1\nnnodes: 2\n", ["not valid YAML at line 2: key 'nnodes' is given twice"]),
+    ("a: &a [x, x, x, x, x, x, x, x, x]\nb: &b [*a, *a, *a, *a, *a, *a, *a, *a, *a]\n"
+     "c: &c [*b, *b, *b, *b, *b, *b, *b, *b, *b]\nrole: [*c, *c, *c, *c, *c, *c, *c, *c, *c]\n",
+     ["unknown key 'a'"]),
+    ("nnodes: [&c [[[x, x, x, x, x, x, x, x, x]]], *c, *c, *c, *c, *c, *c, *c, *c]\n",
+     ["key 'nnodes' must be int or str, got [[[...]], [[...]], [[...]], [[...]], ...]"]),
+    ("nnodes: 1\n\xff\xfe\n", ["not UTF-8 text (byte 10)"]),
+    ("#" * (1 << 20) + "\n", ["a config file of more than 1024 KiB is not a config file"]),
 ])
 def test_bad_yaml_names_key_and_file(tmp_path, text, fragments):
     config = tmp_path / "job.yaml"
-    config.write_text(text)
+    config.write_bytes(text.encode("latin-1"))
     assert_one_line_error(*run_ftrun("--config", str(config), str(TRAIN_PLAIN))[:2], str(config), *fragments)
 
 
@@ -151,3 +160,30 @@ def test_a_step_persisted_at_another_world_size_is_not_resumed_nor_lost(tmp_path
                           "saved at world size 2 and this run has 1", "--ckpt-format dcp", "--no-resume")
     assert not job_processes(job) and not job_segments(job)
     assert sorted(p.name for p in step.iterdir()) == ["manifest.json"]
+
+
+@pytest.mark.parametrize("where", ["missing", "a-file", "relative"])
+def test_a_shm_dir_that_is_not_a_writable_directory_is_one_line(tmp_path, where):
+    (tmp_path / "a-file").write_text("")
+    directory = "shm" if where == "relative" else str(tmp_path / where)
+    code, stderr, _ = run_ftrun(str(SCRIPTS / "hello.py"), env={"FTRUN_SHM_DIR": directory})
+    assert_one_line_error(code, stderr, f"the shared-memory directory {directory} (FTRUN_SHM_DIR) is not a writable "
+                          "directory")
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("crash@rank=2,step=1", "--inject 'crash@rank=2,step=1': the job has 2 rank(s), numbered from 0"),
+    ("node-loss@node=1,step=1", "the job has 1 node(s)"),
+    ("crash@rank=0,step=1,step=2", "step is given twice"),
+])
+def test_an_injected_fault_that_could_never_fire_is_refused(spec, fragment):
+    assert_one_line_error(*run_ftrun("--nproc-per-node", "2", "--inject", spec, str(TRAIN_PLAIN))[:2], fragment)
+
+
+def test_ftrun_store_refuses_a_port_out_of_range_and_an_empty_host():
+    for args, fragment in ((["--port", "70000"], "--port must be a port (0-65535"),
+                           (["--port", "-1"], "--port must be a port"),
+                           (["--host", ""], "--host must not be empty")):
+        done = subprocess.run([sys.executable, "-m", "ftrun", "store", *args], capture_output=True, text=True,
+                              timeout=60)
+        assert_one_line_error(done.returncode, done.stderr, fragment)

@@ -176,14 +176,20 @@ def ftrun_clean(*args: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
-@pytest.mark.timeout(180)
-def test_kill_9_of_ftrun_leaves_files_that_ftrun_clean_removes_but_never_a_live_jobs(start_job):
-    job = start_job("--nnodes", "2", "--nproc-per-node", "1", str(TRAIN_GPT), "--steps", "2000",
+def snapshotting_job(start_job, steps: int):
+    """A 2-node job training with a snapshot every 2 steps, once both slots of a rank hold one."""
+    job = start_job("--nnodes", "2", "--nproc-per-node", "1", str(TRAIN_GPT), "--steps", str(steps),
                     "--snapshot-every", "2", "--step-time", "0.02")
     wait_running(job)
     deadline = time.monotonic() + 30
     while not any(path.endswith("slot1") for path in job_segments(job.job_id)) and time.monotonic() < deadline:
         time.sleep(0.1)
+    return job
+
+
+@pytest.mark.timeout(180)
+def test_kill_9_of_ftrun_leaves_files_that_ftrun_clean_removes_but_never_a_live_jobs(start_job):
+    job = snapshotting_job(start_job, steps=2000)
     refused = ftrun_clean("--job", job.job_id)
     assert refused.returncode == 2 and len(refused.stderr.strip().splitlines()) == 1, refused
     assert f"job {job.job_id} is running (launcher pid {job.proc.pid}" in refused.stderr
@@ -198,6 +204,21 @@ def test_kill_9_of_ftrun_leaves_files_that_ftrun_clean_removes_but_never_a_live_
     assert {"launcher", "node0-heartbeat", "node0-rank0-slot0", "node1-rank0-slot1"} <= left, left
     cleaned = ftrun_clean("--job", job.job_id)
     assert cleaned.returncode == 0 and f"job {job.job_id}: removed {len(left)} file(s)" in cleaned.stdout, cleaned
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(180)
+def test_a_second_start_of_a_running_job_id_is_refused_and_touches_nothing(start_job):
+    """It used to unlink the running job's snapshots (its keeper gave up after 10 s, its supervisor cleaned up)."""
+    job = snapshotting_job(start_job, steps=400)
+    before = set(job_segments(job.job_id))
+    second = start_job("--nnodes", "2", "--nproc-per-node", "1", str(TRAIN_GPT), job_id=job.job_id)
+    assert second.wait(30) == 2, second.output
+    assert second.output.strip().splitlines() == [f"ftrun: error: job {job.job_id} already runs node 0 on this host "
+                                                  "(its keeper holds the node's snapshots): stop it first, or choose "
+                                                  "another --rdzv-id"]
+    assert before <= set(job_segments(job.job_id))  # nothing of the running job was touched
+    assert job.wait(120) == 0 and not failures(job), job.output
     assert_job_left_nothing(job)
 
 

@@ -102,7 +102,11 @@ def test_every_torchrun_flag_is_known_to_ftrun(capsys):
     (["--signals-to-handle", "SIGKILL"], "SIGKILL cannot stop a job"),
     (["--event-log-handler", "kafka"], "--event-log-handler 'kafka'"),
     (["--master-port", "70000"], "--master-port must be a port"),
-    (["--monitor-interval", "0"], "--monitor-interval must be positive"),
+    (["--monitor-interval", "0"], "--monitor-interval must be a positive number"),
+    (["--monitor-interval", "nan"], "--monitor-interval must be a positive number of at most 1e+07, got nan"),
+    (["--hang-timeout", "nan"], "--hang-timeout must be a positive number"),
+    (["--node-timeout", "inf"], "--node-timeout must be a positive number"),
+    (["--rdzv-conf", "join_timeout=nan"], "--rdzv-conf join_timeout must be a positive number"),
     (["--local-addr", "127.0.0.1"], "--local-addr is for multi-node jobs"),
 ])
 def test_bad_torchrun_values_are_one_line_errors(capsys, argv, fragment):

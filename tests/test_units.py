@@ -219,6 +219,25 @@ def test_clean_tells_each_jobs_shared_memory_files_apart():
     assert job_of("ftrun-keeper-x-node0") is None and job_of("other-file") is None and job_of("ftrun-x") is None
 
 
+def test_clean_removes_a_dead_jobs_run_directories_too(tmp_path, monkeypatch):
+    import tempfile
+
+    from ftrun.launch.clean import job_files, remove
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    monkeypatch.setenv("FTRUN_SHM_DIR", str(tmp_path / "shm"))
+    for directory in ("tmp/ftrun-dead1-node0-ab_cd123/gen0/rank0", "tmp/ftrun-dead1-node0-too-long-to-be-ours",
+                      "shm"):
+        (tmp_path / directory).mkdir(parents=True)
+    (tmp_path / "shm" / "ftrun-dead1-node0-heartbeat").write_bytes(b"x" * 10)
+    (tmp_path / "tmp" / "ftrun-dead1-node1-file0000").write_text("")  # a file, not a run directory
+    (entry,) = job_files("dead1")
+    assert not entry.live and sorted(entry.paths) == [str(tmp_path / "shm" / "ftrun-dead1-node0-heartbeat"),
+                                                     str(tmp_path / "tmp" / "ftrun-dead1-node0-ab_cd123")]
+    assert remove(entry) == [] and not (tmp_path / "tmp" / "ftrun-dead1-node0-ab_cd123").exists()
+    assert (tmp_path / "tmp" / "ftrun-dead1-node0-too-long-to-be-ours").exists()
+
+
 def test_the_etcd_example_config_is_a_valid_job():
     from ftrun.launch.config import build_config
 
@@ -292,3 +311,12 @@ def test_an_exit_watch_is_readable_when_a_child_exits_and_empty_once_it_is_forgo
     finally:
         child.kill()
         child.wait()
+
+
+def test_job_ids_in_file_names_never_collide_nor_climb():
+    from ftrun.control.spec import safe_job_id
+
+    names = {safe_job_id(job) for job in ("a/b", "a_b", "..", ".", "x" * 64 + "A", "x" * 64 + "B", "x" * 64)}
+    assert len(names) == 7 and not names & {".", ".."}
+    assert all(len(name) <= 64 and safe_job_id(name) == name for name in names)
+    assert safe_job_id("slurm-12.0") == "slurm-12.0" and safe_job_id("a_b") == "a_b"  # safe ids stay as they are

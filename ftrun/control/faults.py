@@ -69,6 +69,8 @@ def parse_fault(spec: str) -> Fault:
             raise UsageError(f"--inject {spec!r}: unknown key {key!r} for {kind}")
         if not value.strip().isdigit():
             raise UsageError(f"--inject {spec!r}: {key} must be a non-negative integer, got {value!r}")
+        if key in values:
+            raise UsageError(f"--inject {spec!r}: {key} is given twice")
         values[key] = int(value)
     for key in (_WHERE[kind], "step"):
         if key not in values:
@@ -76,8 +78,17 @@ def parse_fault(spec: str) -> Fault:
     return Fault(kind, values[_WHERE[kind]], values["step"], values.get("gen", 0))
 
 
-def parse_faults(specs: list[str]) -> list[Fault]:
-    return [parse_fault(spec) for spec in specs]
+def parse_faults(specs: list[str], nnodes: int | None = None, nproc_per_node: int | None = None) -> list[Fault]:
+    """Parse ``--inject`` specs; with the job's shape, a rank or node it does not have is a :class:`UsageError`
+    (such a fault would never fire)."""
+    faults = [parse_fault(spec) for spec in specs]
+    for fault, spec in zip(faults, specs):
+        node_fault = _WHERE[fault.kind] == "node"
+        limit = nnodes if node_fault else None if nnodes is None or nproc_per_node is None else nnodes * nproc_per_node
+        if limit is not None and fault.where >= limit:
+            raise UsageError(f"--inject {spec!r}: the job has {limit} {'node' if node_fault else 'rank'}(s), "
+                             f"numbered from 0")
+    return faults
 
 
 def trainer_faults_env(faults: list[Fault], rank: int, gen: int) -> str:

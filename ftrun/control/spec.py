@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import glob
+import hashlib
 import json
 import os
 import re
+import shutil
 import signal
+import tempfile
 from dataclasses import asdict, dataclass, field
 
 from ftrun.errors import UsageError
@@ -101,8 +104,14 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
 
 
 def safe_job_id(job_id: str) -> str:
-    """The job id as used in file names: letters, digits, '.', '_' and '-' only."""
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", job_id)[:64]
+    """The job id as used in file and directory names: letters, digits, '.', '_' and '-' only, at most 64 of them.
+    An id that is not one already (or is ``.`` or ``..``) gets a hash of the whole id after its cleaned start, so
+    that two ids never share a name (``a/b`` and ``a_b``, two long ids with the same first 64 characters) and none
+    names a directory above the checkpoint directory. Idempotent."""
+    if re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", job_id) and job_id not in (".", ".."):
+        return job_id
+    digest = hashlib.sha256(job_id.encode(errors="surrogateescape")).hexdigest()[:12]
+    return f"{re.sub(r'[^A-Za-z0-9_-]', '_', job_id)[:51]}-{digest}"
 
 
 def shm_dir() -> str:
@@ -115,10 +124,19 @@ def shm_path(job_id: str, node_rank: int, what: str) -> str:
     return os.path.join(shm_dir(), f"ftrun-{safe_job_id(job_id)}-node{node_rank}-{what}")
 
 
+def run_dir_prefix(job_id: str, node_rank: int) -> str:
+    """How the name of a supervisor's run directory starts (in the temp dir: its trainers' error files, without
+    ``--log-dir``)."""
+    return f"ftrun-{safe_job_id(job_id)}-node{node_rank}-"
+
+
 def unlink_node_files(job_id: str, node_rank: int) -> None:
-    """Unlink every shared-memory file of this job and node (what a killed supervisor or keeper left)."""
+    """Unlink every shared-memory file and run directory of this job and node (what a killed supervisor or
+    keeper left)."""
     for path in glob.glob(shm_path(job_id, node_rank, "*")):
         try:
             os.unlink(path)
         except FileNotFoundError:
             pass
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), glob.escape(run_dir_prefix(job_id, node_rank)) + "*")):
+        shutil.rmtree(path, ignore_errors=True)

@@ -120,9 +120,10 @@ class C10dStore:
         """Nothing to do: torch closes the connection when the store object goes."""
 
 
-def host_store(port: int, what: str = "control store", bind: str = LOOPBACK) -> TCPStore:
+def host_store(port: int, what: str = "control store", bind: str = LOOPBACK,
+               flag: str = "--rdzv-endpoint") -> TCPStore:
     """Start a store server listening on ``bind``:``port`` only (port 0: any free port; ``bind`` 0.0.0.0: every
-    interface); a port in use is a :class:`UsageError`."""
+    interface); a port in use is a :class:`UsageError` that names ``flag``, the setting that chose the port."""
     family = socket.AF_INET6 if ":" in bind else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
@@ -132,7 +133,7 @@ def host_store(port: int, what: str = "control store", bind: str = LOOPBACK) -> 
     except OSError as err:
         sock.close()
         if err.errno == errno.EADDRINUSE:
-            raise UsageError(f"{what} port {port} is already in use (choose another with --rdzv-endpoint)") from None
+            raise UsageError(f"{what} port {port} is already in use (choose another with {flag})") from None
         raise UsageError(f"cannot start the {what} on {bind}:{port}: {err.strerror}") from None
     client = (LOOPBACK if family == socket.AF_INET else "::1") if bind in WILDCARDS else bind
     bound = sock.getsockname()[1]

@@ -1,4 +1,5 @@
-"""``ftrun clean``: remove what jobs that no longer run left in shared memory.
+"""``ftrun clean``: remove what jobs that no longer run left in shared memory (and their supervisors' run
+directories in the temp dir).
 
 A job removes its files when it ends, but ``kill -9`` of the top-level ``ftrun`` cannot: its supervisors,
 keepers and trainers die with it (``PR_SET_PDEATHSIG``), and its files stay in the shm dir (``/dev/shm`` or
@@ -15,9 +16,15 @@ users are not visible and do not count. A live job's files are never removed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
+import shutil
+import socket
+import stat
+import tempfile
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psutil
@@ -26,6 +33,7 @@ from ftrun.control.spec import ENV_NODE_SPEC, safe_job_id, shm_dir
 from ftrun.launch.env import ENV_JOB_ID
 from ftrun.launch.handoff import SUPERVISOR_MODULE
 from ftrun.launch.processes import LAUNCHER_NAME, READY_NAME, SUPERVISOR_NAME, ZYGOTE_NAME
+from ftrun.snapshot.protocol import socket_name
 
 _NAMES = [re.compile(pattern) for pattern in (
     r"ftrun-(?P<job>.+)-launcher",
@@ -34,6 +42,7 @@ _NAMES = [re.compile(pattern) for pattern in (
     r"ftrun-(?P<job>.+)-host-[A-Za-z0-9_.-]+",
     r"ftrun-(?P<job>.+)-reserve-[A-Za-z0-9_.-]+",
 )]
+_RUN_DIR = re.compile(r"ftrun-.+-node\d+-[A-Za-z0-9_]{8}")  # a supervisor's run directory (tempfile.mkdtemp)
 
 
 @dataclass
@@ -59,25 +68,25 @@ def job_files(job: str | None = None) -> list[JobFiles]:
     """The jobs that have files of this user in the shm dir (only ``job`` when given), with their liveness."""
     jobs: dict[str, JobFiles] = {}
     wanted = safe_job_id(job) if job is not None else None
-    directory = shm_dir()
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError:
-        names = []
-    for name in names:
-        owner = job_of(name)
-        if owner is None or (wanted is not None and owner != wanted):
-            continue
-        path = os.path.join(directory, name)
+    for directory, run_dirs in ((shm_dir(), False), (tempfile.gettempdir(), True)):
         try:
-            info = os.lstat(path)
-        except FileNotFoundError:
-            continue
-        if info.st_uid != os.getuid():
-            continue
-        entry = jobs.setdefault(owner, JobFiles(owner))
-        entry.paths.append(path)
-        entry.nbytes += info.st_size
+            names = sorted(os.listdir(directory))
+        except OSError:
+            names = []
+        for name in names:
+            owner = job_of(name)
+            if owner is None or (wanted is not None and owner != wanted) or (run_dirs and not _RUN_DIR.fullmatch(name)):
+                continue
+            path = os.path.join(directory, name)
+            try:
+                info = os.lstat(path)
+            except FileNotFoundError:
+                continue
+            if info.st_uid != os.getuid() or stat.S_ISDIR(info.st_mode) != run_dirs:
+                continue
+            entry = jobs.setdefault(owner, JobFiles(owner))
+            entry.paths.append(path)
+            entry.nbytes += 0 if run_dirs else info.st_size
     processes = _job_processes(set(jobs))
     for entry in jobs.values():
         launcher = _live_launcher(os.path.join(directory, f"ftrun-{entry.job}-launcher"))
@@ -92,12 +101,32 @@ def remove(entry: JobFiles) -> list[str]:
     failed = []
     for path in entry.paths:
         try:
-            os.unlink(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.unlink(path)
         except FileNotFoundError:
             pass
         except OSError as err:
             failed.append(f"{path}: {err.strerror}")
     return failed
+
+
+def running_here(job: str, nodes: Iterable[int], local: bool) -> str | None:
+    """Why a new launcher of ``job`` that runs ``nodes`` must not start on this host, or None. A keeper of one of
+    those nodes holds its socket (its snapshots are that node's files, which a second start would unlink), or,
+    in local mode (every node on this host), the job's launcher runs."""
+    for node in nodes:
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.bind("\0" + socket_name(job, node))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                return f"job {job} already runs node {node} on this host (its keeper holds the node's snapshots)"
+        finally:
+            probe.close()
+    launcher = _live_launcher(os.path.join(shm_dir(), f"ftrun-{job}-launcher")) if local else None
+    return f"job {job} already runs on this host (launcher pid {launcher})" if launcher else None
 
 
 def _live_launcher(path: str) -> int | None:

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import os
 import re
+import reprlib
 import signal
 import types
 import typing
 from dataclasses import dataclass, field
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -31,6 +31,8 @@ DEFAULT_MASTER_PORT = 29500
 LOCAL_STORE_HOST = "127.0.0.1"
 START_METHODS = ("spawn", "fork", "forkserver")
 CKPT_FORMATS = ("ftrun", "dcp")
+MAX_CONFIG_BYTES = 1 << 20  # a config file is a few lines; a larger one is refused before it is parsed
+MAX_SECONDS = 1e7  # the most any duration setting may be (115 days); NaN and infinity are refused too
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")  # torchelastic's registered handlers
 # torchrun's --rdzv-conf keys for c10d and static. join_timeout (timeout: static's) sets --rdzv-timeout;
 # keep_alive_interval x keep_alive_max_attempt sets --node-timeout; store_type must be tcp; is_host must not name
@@ -173,8 +175,9 @@ class JobConfig:
             raise UsageError(f"--persist-every and --keep must be at least 1, got {self.persist_every} and {self.keep}")
         for name in ("rdzv_timeout", "hang_timeout", "hang_timeout_initial", "hang_step_factor",
                      "node_timeout", "stop_grace", "persist_grace"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+            if not 0 < getattr(self, name) <= MAX_SECONDS:  # NaN and inf are not
+                raise UsageError(f"--{name.replace('_', '-')} must be a positive number of at most {MAX_SECONDS:g}, "
+                                 f"got {getattr(self, name)}")
         if self.module and self.no_python:
             raise UsageError("-m and --no-python cannot be combined")
         if self.rdzv_endpoint is not None and self.rdzv_backend == "c10d":
@@ -182,7 +185,8 @@ class JobConfig:
         problem = None if self.standby else group_problem(self.nnodes, *self.erasure, self.ec_backend)
         if problem is not None:  # a standby takes the job's groups (its own flags may be the nodes' command line)
             raise UsageError(problem)
-        self.faults  # noqa: B018 - parsing raises UsageError on a bad spec
+        shape = () if self.standby else (self.nnodes, self.nproc_per_node)  # a standby takes the job's shape
+        parse_faults(self.inject, *shape)  # raises UsageError on a bad spec, or a rank or node the job lacks
 
     def _validate_backend(self) -> None:
         if self.rdzv_backend == "static":  # torchrun's name for a store at a fixed endpoint: what c10d is here
@@ -258,8 +262,9 @@ class JobConfig:
                              "in --log-dir/events.jsonl whichever is given")
         if not self.role.strip():
             raise UsageError("--role must not be empty")
-        if self.monitor_interval <= 0:
-            raise UsageError(f"--monitor-interval must be positive, got {self.monitor_interval}")
+        if not 0 < self.monitor_interval <= MAX_SECONDS:  # NaN and inf are not
+            raise UsageError(f"--monitor-interval must be a positive number of at most {MAX_SECONDS:g}, got "
+                             f"{self.monitor_interval}")
         parse_signals(self.signals_to_handle)
         if self.local_addr is not None and self.local_mode:
             raise UsageError("--local-addr is for multi-node jobs (--node-rank): local jobs use 127.0.0.1 only")
@@ -350,8 +355,8 @@ def _conf_number(key: str, value: str) -> float:
         number = float(value)
     except ValueError:
         number = -1.0
-    if number <= 0:
-        raise UsageError(f"--rdzv-conf {key} must be a positive number, got {value!r}")
+    if not 0 < number <= MAX_SECONDS:  # NaN and inf are not
+        raise UsageError(f"--rdzv-conf {key} must be a positive number of at most {MAX_SECONDS:g}, got {value!r}")
     return number
 
 
@@ -398,22 +403,50 @@ def _check_value(name: str, value: Any, annotation: Any, source: str) -> Any:
         if typing.get_origin(kind) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
             return list(value)
     names = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in allowed)
-    raise UsageError(f"{source}: key '{name}' must be {names}, got {value!r}")
+    raise UsageError(f"{source}: key '{name}' must be {names}, got {_SHORT.repr(value)}")
+
+
+_SHORT = reprlib.Repr()  # a value shown in an error: bounded however large (an anchor bomb) it is
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 60, 60
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML says keys are unique; PyYAML
+    would keep the last one silently)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
+            if isinstance(key, typing.Hashable) and key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
 
 
 def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML config file into checked overrides; unknown or ill-typed keys name the key and the file."""
     source = str(path)
     try:
-        text = Path(path).read_text()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
-        raise UsageError(f"cannot read config file {source}: {err.strerror}") from None
+        raise UsageError(f"cannot read config file {source or repr(source)}: {err.strerror}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise UsageError(f"{source}: a config file of more than {MAX_CONFIG_BYTES >> 10} KiB is not a config file")
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode()
+    except UnicodeDecodeError as err:
+        raise UsageError(f"{source}: not UTF-8 text (byte {err.start})") from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # a safe loader: no tags that run or build objects
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        raise UsageError(f"{source}: not valid YAML{where}") from None
+        problem = getattr(err, "problem", None)
+        why = f": {problem}" if problem and "given twice" in problem else ""
+        raise UsageError(f"{source}: not valid YAML{where}{why}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

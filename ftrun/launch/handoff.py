@@ -33,7 +33,7 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from typing import IO, TYPE_CHECKING, NoReturn
 
-from ftrun.control.spec import FORWARDED_SIGNALS, NodeSpec, safe_job_id
+from ftrun.control.spec import ENV_SHM_DIR, FORWARDED_SIGNALS, NodeSpec, safe_job_id, shm_dir
 from ftrun.errors import UsageError
 from ftrun.launch.capacity import local_fit_problem, this_host
 from ftrun.launch.env import ENV_JOB_ID
@@ -47,6 +47,7 @@ ENV_HANDOFF_FD = "FTRUN_HANDOFF_FD"  # the read end of the pipe the spec comes o
 ENV_LAUNCH_FD = "FTRUN_LAUNCH_FD"  # the memory file with the launcher's settings (exec_launcher -> resume)
 SUPERVISOR_MODULE = "ftrun.launch.supervisor"
 LAUNCHER_MODULE = "ftrun.launch.launcher"
+SHM_FLOOR = 1 << 20  # bytes free in the shm dir before a job starts
 
 
 @dataclass
@@ -131,6 +132,7 @@ def begin(cfg: JobConfig, script: str) -> Begun:
     that sets torch's import-time variables before it imports torch turns the zygote off."""
     target = resolve_target(cfg, script)
     check_directories(cfg)
+    check_shm_dir()
     if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host())):
         raise UsageError(problem)
     settings = import_time_settings(target, cfg.module, os.environ) if cfg.zygote and not cfg.no_python else []
@@ -205,6 +207,22 @@ def check_directories(cfg: JobConfig) -> None:
             raise UsageError(f"{flag} {path}: cannot create the directory ({err.strerror})") from None
         if not os.access(path, os.W_OK | os.X_OK):
             raise UsageError(f"{flag} {path}: the directory is not writable")
+
+
+def check_shm_dir() -> None:
+    """The shm dir (``/dev/shm``, or ``$FTRUN_SHM_DIR``) is a directory this process can write to, with room for
+    a job's small files (:data:`SHM_FLOOR`: the launcher's, the heartbeat tables); the keepers check the room
+    for snapshots once their size is known."""
+    directory = shm_dir()
+    where = f"{directory} ({ENV_SHM_DIR})" if os.environ.get(ENV_SHM_DIR) else directory
+    if not os.path.isabs(directory) or not os.path.isdir(directory) or not os.access(directory, os.W_OK | os.X_OK):
+        raise UsageError(f"the shared-memory directory {where} is not a writable directory (an absolute path "
+                         "of a tmpfs)")
+    stats = os.statvfs(directory)
+    free = stats.f_bavail * stats.f_frsize
+    if free < SHM_FLOOR:
+        raise UsageError(f"the shared-memory directory {where} has {free >> 10} KiB free; ftrun needs at least "
+                         f"{SHM_FLOOR >> 20} MiB there before any snapshot")
 
 
 def job_id_for(cfg: JobConfig) -> str:

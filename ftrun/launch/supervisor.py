@@ -58,7 +58,8 @@ from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
 from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper, describe_exit, die_with_parent,
                                     kill_descendants, left_by_user, reap, set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
-                                EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, safe_job_id, shm_path)
+                                EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, run_dir_prefix,
+                                safe_job_id, shm_path)
 from ftrun.control.generation_watch import GenerationWatch
 from ftrun.control.store import C10dStore, host_store
 from ftrun.launch.output import Output, OutputSettings
@@ -188,7 +189,7 @@ class Supervisor:
         self.secret = secret  # for the keeper only, never for trainers
         self.peer_socket: socket.socket | None = None
         self._next_status = 0.0
-        self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=f"ftrun-{spec.job_id}-node{self.node}-")
+        self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=run_dir_prefix(spec.job_id, self.node))
         self._stopping = False
         self._stop_signal = signal.SIGTERM
         self._suspects_sent = -1  # the generation whose silent trainers this node reported
