@@ -222,6 +222,43 @@ def test_a_second_start_of_a_running_job_id_is_refused_and_touches_nothing(start
     assert_job_left_nothing(job)
 
 
+@pytest.mark.timeout(120)
+def test_a_stop_signal_while_the_job_starts_ends_it_in_one_line(start_job):
+    """A node waiting for its control store (none there): SIGINT used to end in a KeyboardInterrupt traceback."""
+    job = start_job("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
+                    "--rdzv-timeout", "60", str(SCRIPTS / "hello.py"))
+    deadline = time.monotonic() + 30
+    while "ftrun.launch.launcher" not in " ".join(psutil.Process(job.proc.pid).cmdline()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(1.0)  # the launcher's imports (the signal is held meanwhile), then its wait for the store
+    job.proc.send_signal(signal.SIGINT)
+    assert job.wait(30) == 130, job.output
+    assert job.output.strip().splitlines()[-1] == "ftrun: stopped by SIGINT while the job was starting", job.output
+    assert "Traceback" not in job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(180)
+def test_the_same_stop_delivered_twice_still_persists_the_newest_step(start_job, tmp_path):
+    """A signal to a process group that a wrapper (timeout) relays reaches the launcher twice: it used to count as
+    a second Ctrl-C, which stops at once, without the final persist."""
+    ckpt = tmp_path / "ckpt"
+    job = start_job("--ckpt-dir", str(ckpt), "--persist-every", "1000", str(TRAIN_GPT), "--steps", "2000",
+                    "--snapshot-every", "5", "--step-time", "0.02")
+    deadline = time.monotonic() + 120
+    while "step 20 " not in job.output:  # snapshots of step 10 and more taken
+        assert time.monotonic() < deadline, job.output
+        time.sleep(0.1)
+    job.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.05)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(60) == 128 + signal.SIGTERM, job.output
+    persisted = [e["step"] for e in job.events() if e["event"] == "persisted"]
+    assert len(persisted) == 1 and persisted[0] >= 10, job.output
+    assert_job_left_nothing(job)
+
+
 def supervisor_of(job, node: int) -> psutil.Process:
     """The supervisor of ``node``, from its node_start event (a supervisor's environment does not name its node:
     it gets its spec from the launcher on a pipe)."""

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from ftrun.control.spec import ENV_SHM_DIR, NodeSpec
+from ftrun.control.spec import ENV_SHM_DIR, NodeSpec, safe_job_id
 from ftrun.events import read_events
 from ftrun.snapshot import keeper as keeper_module
 from ftrun.snapshot.keeper import Keeper, capacity_problem
@@ -453,16 +453,16 @@ def test_a_spares_reserve_is_allocated_handed_over_as_slot_0_and_given_back_when
     free["bytes"] = 1 << 40
     assert reserve.want([size, size])
     paths = [reserve_path("job/x", "spare 1", local) for local in (0, 1)]
-    assert all(os.path.dirname(p) == shm and "-reserve-spare_1-rank" in p for p in paths)
+    assert all(os.path.dirname(p) == shm and f"-reserve-{safe_job_id('spare 1')}-rank" in p for p in paths)
     assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in paths)
     assert not reserve.want([size, size])  # nothing to grow
-    occupied = os.path.join(shm, slot_name("job_x", 3, 1, 0))
+    occupied = os.path.join(shm, slot_name(safe_job_id("job/x"), 3, 1, 0))
     SlotFile(occupied, 2 * HEADER_SIZE).close()  # node 3's rank 1 has a slot 0 already: kept as it is
     deadline = time.monotonic() + 10
     while reserve.allocated < 2 * size and time.monotonic() < deadline:
         time.sleep(0.01)
     assert reserve.hand_over(3) == size  # rank 0's file, allocated whole
-    taken = SlotFile(os.path.join(shm, slot_name("job_x", 3, 0, 0)))
+    taken = SlotFile(os.path.join(shm, slot_name(safe_job_id("job/x"), 3, 0, 0)))
     assert taken.size == size and taken.allocated and taken.header().state == EMPTY
     taken.close()
     assert os.path.getsize(occupied) == 2 * HEADER_SIZE and not any(os.path.exists(p) for p in paths)

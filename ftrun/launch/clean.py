@@ -89,7 +89,7 @@ def job_files(job: str | None = None) -> list[JobFiles]:
             entry.nbytes += 0 if run_dirs else info.st_size
     processes = _job_processes(set(jobs))
     for entry in jobs.values():
-        launcher = _live_launcher(os.path.join(directory, f"ftrun-{entry.job}-launcher"))
+        launcher = _live_launcher(os.path.join(shm_dir(), f"ftrun-{entry.job}-launcher"))
         others = [what for what in processes.get(entry.job, []) if what != f"pid {launcher} (launcher)"]
         entry.live = ([f"launcher pid {launcher}"] if launcher else []) + others
     return list(jobs.values())

@@ -47,6 +47,7 @@ ENV_HANDOFF_FD = "FTRUN_HANDOFF_FD"  # the read end of the pipe the spec comes o
 ENV_LAUNCH_FD = "FTRUN_LAUNCH_FD"  # the memory file with the launcher's settings (exec_launcher -> resume)
 SUPERVISOR_MODULE = "ftrun.launch.supervisor"
 LAUNCHER_MODULE = "ftrun.launch.launcher"
+STARTUP_SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}  # what stops a launcher that is starting
 SHM_FLOOR = 1 << 20  # bytes free in the shm dir before a job starts
 
 
@@ -83,6 +84,7 @@ def prepare_supervisor(launcher: int) -> None:
     die_with_parent(launcher)
     for forwarded in FORWARDED_SIGNALS.values():
         signal.signal(forwarded, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTUP_SIGNALS)  # held by a launcher that is starting
 
 
 def start(output: IO[bytes] | None = None) -> PendingSupervisor:
@@ -149,6 +151,9 @@ def exec_launcher(cfg: JobConfig, begun: Begun, args: list[str]) -> NoReturn:
         pickle.dump((cfg, begun, args), f)
     os.lseek(fd, 0, os.SEEK_SET)
     close_inherited(keep=fd)
+    # held (blocked, not lost) until the launcher can stop cleanly: its interpreter's start and its imports (1-4 s)
+    # would otherwise end in a traceback, or lose the signal in a fork's handlers
+    signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
     env = dict(os.environ)
     env[ENV_JOB_ID] = begun.job_id
     env[ENV_LAUNCH_FD] = str(fd)

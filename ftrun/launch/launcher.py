@@ -42,13 +42,13 @@ from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
 from ftrun.control.ownership import claim_free_rank, owner, spares
 from ftrun.control.signed import SignedStore
-from ftrun.launch.handoff import Begun, PendingSupervisor, prepare_supervisor, resume, start
+from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads
 from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, kill_descendants,
                                     left_by_user, set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.launch.zygote import preload
-from ftrun.control.secret import local_secret, shared_secret, write_secret_file
+from ftrun.control.secret import local_secret, secret_path, shared_secret, write_secret_file
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED,
@@ -66,6 +66,9 @@ from ftrun.ui.status import PUBLISH_INTERVAL, gather
 EXIT_FAILED = 3  # the training failed for good (restart limit, fatal error): do not requeue or run it again
 EXIT_INTERRUPTED = 130
 EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
+# A second stop signal within this many seconds of the first is the same stop delivered twice (a signal to the
+# process group that a wrapper such as `timeout` relays too); a later one stops the job at once (no final persist)
+REPEAT_GAP = 1.0
 # Any other non-zero exit (a lost node, the launcher killed): running it again resumes from RAM, parity or disk.
 _ACK_TIMEOUT = 10.0
 _POLL_INTERVAL = 0.02
@@ -138,6 +141,9 @@ class Launcher:
         self._next_fence = 0.0  # see _fence
         self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
         self.signalled: int | None = None
+        self.files: list[str] = []  # what this launcher wrote in the shm dir (removed by abandon())
+        self.signalled_at = 0.0  # time.monotonic() of the signal that began the stop
+        self.forced = False  # a second signal stopped the job at once
         # signs every control-store value (and authenticates keepers to each other); never given to trainers
         self.secret = local_secret() if cfg.local_mode else shared_secret(self.job_id, cfg.secret_file)
         self.bind = self._bind_address()
@@ -233,11 +239,15 @@ class Launcher:
         self.events.emit("store_rejected", message)
 
     def _on_signal(self, signum: int, frame: object) -> None:
-        if self.signalled is not None:  # second Ctrl-C: no more grace
+        now = time.monotonic()
+        if self.signalled is not None and now - self.signalled_at < REPEAT_GAP:
+            return  # the same stop delivered twice (to the process group, and relayed by a wrapper such as timeout)
+        if self.signalled is not None:  # second Ctrl-C: no more grace (a final persist is given up)
+            self.forced = True
             for proc in self.procs.values():
                 if proc.poll() is None:
                     proc.kill()
-        self.signalled = signum
+        self.signalled, self.signalled_at = signum, now
         stop = signal.SIGINT if signum == signal.SIGINT else signal.SIGTERM  # what the supervisors say they got
         if self.pool is not None:
             self.pool.signal(stop)
@@ -245,9 +255,22 @@ class Launcher:
             if proc.poll() is None:
                 proc.send_signal(stop)
 
+    def abandon(self) -> None:
+        """After a stop signal that came while the job was starting (before :meth:`run` handles them): remove
+        the files this launcher wrote; the caller kills its processes."""
+        for path in self.files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        self.files.clear()
+
     def _handle_signals(self) -> None:
         """--signals-to-handle: each listed signal stops the job as SIGTERM does (SIGINT and SIGTERM always do),
-        except SIGUSR1 and SIGUSR2, which go on to every trainer (through the supervisors)."""
+        except SIGUSR1 and SIGUSR2, which go on to every trainer (through the supervisors). A signal that stopped
+        the start (main()) and is not listed gets its default action back."""
+        for sig in STARTUP_SIGNALS - {signal.SIGINT, signal.SIGTERM} - set(self.cfg.signals):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, self._on_signal)
+        signal.signal(signal.SIGTERM, self._on_signal)
         for sig in self.cfg.signals:
             signal.signal(sig, self._forward_signal if sig in FORWARDED_SIGNALS else self._on_signal)
 
@@ -276,8 +299,10 @@ class Launcher:
                                      f"{self.job_run} are taken: ")
         coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes, run=self.job_run)
         coord.init_job(self._job_doc())
+        self.files.append(secret_path(self.job_id))
         secret_file = write_secret_file(self.job_id, self.secret)  # for `ftrun status` on this host
         assert self.address is not None
+        self.files.append(os.path.join(shm_dir(), f"ftrun-{self.job_id}-launcher"))
         announce = announce_job(self.job_id, self.address.endpoint, cfg.nnodes, self.address.backend)
         nodes = range(cfg.nnodes) if cfg.local_mode else [self.node_rank]
         mode = ("local" if cfg.nnodes == 1 else f"all {cfg.nnodes} nodes simulated on this host: no --node-rank")
@@ -298,8 +323,6 @@ class Launcher:
                              "fraction of a second", variables=names)
         if cfg.ckpt_dir and not cfg.resume and self.node_rank == 0:
             self._move_aside(job_dir(cfg.ckpt_dir, self.job_id))
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
         self._handle_signals()
         code = EXIT_FAILED
         try:
@@ -398,8 +421,6 @@ class Launcher:
                          f"({doc['nnodes']} node(s) x {cfg.nproc_per_node} trainer(s)), control store "
                          f"{self.address.endpoint}", job_id=self.job_id, spare=name, run=run,
                          all_ranks_taken=bool(why))
-        signal.signal(signal.SIGINT, self._on_signal)
-        signal.signal(signal.SIGTERM, self._on_signal)
         self._handle_signals()
         code: int | None = None
         try:
@@ -531,7 +552,10 @@ class Launcher:
         if self.signalled is None and {EXIT_STOPPED, EXIT_STOPPED_UNSAVED} & set(results.values()):
             self.signalled = _stop_signal(coord)  # a supervisor was told to stop, and the job stopped with it
         if self.signalled is not None:
-            if EXIT_STOPPED_UNSAVED in results.values():
+            if EXIT_STOPPED_UNSAVED in results.values() or (self.forced and self.cfg.ckpt_dir):
+                if self.forced and self.cfg.ckpt_dir:
+                    self.events.emit("durability", f"WARNING the final persist to {self.cfg.ckpt_dir} was given up: "
+                                     "a second signal stopped the job at once", degraded=True, reason="forced stop")
                 return EXIT_UNSAVED
             return EXIT_INTERRUPTED if self.signalled == signal.SIGINT else 128 + self.signalled
         if all(code == EXIT_DONE for code in results.values()):
@@ -610,6 +634,18 @@ class Launcher:
                 time.sleep(0.05)
 
 
+class StartInterrupted(BaseException):
+    """A stop signal came before the launcher handles it (its job not started): as KeyboardInterrupt."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signal = signal.Signals(signum)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise StartInterrupted(signum)
+
+
 def _left_by_user(proc: psutil.Process) -> bool:
     """A program the trainers started (re-parented here when its supervisor ended), not one of ftrun's."""
     return left_by_user(proc, set())
@@ -645,11 +681,24 @@ def main() -> None:
     if count and cfg.zygote and not cfg.no_python:
         preload()  # once for every zygote of this host (see ftrun.launch.zygote)
     pending = [fork_supervisor() for _ in range(count)]
+    # a stop signal held since the exec (STARTUP_SIGNALS) ends the start cleanly, until the launcher handles it
+    for sig in STARTUP_SIGNALS:
+        signal.signal(sig, _interrupt)
+    launcher: Launcher | None = None
     try:
-        code = Launcher(cfg, begun, args, pending).run()  # it has cleaned up after the whole job
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTUP_SIGNALS)
+        launcher = Launcher(cfg, begun, args, pending)
+        code = launcher.run()  # it has cleaned up after the whole job
     except UsageError as err:
         print(f"ftrun: error: {err}", file=sys.stderr)
         code = USAGE_EXIT_CODE
+    except StartInterrupted as stop:
+        signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
+        print(f"ftrun: stopped by {stop.signal.name} while the job was starting", file=sys.stderr)
+        if launcher is not None:
+            launcher.abandon()
+        kill_descendants()
+        code = EXIT_INTERRUPTED if stop.signal == signal.SIGINT else 128 + stop.signal
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)  # skips tearing down torch at interpreter exit (about 0.5 s, with nothing left to do)
