@@ -258,7 +258,7 @@ def inspect(
     bad = failed(rows)
     if bad:
         print(f"ftrun: {len(bad)} step(s) fail verification: "
-              + ", ".join(f"{row.job} step {row.step}" for row in bad), file=sys.stderr)
+              + ", ".join(f"{row.job or 'unknown job'} step {row.step}" for row in bad), file=sys.stderr)
         raise typer.Exit(1)
 
 

@@ -53,6 +53,8 @@ def test_environment_is_torchrun_contract_on_every_node_and_generation(start_job
         # of ftrun's variables only the client's: no launcher internals (node spec, store address, secret); no
         # durable directory without --ckpt-dir
         assert {k for k in env["_all"] if k.startswith("FTRUN_")} == set(TRAINER_FTRUN_VARIABLES) - {ENV_DCP_ROOT}
+        # ftrun's own processes keep torch's C++ warnings short; the trainers get the user's setting (none here)
+        assert ("TORCH_CPP_LOG_LEVEL" in env["_all"]) == ("TORCH_CPP_LOG_LEVEL" in os.environ)
     # one trainer store per generation, shared by all ranks of it, on a new port each time
     ports = {gen: {dumps[gen, r]["MASTER_PORT"] for r in range(4)} for gen in (0, 1)}
     assert len(ports[0]) == len(ports[1]) == 1 and ports[0] != ports[1]

@@ -197,6 +197,13 @@ def test_partial_and_malformed_steps_ignored(dirs, states):
     assert persist.complete_steps(str(root)) == [10]
     with pytest.raises(ValueError, match="step-00000040"):
         persist.manifest(str(root), 40)
+    good = json.loads((root / "step-00000010" / "manifest.json").read_text())
+    for name, change in (("world", {"world": 10**30}), ("time", {"time": float("nan")}), ("huge", {"time": 1e300}),
+                         ("ranks", {"ranks": []})):  # bounded work and a ValueError, not a MemoryError or a hang
+        (root / "step-00000070").mkdir(exist_ok=True)
+        (root / "step-00000070" / "manifest.json").write_text(json.dumps({**good, "step": 70, **change}))
+        with pytest.raises(ValueError, match="step-00000070"):
+            persist.manifest(str(root), 70)
 
 
 def test_prune(dirs, states):
@@ -365,6 +372,11 @@ def test_export_bad_input(dirs, states, tmp_path):
     (tmp_path / "file").write_text("")
     assert_one_line_error(ftrun("export", str(root), "--step", "10", "--format", "torch", str(tmp_path / "file")),
                           "cannot")
+    assert ftrun("export", str(root), "--step", "10", "--format", "torch", out).returncode == 0
+    kept = (tmp_path / "out" / "rank-00001.pt").read_bytes()
+    assert_one_line_error(ftrun("export", str(root), "--step", "10", "--format", "torch", out),
+                          "rank-00000.pt exists (and 1 more file(s) this export would write)")  # never replaced
+    assert (tmp_path / "out" / "rank-00001.pt").read_bytes() == kept
 
 
 def test_a_ckpt_dir_shared_by_jobs(dirs, states, tmp_path):

@@ -223,15 +223,20 @@ def test_a_second_start_of_a_running_job_id_is_refused_and_touches_nothing(start
 
 
 @pytest.mark.timeout(120)
-def test_a_stop_signal_while_the_job_starts_ends_it_in_one_line(start_job):
-    """A node waiting for its control store (none there): SIGINT used to end in a KeyboardInterrupt traceback."""
+@pytest.mark.parametrize("when", ["imports", "store-wait"])
+def test_a_stop_signal_while_the_job_starts_ends_it_in_one_line(start_job, when):
+    """A node waiting for its control store (none there): SIGINT while the launcher imports torch, or while it
+    waits, used to end in a KeyboardInterrupt traceback (or be lost)."""
     job = start_job("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                     "--rdzv-timeout", "60", str(SCRIPTS / "hello.py"))
-    deadline = time.monotonic() + 30
-    while "ftrun.launch.launcher" not in " ".join(psutil.Process(job.proc.pid).cmdline()):
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    time.sleep(1.0)  # the launcher's imports (the signal is held meanwhile), then its wait for the store
+    if when == "imports":  # as soon as the launcher's interpreter runs: the signal is held until it can stop
+        deadline = time.monotonic() + 30
+        while "ftrun.launch.launcher" not in " ".join(psutil.Process(job.proc.pid).cmdline()):
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+    else:
+        waiting = job.wait_for_event(lambda e: e["event"] == "store_wait", timeout=30)  # said once, after 3 s
+        assert "waiting for the control store at 127.0.0.1:" in waiting["message"]
     job.proc.send_signal(signal.SIGINT)
     assert job.wait(30) == 130, job.output
     assert job.output.strip().splitlines()[-1] == "ftrun: stopped by SIGINT while the job was starting", job.output

@@ -51,9 +51,11 @@ class OutageReport:
                 self._say(f"control store back after {time.monotonic() - self._since:.1f}s; going on")
 
 
-def open_store(address: StoreAddress, timeout: float, report: OutageReport | None = None) -> Store:
+def open_store(address: StoreAddress, timeout: float, report: OutageReport | None = None,
+               waiting: Callable[[str], None] | None = None) -> Store:
     """A client of the control store at ``address``, waiting up to ``timeout`` seconds for it to answer (a
-    :class:`~ftrun.errors.UsageError` names the endpoint otherwise)."""
+    :class:`~ftrun.errors.UsageError` names the endpoint otherwise; a c10d store's ``waiting`` is told once
+    when that takes a while)."""
     if address.backend == "etcd":
         from ftrun.control.etcd import connect_etcd  # only etcd users import its HTTP client
 
@@ -61,7 +63,7 @@ def open_store(address: StoreAddress, timeout: float, report: OutageReport | Non
                             on_outage=report.outage if report else None,
                             on_recovered=report.recovered if report else None)
     host, _, port = address.endpoint.rpartition(":")
-    return C10dStore(connect_store(host.strip("[]"), int(port), timeout))
+    return C10dStore(connect_store(host.strip("[]"), int(port), timeout, waiting))
 
 
 def spec_address(spec: NodeSpec) -> StoreAddress:

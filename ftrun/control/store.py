@@ -20,7 +20,7 @@ import ipaddress
 import socket
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Protocol
 
@@ -38,6 +38,7 @@ STORE_OP_TIMEOUT = timedelta(seconds=60)
 # C10dStore.wait's rounds: long, since each one that ends unanswered prints two C++ warnings (up to 24.8 days fit
 # the socket's millisecond timeout)
 _WAIT_ROUND = timedelta(days=1)
+WAIT_NOTICE = 3.0  # seconds a launcher waits for an unreachable control store before it says so
 _HANDSHAKE_TIMEOUT = 5.0
 
 
@@ -174,24 +175,32 @@ def check_bind_address(address: str, flag: str = "--rdzv-bind") -> str:
     return str(ip)
 
 
-def wait_until_reachable(host: str, port: int, timeout: float) -> None:
-    """Return once ``host:port`` accepts TCP connections; raise :class:`UsageError` after ``timeout``."""
-    deadline = time.monotonic() + timeout
+def wait_until_reachable(host: str, port: int, timeout: float, waiting: Callable[[str], None] | None = None) -> None:
+    """Return once ``host:port`` accepts TCP connections; raise :class:`UsageError` after ``timeout``. After
+    :data:`WAIT_NOTICE` seconds without it, ``waiting`` is told once (one line: what, why, until when)."""
+    start = time.monotonic()
+    deadline, told = start + timeout, waiting is None
     while True:
         try:
             with socket.create_connection((host, port), timeout=max(0.1, min(1.0, deadline - time.monotonic()))):
                 return
         except OSError as err:
+            reason = err.strerror or str(err)
             if time.monotonic() >= deadline:
-                reason = err.strerror or str(err)
                 raise UsageError(f"control store at {host}:{port} is unreachable after {timeout:g}s "
                                  f"({reason})") from None
+            if not told and time.monotonic() - start >= WAIT_NOTICE:
+                told = True
+                assert waiting is not None
+                waiting(f"waiting for the control store at {host}:{port} ({reason}); giving up {timeout:g}s after "
+                        "the start (--rdzv-timeout)")
             time.sleep(0.1)
 
 
-def connect_store(host: str, port: int, timeout: float) -> TCPStore:
-    """A client of the store at ``host:port``, waiting up to ``timeout`` seconds for it to come up."""
-    wait_until_reachable(host, port, timeout)
+def connect_store(host: str, port: int, timeout: float, waiting: Callable[[str], None] | None = None) -> TCPStore:
+    """A client of the store at ``host:port``, waiting up to ``timeout`` seconds for it to come up (``waiting``:
+    see :func:`wait_until_reachable`)."""
+    wait_until_reachable(host, port, timeout, waiting)
     result: list[TCPStore | BaseException] = []
 
     def handshake() -> None:

@@ -66,6 +66,13 @@ class TrainerPlace:
         return self.nnodes * self.nproc_per_node
 
 
+# torch's C++ log level, which the launcher sets to ERROR for ftrun's own processes where the user did not set it:
+# their store clients' warnings print a C++ stack (about 50 lines) before the one line ftrun says about the same
+# fault. ENV_QUIET_CPP_LOG marks that ftrun set it, so that trainers get the user's environment without it.
+CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
+ENV_QUIET_CPP_LOG = "FTRUN_QUIET_CPP_LOG"
+
+
 def default_omp_threads(trainers_on_host: int) -> int:
     """Cores shared fairly among the trainers of this host (oversubscribed OpenMP is 10x slower here)."""
     return max(1, (os.cpu_count() or 1) // max(1, trainers_on_host))
@@ -81,6 +88,8 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
     the job's durable directory (``ftrun.dcp.MemoryReader`` looks there for DCP copies of its steps); ``node_addr``:
     this node's address as its peers reach it (gloo's interface: :func:`gloo_interface`)."""
     env = {k: v for k, v in base.items() if not k.startswith("FTRUN_") or k in USER_FTRUN_VARIABLES}
+    if base.get(ENV_QUIET_CPP_LOG):  # ftrun's own processes only (exec_launcher); the user's trainers as they were
+        env.pop(CPP_LOG_LEVEL, None)
     env.update({
         "RANK": str(place.rank),
         "LOCAL_RANK": str(place.local_rank),

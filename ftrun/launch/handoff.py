@@ -36,7 +36,7 @@ from typing import IO, TYPE_CHECKING, NoReturn
 from ftrun.control.spec import ENV_SHM_DIR, FORWARDED_SIGNALS, NodeSpec, safe_job_id, shm_dir
 from ftrun.errors import UsageError
 from ftrun.launch.capacity import local_fit_problem, this_host
-from ftrun.launch.env import ENV_JOB_ID
+from ftrun.launch.env import CPP_LOG_LEVEL, ENV_JOB_ID, ENV_QUIET_CPP_LOG
 from ftrun.launch.import_settings import ImportSetting, import_time_settings
 from ftrun.launch.processes import ForkedChild, die_with_parent
 
@@ -157,6 +157,8 @@ def exec_launcher(cfg: JobConfig, begun: Begun, args: list[str]) -> NoReturn:
     env = dict(os.environ)
     env[ENV_JOB_ID] = begun.job_id
     env[ENV_LAUNCH_FD] = str(fd)
+    if CPP_LOG_LEVEL not in env:  # no C++ stacks before ftrun's own one-line reports (ftrun.launch.env)
+        env[CPP_LOG_LEVEL], env[ENV_QUIET_CPP_LOG] = "ERROR", "1"
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, "-P", "-m", LAUNCHER_MODULE, *sys.argv[1:]], env)

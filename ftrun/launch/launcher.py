@@ -189,7 +189,8 @@ class Launcher:
                 return host, port, C10dStore(self.store_server)
             except UsageError:
                 pass  # an `ftrun store` may already serve this endpoint: join it, or say it is not a store
-        return host, port, open_store(self.address, cfg.rdzv_timeout, report)
+        return host, port, open_store(self.address, cfg.rdzv_timeout, report,
+                                      waiting=lambda message: self.events.emit("store_wait", message))
 
     def _master_addr(self, store_host: str) -> str:
         """This node's address as peers reach it: ``--local-addr``, else the bound address, else (bound to every

@@ -164,7 +164,8 @@ def export_step(ckpt_dir: str, out: str, fmt: str, step: int | None = None, job:
     """Write every rank of complete ``step`` (default: the newest) of ``job`` (default: the only one) in
     ``ckpt_dir`` to ``out`` in format ``fmt``, yielding each file's path once written. Every rank is verified
     before anything is written; files are written under a temporary name and renamed, mode 0600, in ``out``
-    (created 0700)."""
+    (created 0700). A file the export would write that ``out`` already has is a :class:`UsageError`, before
+    anything is written."""
     if fmt not in FORMATS:
         raise UsageError(f"--format must be one of {', '.join(FORMATS)}, not {fmt!r}")
     root = job_root(ckpt_dir, job)
@@ -185,6 +186,11 @@ def export_step(ckpt_dir: str, out: str, fmt: str, step: int | None = None, job:
         raise UsageError(f"cannot create {out}: {err.strerror or err}") from None
     sources = [os.path.join(root, persist.step_name(step), doc["ranks"][str(rank)]["file"])
                for rank in range(doc["world"])]
+    targets = [".metadata"] if fmt == "dcp" else [f"rank-{rank:05d}.{FORMATS[fmt]}" for rank in range(doc["world"])]
+    present = [name for name in targets if os.path.lexists(os.path.join(out, name))]
+    if present:  # an earlier export, maybe of another step or job: never replaced
+        raise UsageError(f"{os.path.join(out, present[0])} exists (and {len(present) - 1} more file(s) this export "
+                         "would write): remove them, or export to another directory")
     if fmt == "dcp":
         yield from _write_dcp(out, sources)
         return

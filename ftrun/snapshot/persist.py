@@ -45,6 +45,8 @@ from ftrun.snapshot.slot import CHUNK, EMPTY, HEADER_SIZE, SlotFile
 
 FORMAT = 1
 MANIFEST = "manifest.json"
+MAX_MANIFEST_BYTES = 64 << 20  # about 400,000 ranks; a larger manifest.json is not one finalize() wrote
+MAX_TIME = 1e11  # seconds since the epoch (year 5138): a manifest's time beyond it is not one
 _COMPLETE = re.compile(r"step-(\d{8,})")
 _PARTIAL = re.compile(r"\.step-(\d{8,})\.partial")
 
@@ -189,11 +191,13 @@ def manifest(root: str, step: int) -> dict:
     """The manifest of complete ``step``; ValueError (naming the file) when it is not one :func:`finalize` wrote."""
     path = os.path.join(root, step_name(step), MANIFEST)
     with open(path, "rb") as f:
-        raw = f.read()
+        raw = f.read(MAX_MANIFEST_BYTES + 1)
     try:
         doc = json.loads(raw)
-        world, ranks = doc["world"], doc["ranks"]
+        world, ranks, made = doc["world"], doc["ranks"], doc["time"]
         ok = (doc["format"], doc["step"], type(doc["job"]), type(world)) == (FORMAT, step, str, int)
+        ok = ok and len(raw) <= MAX_MANIFEST_BYTES and type(ranks) is dict and 0 < world == len(ranks)
+        ok = ok and type(made) in (int, float) and 0 <= made < MAX_TIME  # a time.time(): not NaN, not 1e300
         ok = ok and sorted(ranks) == sorted(map(str, range(world))) and all(
             e["file"] == rank_file(r) and all(type(e[k]) is int for k in ("bytes", "checksum", "digest"))
             and e["bytes"] >= HEADER_SIZE for r, e in ((r, ranks[str(r)]) for r in range(world)))
