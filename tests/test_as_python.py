@@ -53,12 +53,14 @@ record = {
     "blas": [lib["num_threads"] for lib in threadpool_info() if lib["user_api"] == "blas"],
     "omp": os.environ.get("OMP_NUM_THREADS"),
     "fds": [link(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2],
+    "generation": int(os.environ["TORCHELASTIC_RESTART_COUNT"]),
 }
 print("PROBE " + json.dumps(record), flush=True)
 atexit.register(pickled, "atexit")
 threading.Thread(target=lambda: (__import__("time").sleep(0.3), pickled("thread"))).start()
-for step in range(3):
+for step in range(4):
     ftrun.heartbeat(step)
+    __import__("time").sleep(0.2)
 '''
 
 
@@ -77,14 +79,15 @@ def test_a_script_runs_in_a_zygote_trainer_as_in_a_new_interpreter(start_job, tm
     (app / "statistics" / "__init__.py").write_text("WHO = 'package beside the script'\n")
     (app / "numpy").mkdir()  # no __init__.py: a namespace portion, which shadows nothing (as for python)
     inherited = os.open(tmp_path / "inherited", os.O_CREAT | os.O_WRONLY, 0o600)  # as a shell's extra descriptor
-    job = start_job("--nproc-per-node", "2", "--max-restarts", "1", "--inject", "crash@rank=1,step=1",
+    job = start_job("--nproc-per-node", "2", "--max-restarts", "1", "--inject", "crash@rank=1,step=2",
                     str(app / "train.py"), str(out), pass_fds=(inherited,))
     os.close(inherited)
     assert job.wait(90) == 0, job.output
     found = probes(job.output)
-    assert len(found) == 4, job.output  # 2 ranks x 2 generations
+    # 2 ranks x 2 generations (rank 0 of generation 0 may be stopped before it prints, on a loaded host)
+    assert len(found) >= 3 and sum(probe["generation"] == 1 for probe in found) == 2, job.output
     for key in ("seed", "numpy", "authkey"):  # drawn anew by every trainer, as a new interpreter draws them
-        assert len({probe[key] for probe in found}) == 4, (key, found)
+        assert len({probe[key] for probe in found}) == len(found), (key, found)
     for probe in found:
         assert probe["secrets"] == "beside the script" and probe["statistics"] == "package beside the script"
         assert probe["builtins_module"] and probe["source"] == len(PROBE) and probe["file"] == str(app / "train.py")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import psutil
@@ -71,6 +72,13 @@ class TrainerPlace:
 # fault. ENV_QUIET_CPP_LOG marks that ftrun set it, so that trainers get the user's environment without it.
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 ENV_QUIET_CPP_LOG = "FTRUN_QUIET_CPP_LOG"
+
+
+def trainer_threads(base: Mapping[str, str], omp_threads: int) -> int | None:
+    """The OMP_NUM_THREADS that :func:`trainer_env` gives a trainer, as a number (None: the user's value is not
+    one)."""
+    value = base.get("OMP_NUM_THREADS", str(omp_threads))
+    return int(value) if value.isdigit() and int(value) > 0 else None
 
 
 def default_omp_threads(trainers_on_host: int) -> int:

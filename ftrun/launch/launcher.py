@@ -43,11 +43,11 @@ from ftrun.control.coordination import Coordinator, Failure, Generation, current
 from ftrun.control.ownership import claim_free_rank, owner, spares
 from ftrun.control.signed import SignedStore
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
-from ftrun.launch.env import default_omp_threads
+from ftrun.launch.env import default_omp_threads, trainer_threads
 from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, kill_descendants,
                                     left_by_user, set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
-from ftrun.launch.zygote import preload
+from ftrun.launch.zygote import preload, size_blas
 from ftrun.control.secret import local_secret, secret_path, shared_secret, write_secret_file
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
@@ -681,6 +681,8 @@ def main() -> None:
     count = 0 if cfg.tui else cfg.nnodes + cfg.spares + reserve if cfg.local_mode else 1
     if count and cfg.zygote and not cfg.no_python:
         preload()  # once for every zygote of this host (see ftrun.launch.zygote)
+        trainers_on_host = cfg.nproc_per_node * (cfg.nnodes if cfg.local_mode else 1)
+        size_blas(trainer_threads(os.environ, default_omp_threads(trainers_on_host)))  # before the forks
     pending = [fork_supervisor() for _ in range(count)]
     # a stop signal held since the exec (STARTUP_SIGNALS) ends the start cleanly, until the launcher handles it
     for sig in STARTUP_SIGNALS:

@@ -51,7 +51,7 @@ from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, owner, take
-from ftrun.launch.env import TrainerPlace, trainer_env
+from ftrun.launch.env import TrainerPlace, trainer_env, trainer_threads
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
@@ -68,7 +68,7 @@ from ftrun.launch.spare import Spare
 from ftrun.launch.bootstrap import ENV_EARLY_FAILURE
 from ftrun.launch.handoff import receive
 from ftrun.launch.keeper_ahead import KEEPER_COMMAND, KeeperAhead
-from ftrun.launch.zygote import SpawnRequest, ZygoteClient
+from ftrun.launch.zygote import SpawnRequest, ZygoteClient, size_blas
 from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD,
                                   NODE_LOST_SIGNAL as KEEPER_NODE_LOST, STOP_SIGNAL as KEEPER_STOP_SIGNAL,
                                   unlink_segments)
@@ -997,7 +997,10 @@ def main(handoff: int | None = None) -> NoReturn:
     # the zygote first, before any thread or connection of this process: the trainers are forks of it, which it
     # makes ahead and which are re-parented to this process at once (a spare's too)
     become_subreaper()
-    zygote = ZygoteClient(ready=spec.nproc_per_node) if spec.zygote and not spec.no_python else None
+    zygote = None
+    if spec.zygote and not spec.no_python:
+        size_blas(trainer_threads(os.environ, spec.omp_threads))  # where the launcher did not (a new interpreter)
+        zygote = ZygoteClient(ready=spec.nproc_per_node)
     keeper = KeeperAhead()  # after the zygote's fork: the zygote and trainers hold nothing of it
     me = uuid.uuid4().hex[:12]
     # each has stopped and reaped everything it started

@@ -68,11 +68,10 @@ REFILL_QUIET = 0.5  # seconds without a request before the zygote forks ready tr
 _REPARENT_TIMEOUT = 5.0
 _REPARENTED = b"P"  # a trainer's first byte to the zygote: it is the supervisor's child now
 # A BLAS library (numpy's OpenBLAS) sizes its thread pool when it is loaded, before ftrun sets the trainers'
-# OMP_NUM_THREADS (1 with several trainers, as torchrun): a trainer sets it again (threadpoolctl, which finds
+# OMP_NUM_THREADS (1 with several trainers, as torchrun): size_blas() sets it again (threadpoolctl, which finds
 # whichever BLAS is loaded), unless one of these, read by a BLAS before OMP_NUM_THREADS, was set by the user
 BLAS_THREAD_VARIABLES = ("OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS", "BLIS_NUM_THREADS",
                          "VECLIB_MAXIMUM_THREADS")
-_blas: ThreadpoolController | None = None  # the BLAS libraries loaded, found once by preload()
 
 
 @dataclass(frozen=True)
@@ -301,8 +300,6 @@ def _run(request: SpawnRequest) -> None:
         import torch
 
         torch.set_num_threads(int(threads))
-        if _blas is not None and not any(name in request.env for name in BLAS_THREAD_VARIABLES):
-            _blas.limit(limits=int(threads))  # as a new interpreter's numpy reads OMP_NUM_THREADS at its import
     # as `python script.py` would: a failure's traceback shows the user's frames only, and exits 1
     run_main(request.target, request.args, request.module)
 
@@ -327,15 +324,27 @@ def _fresh_randomness() -> None:
 def preload() -> None:
     """Import :data:`PRELOAD` (what is already imported costs nothing) and freeze every object made so far
     (module docstring). Only in a process that has no thread of its own yet: it forks next."""
-    global _blas
     for name in PRELOAD:
         try:
             importlib.import_module(name)
         except Exception:  # best effort: a trainer imports what it uses itself
             pass
-    if _blas is None:
-        _blas = ThreadpoolController().select(user_api="blas")
     gc.freeze()
+
+
+def size_blas(threads: int | None) -> None:
+    """Size the thread pool of the BLAS that numpy loaded (OpenBLAS, MKL, BLIS) to ``threads``, the trainers'
+    OMP_NUM_THREADS, as a new interpreter's numpy would at its import: in the process that loaded it, before it
+    forks the zygote (its trainers inherit the size). Nothing where the size is right already, where ``threads``
+    is None (the user's OMP_NUM_THREADS is not a number) or where the user set a BLAS's own variable.
+
+    Not in a trainer: a fork has no BLAS threads (OpenBLAS stops them before each fork), and resizing there starts
+    one that spins for about 0.1 s, which slowed every restart by as much on this host."""
+    if threads is None or any(name in os.environ for name in BLAS_THREAD_VARIABLES):
+        return
+    for library in ThreadpoolController().select(user_api="blas").lib_controllers:
+        if library.num_threads != threads:
+            library.set_num_threads(threads)
 
 
 def _zygote(sock: socket.socket, supervisor: int, ready: int) -> NoReturn:
