@@ -124,6 +124,11 @@ def shm_path(job_id: str, node_rank: int, what: str) -> str:
     return os.path.join(shm_dir(), f"ftrun-{safe_job_id(job_id)}-node{node_rank}-{what}")
 
 
+def announce_path(job_id: str) -> str:
+    """The launcher's announce file of this job on this host (see ``ftrun.launch.launcher.announce_job``)."""
+    return os.path.join(shm_dir(), f"ftrun-{safe_job_id(job_id)}-launcher")
+
+
 def run_dir_prefix(job_id: str, node_rank: int) -> str:
     """How the name of a supervisor's run directory starts (in the temp dir: its trainers' error files, without
     ``--log-dir``)."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ftrun.control.spec import ENV_NODE_SPEC, safe_job_id, shm_dir
+from ftrun.control.spec import ENV_NODE_SPEC, announce_path, safe_job_id, shm_dir
 from ftrun.launch.env import ENV_JOB_ID
 from ftrun.launch.handoff import SUPERVISOR_MODULE
 from ftrun.launch.processes import LAUNCHER_NAME, READY_NAME, SUPERVISOR_NAME, ZYGOTE_NAME
@@ -89,7 +89,7 @@ def job_files(job: str | None = None) -> list[JobFiles]:
             entry.nbytes += 0 if run_dirs else info.st_size
     processes = _job_processes(set(jobs))
     for entry in jobs.values():
-        launcher = _live_launcher(os.path.join(shm_dir(), f"ftrun-{entry.job}-launcher"))
+        launcher = _live_launcher(announce_path(entry.job))
         others = [what for what in processes.get(entry.job, []) if what != f"pid {launcher} (launcher)"]
         entry.live = ([f"launcher pid {launcher}"] if launcher else []) + others
     return list(jobs.values())
@@ -125,7 +125,7 @@ def running_here(job: str, nodes: Iterable[int], local: bool) -> str | None:
                 return f"job {job} already runs node {node} on this host (its keeper holds the node's snapshots)"
         finally:
             probe.close()
-    launcher = _live_launcher(os.path.join(shm_dir(), f"ftrun-{job}-launcher")) if local else None
+    launcher = _live_launcher(announce_path(job)) if local else None
     return f"job {job} already runs on this host (launcher pid {launcher})" if launcher else None
 
 

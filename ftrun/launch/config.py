@@ -19,7 +19,7 @@ from typing import Any
 import yaml
 
 from ftrun.errors import UsageError
-from ftrun.control.faults import Fault, parse_faults
+from ftrun.control.faults import parse_faults
 from ftrun.control.spec import DEFAULT_SIGNALS, split_endpoint
 from ftrun.launch.output import OutputSettings
 from ftrun.launch.slurm import slurm_step
@@ -100,10 +100,6 @@ class JobConfig:
     inject: list[str] = field(default_factory=list)
 
     @property
-    def faults(self) -> list[Fault]:
-        return parse_faults(self.inject)
-
-    @property
     def erasure(self) -> tuple[int, int]:
         """(G, m) of the EC groups: as given, else :func:`default_group`'s; (1, 0) when m is 0 (no redundancy).
 
@@ -175,9 +171,7 @@ class JobConfig:
             raise UsageError(f"--persist-every and --keep must be at least 1, got {self.persist_every} and {self.keep}")
         for name in ("rdzv_timeout", "hang_timeout", "hang_timeout_initial", "hang_step_factor",
                      "node_timeout", "stop_grace", "persist_grace"):
-            if not 0 < getattr(self, name) <= MAX_SECONDS:  # NaN and inf are not
-                raise UsageError(f"--{name.replace('_', '-')} must be a positive number of at most {MAX_SECONDS:g}, "
-                                 f"got {getattr(self, name)}")
+            _check_seconds(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.module and self.no_python:
             raise UsageError("-m and --no-python cannot be combined")
         if self.rdzv_endpoint is not None and self.rdzv_backend == "c10d":
@@ -262,9 +256,7 @@ class JobConfig:
                              "in --log-dir/events.jsonl whichever is given")
         if not self.role.strip():
             raise UsageError("--role must not be empty")
-        if not 0 < self.monitor_interval <= MAX_SECONDS:  # NaN and inf are not
-            raise UsageError(f"--monitor-interval must be a positive number of at most {MAX_SECONDS:g}, got "
-                             f"{self.monitor_interval}")
+        _check_seconds("--monitor-interval", self.monitor_interval)
         parse_signals(self.signals_to_handle)
         if self.local_addr is not None and self.local_mode:
             raise UsageError("--local-addr is for multi-node jobs (--node-rank): local jobs use 127.0.0.1 only")
@@ -355,9 +347,16 @@ def _conf_number(key: str, value: str) -> float:
         number = float(value)
     except ValueError:
         number = -1.0
-    if not 0 < number <= MAX_SECONDS:  # NaN and inf are not
-        raise UsageError(f"--rdzv-conf {key} must be a positive number of at most {MAX_SECONDS:g}, got {value!r}")
+    _check_seconds(f"--rdzv-conf {key}", number, shown=repr(value))
     return number
+
+
+def _check_seconds(setting: str, seconds: float, shown: str | None = None) -> None:
+    """A duration ``setting`` is a positive number of at most :data:`MAX_SECONDS` (NaN and infinity are not);
+    else a :class:`UsageError` that shows ``shown`` (default: the number)."""
+    if not 0 < seconds <= MAX_SECONDS:
+        raise UsageError(f"{setting} must be a positive number of at most {MAX_SECONDS:g}, got "
+                         f"{seconds if shown is None else shown}")
 
 
 def _conf_bool(key: str, value: str) -> bool:
@@ -410,6 +409,10 @@ _SHORT = reprlib.Repr()  # a value shown in an error: bounded however large (an 
 _SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 60, 60
 
 
+class _DuplicateKey(yaml.constructor.ConstructorError):
+    """A mapping key given twice (:class:`_UniqueKeyLoader`): its message is shown to the user."""
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """``yaml.SafeLoader`` that refuses a key given twice in one mapping (YAML says keys are unique; PyYAML
     would keep the last one silently)."""
@@ -419,8 +422,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)  # type: ignore[no-untyped-call]
             if isinstance(key, typing.Hashable) and key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"key '{key}' is given twice",
-                                                        key_node.start_mark)
+                raise _DuplicateKey(None, None, f"key '{key}' is given twice", key_node.start_mark)
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
@@ -444,8 +446,7 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark is not None else ""
-        problem = getattr(err, "problem", None)
-        why = f": {problem}" if problem and "given twice" in problem else ""
+        why = f": {err.problem}" if isinstance(err, _DuplicateKey) else ""
         raise UsageError(f"{source}: not valid YAML{where}{why}") from None
     if data is None:
         return {}

@@ -52,7 +52,7 @@ from ftrun.control.secret import local_secret, secret_path, shared_secret, write
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED,
-                                FORWARDED_SIGNALS, NodeSpec, STOP_KIND, shm_dir, split_endpoint,
+                                FORWARDED_SIGNALS, NodeSpec, STOP_KIND, announce_path, split_endpoint,
                                 unlink_node_files)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
@@ -95,7 +95,7 @@ def script_digest(cfg: JobConfig, target: str) -> str:
 def announce_job(job_id: str, endpoint: str, nnodes: int, backend: str) -> str:
     """Write ``<shm dir>/ftrun-<job>-launcher`` (JSON: job, endpoint, backend, nnodes, pid; mode 0600) so that
     ``ftrun status`` on this host finds the job's control store; the launcher removes it when it exits."""
-    path = os.path.join(shm_dir(), f"ftrun-{job_id}-launcher")
+    path = announce_path(job_id)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         json.dump({"job": job_id, "endpoint": endpoint, "backend": backend, "nnodes": nnodes, "pid": os.getpid()}, f)
@@ -141,7 +141,7 @@ class Launcher:
         self._next_fence = 0.0  # see _fence
         self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
         self.signalled: int | None = None
-        self.files: list[str] = []  # what this launcher wrote in the shm dir (removed by abandon())
+        self.files: list[str] = []  # what this launcher wrote in the shm dir (removed by remove_files())
         self.signalled_at = 0.0  # time.monotonic() of the signal that began the stop
         self.forced = False  # a second signal stopped the job at once
         # signs every control-store value (and authenticates keepers to each other); never given to trainers
@@ -205,12 +205,11 @@ class Launcher:
 
     def _node_spec(self, node: int, store_host: str, store_port: int) -> NodeSpec:
         cfg = self.cfg
-        trainers_on_host = cfg.nproc_per_node * (cfg.nnodes if cfg.local_mode else 1)
         return NodeSpec(
             job_id=self.job_id, node_rank=node, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
             store_host=store_host, store_port=store_port, master_addr=self._master_addr(store_host),
             target=self.target, args=self.args, module=cfg.module, no_python=cfg.no_python, cwd=os.getcwd(),
-            omp_threads=default_omp_threads(trainers_on_host), max_restarts=cfg.max_restarts,
+            omp_threads=_omp_threads(cfg), max_restarts=cfg.max_restarts,
             rdzv_timeout=cfg.rdzv_timeout, hang_timeout=cfg.hang_timeout,
             hang_timeout_initial=cfg.hang_timeout_initial, hang_step_factor=cfg.hang_step_factor,
             node_timeout=cfg.node_timeout, stop_grace=cfg.stop_grace, zygote=cfg.zygote,
@@ -256,11 +255,11 @@ class Launcher:
             if proc.poll() is None:
                 proc.send_signal(stop)
 
-    def abandon(self) -> None:
-        """After a stop signal that came while the job was starting (before :meth:`run` handles them): remove
-        the files this launcher wrote; the caller kills its processes."""
+    def remove_files(self) -> None:
+        """Remove the files this launcher wrote in the shm dir (the job secret, the announce file): at its end,
+        and after a stop signal that came while the job was starting (main())."""
         for path in self.files:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError):  # two launchers of a job may share this host
                 os.unlink(path)
         self.files.clear()
 
@@ -300,11 +299,11 @@ class Launcher:
                                      f"{self.job_run} are taken: ")
         coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes, run=self.job_run)
         coord.init_job(self._job_doc())
-        self.files.append(secret_path(self.job_id))
-        secret_file = write_secret_file(self.job_id, self.secret)  # for `ftrun status` on this host
+        self.files.append(secret_path(self.job_id))  # before they are written: a signal may stop the start
+        write_secret_file(self.job_id, self.secret)  # for `ftrun status` on this host
         assert self.address is not None
-        self.files.append(os.path.join(shm_dir(), f"ftrun-{self.job_id}-launcher"))
-        announce = announce_job(self.job_id, self.address.endpoint, cfg.nnodes, self.address.backend)
+        self.files.append(announce_path(self.job_id))
+        announce_job(self.job_id, self.address.endpoint, cfg.nnodes, self.address.backend)
         nodes = range(cfg.nnodes) if cfg.local_mode else [self.node_rank]
         mode = ("local" if cfg.nnodes == 1 else f"all {cfg.nnodes} nodes simulated on this host: no --node-rank")
         mode = (mode if cfg.local_mode else f"node {self.node_rank} of {cfg.nnodes}"
@@ -350,10 +349,8 @@ class Launcher:
                 pending.cancel()
             if self.pool is not None:
                 self.pool.stop(cfg.stop_grace)
-            for path in (announce, secret_file):
-                with contextlib.suppress(FileNotFoundError):  # two launchers of a job may share this host
-                    os.unlink(path)
-            kill_descendants(spare=_left_by_user if code == 0 else None)  # what the supervisors let outlive a success
+            self.remove_files()
+            kill_descendants(spare=left_by_user if code == 0 else None)  # what the supervisors let outlive a success
             for node in nodes:  # what supervisors killed before they could clean up left behind
                 unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
@@ -431,7 +428,7 @@ class Launcher:
             code = proc.returncode
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            kill_descendants(spare=_left_by_user if code == EXIT_DONE else None)
+            kill_descendants(spare=left_by_user if code == EXIT_DONE else None)
         if self.store_server is not None:  # this spare hosts the store (rank_by_store): the nodes still need it
             self._leave_as_spare(store, name, int(doc["nnodes"]))
         if code == EXIT_DONE:
@@ -553,10 +550,11 @@ class Launcher:
         if self.signalled is None and {EXIT_STOPPED, EXIT_STOPPED_UNSAVED} & set(results.values()):
             self.signalled = _stop_signal(coord)  # a supervisor was told to stop, and the job stopped with it
         if self.signalled is not None:
-            if EXIT_STOPPED_UNSAVED in results.values() or (self.forced and self.cfg.ckpt_dir):
-                if self.forced and self.cfg.ckpt_dir:
-                    self.events.emit("durability", f"WARNING the final persist to {self.cfg.ckpt_dir} was given up: "
-                                     "a second signal stopped the job at once", degraded=True, reason="forced stop")
+            given_up = self.forced and self.cfg.ckpt_dir is not None
+            if given_up:
+                self.events.emit("durability", f"WARNING the final persist to {self.cfg.ckpt_dir} was given up: a "
+                                 "second signal stopped the job at once", degraded=True, reason="forced stop")
+            if given_up or EXIT_STOPPED_UNSAVED in results.values():
                 return EXIT_UNSAVED
             return EXIT_INTERRUPTED if self.signalled == signal.SIGINT else 128 + self.signalled
         if all(code == EXIT_DONE for code in results.values()):
@@ -647,9 +645,9 @@ def _interrupt(signum: int, frame: object) -> None:
     raise StartInterrupted(signum)
 
 
-def _left_by_user(proc: psutil.Process) -> bool:
-    """A program the trainers started (re-parented here when its supervisor ended), not one of ftrun's."""
-    return left_by_user(proc, set())
+def _omp_threads(cfg: JobConfig) -> int:
+    """The trainers' OMP_NUM_THREADS unless the user set one: this host's cores shared by its trainers."""
+    return default_omp_threads(cfg.nproc_per_node * (cfg.nnodes if cfg.local_mode else 1))
 
 
 def fork_supervisor() -> PendingSupervisor:
@@ -681,8 +679,7 @@ def main() -> None:
     count = 0 if cfg.tui else cfg.nnodes + cfg.spares + reserve if cfg.local_mode else 1
     if count and cfg.zygote and not cfg.no_python:
         preload()  # once for every zygote of this host (see ftrun.launch.zygote)
-        trainers_on_host = cfg.nproc_per_node * (cfg.nnodes if cfg.local_mode else 1)
-        size_blas(trainer_threads(os.environ, default_omp_threads(trainers_on_host)))  # before the forks
+        size_blas(trainer_threads(os.environ, _omp_threads(cfg)))  # before the forks
     pending = [fork_supervisor() for _ in range(count)]
     # a stop signal held since the exec (STARTUP_SIGNALS) ends the start cleanly, until the launcher handles it
     for sig in STARTUP_SIGNALS:
@@ -699,7 +696,7 @@ def main() -> None:
         signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
         print(f"ftrun: stopped by {stop.signal.name} while the job was starting", file=sys.stderr)
         if launcher is not None:
-            launcher.abandon()
+            launcher.remove_files()
         kill_descendants()
         code = EXIT_INTERRUPTED if stop.signal == signal.SIGINT else 128 + stop.signal
     sys.stdout.flush()

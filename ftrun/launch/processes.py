@@ -129,10 +129,11 @@ def kill_descendants(timeout: float = 5.0, spare: Callable[[psutil.Process], boo
     return list(spared.items())
 
 
-def left_by_user(proc: psutil.Process, ours: set[int]) -> bool:
-    """Whether ``proc`` is a program the trainers started (not a process of ftrun's: one of ``ours``, one named
-    ``ftrun...`` — supervisor, zygote, ready trainer — or a fork of ftrun's command line, a keeper's included)."""
-    if proc.pid in ours or proc.name().startswith(LAUNCHER_NAME):
+def left_by_user(proc: psutil.Process) -> bool:
+    """Whether ``proc`` is a program the trainers started, not a process of ftrun's: one named ``ftrun...``
+    (launcher, supervisor, zygote, ready trainer) or running ftrun's command line (a fork of the launcher, a
+    trainer's included; a keeper, started ahead or not)."""
+    if proc.name().startswith(LAUNCHER_NAME):
         return False
     return not any(arg.startswith("ftrun.") for arg in proc.cmdline())
 

@@ -260,9 +260,7 @@ class Supervisor:
         """Kill what is left under this process: ftrun's own processes always; those the trainers started and
         left running (re-parented here) only if the job did not succeed. After a success they outlive the job,
         as under torchrun (a last upload, started and not waited for)."""
-        ours = {pid for pid in (self.zygote.pid if self.zygote else None, self.keeper.pid if self.keeper else None)
-                if pid is not None}
-        left = kill_descendants(spare=(lambda proc: left_by_user(proc, ours)) if succeeded else None)
+        left = kill_descendants(spare=left_by_user if succeeded else None)
         if left:
             named = ", ".join(f"{pid} ({name})" for pid, name in left[:5])
             self.events.emit("left_running", f"the trainers left {len(left)} process(es) running: {named}; the job "
