@@ -15,7 +15,7 @@ from typing import Optional
 import typer
 from typer.exceptions import TyperException
 
-from ftrun.errors import USAGE_EXIT_CODE, UsageError
+from ftrun.errors import USAGE_EXIT_CODE, UsageError, stopped_while_starting
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).",
@@ -292,7 +292,24 @@ def sbatch_template(
     from ftrun.launch.sbatch import render
 
     args = list(ftrun_args or [])
+    if args:
+        check_batch_args(args, nodes)
     print(render(nodes, spares, attempts, args, script_at=script_index(args)), end="")
+
+
+def check_batch_args(args: list[str], nodes: int) -> None:
+    """The ftrun command line a batch script embeds parses as ``ftrun run`` parses it (flags, their types, a
+    script) and leaves the nodes' ranks to srun; its values are checked on the nodes, where they apply."""
+    command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
+    try:
+        params = command.make_context("ftrun", args[1:] if args[:1] == ["run"] else args).params
+    except TyperException as err:
+        raise UsageError(f"the ftrun arguments after --: {err.format_message()}") from None
+    if params["node_rank"] is not None:
+        raise UsageError("the ftrun arguments after -- give --node-rank: srun gives each node its rank, drop it")
+    if params["nnodes"] is not None and params["nnodes"].split(":")[-1] != str(nodes):
+        raise UsageError(f"the ftrun arguments after -- give --nnodes {params['nnodes']}, but each step runs "
+                         f"--nodes {nodes}: drop --nnodes")
 
 
 def script_index(args: list[str]) -> int:
@@ -374,6 +391,8 @@ def main(argv: list[str] | None = None) -> None:
         args = ["--help"]
     elif args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h"):
         args.insert(0, "run")
+    # run: until the launcher's exec holds it, Ctrl-C ends the start in one line (typer makes it a silent 130)
+    previous = signal.signal(signal.SIGINT, stopped_while_starting) if args[0] == "run" else None
     try:
         code = app(args=args, prog_name="ftrun", standalone_mode=False)
     except typer.Exit as done:
@@ -386,4 +405,7 @@ def main(argv: list[str] | None = None) -> None:
     except UsageError as err:
         print(f"ftrun: error: {err}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
     sys.exit(code if isinstance(code, int) else 0)

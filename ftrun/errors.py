@@ -4,8 +4,19 @@ Every check of user input (flags, YAML, scripts, ports, endpoints) raises :class
 ``ftrun: error: <message>`` and exits with :data:`USAGE_EXIT_CODE`, never a traceback.
 """
 
+import os
+import sys
+
 USAGE_EXIT_CODE = 2
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2, nothing started or left behind."""
+
+
+def stopped_while_starting(signum: int, frame: object) -> None:
+    """SIGINT handler of the ``ftrun`` command before it starts anything (its imports, its checks, until the
+    launcher's exec holds the signal): one line and exit code 130, not a traceback; nothing to clean up."""
+    sys.stderr.write("ftrun: stopped by SIGINT while the job was starting\n")
+    sys.stderr.flush()
+    os._exit(130)  # no import or library in between may catch it, and nothing needs finalizing

@@ -54,6 +54,7 @@ def listening_port():
     (["--no-python", "no-such-executable-ftrun"], ["executable not found"]),
     (["--rdzv-endpoint", "nohostport", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
     (["--rdzv-bind", "127.0.0.1", str(TRAIN_PLAIN)], ["--rdzv-bind is for multi-node jobs"]),
+    (["--rdzv-endpoint", "198.51.100.7:29500", str(TRAIN_PLAIN)], ["198.51.100.7:29500 is not on this host"]),
     (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-bind", "198.51.100.77",
       str(TRAIN_PLAIN)], ["--rdzv-bind 198.51.100.77 is not an address of this host"]),
     (["--nnodes", "2", "--ec-parity", "2", str(TRAIN_PLAIN)], ["--ec-parity 2 must be smaller than --ec-group 2"]),
@@ -76,6 +77,8 @@ def listening_port():
      ["--log-dir /proc/ftrun-no-such-dir: cannot create the directory (No such file or directory)"]),
     (["--ckpt-dir", "/proc/ftrun-no-such-dir", str(TRAIN_PLAIN)],
      ["--ckpt-dir /proc/ftrun-no-such-dir: cannot create"]),
+    (["--ckpt-dir", "/proc", str(TRAIN_PLAIN)], ["--ckpt-dir /proc: cannot write a file in the directory"]),
+    (["--log-dir", "/sys", str(TRAIN_PLAIN)], ["--log-dir /sys: cannot write a file in the directory"]),
     (["--nnodes", "100000", "--nproc-per-node", "100000", str(TRAIN_PLAIN)],
      ["100000 node(s) and 10000000000 trainer(s) on this host", "core(s)", "available", "--node-rank N", "srun"]),
 ])
@@ -87,6 +90,9 @@ def test_a_directory_without_main_and_a_file_as_directory(tmp_path):
     (tmp_path / "app").mkdir()
     assert_one_line_error(*run_ftrun(str(tmp_path / "app"))[:2], f"cannot run directory {tmp_path / 'app'}",
                           "no __main__.py")
+    os.mkfifo(tmp_path / "pipe.py")
+    assert_one_line_error(*run_ftrun(str(tmp_path / "pipe.py"))[:2], f"script {tmp_path / 'pipe.py'} is not a regular "
+                          "file")
     (tmp_path / "file").write_text("")
     for flag in ("--log-dir", "--ckpt-dir"):
         assert_one_line_error(*run_ftrun(flag, str(tmp_path / "file"), str(TRAIN_PLAIN))[:2],
@@ -117,7 +123,9 @@ def test_bad_yaml_names_key_and_file(tmp_path, text, fragments):
 
 def test_control_store_port_in_use_local_mode(listening_port):
     code, stderr, _ = run_ftrun("--rdzv-endpoint", f"127.0.0.1:{listening_port}", str(TRAIN_PLAIN))
-    assert_one_line_error(code, stderr, f"port {listening_port} is already in use")
+    assert_one_line_error(code, stderr, f"port {listening_port} is already in use", "with --rdzv-endpoint")
+    code, stderr, _ = run_ftrun("--master-port", str(listening_port), str(TRAIN_PLAIN))
+    assert_one_line_error(code, stderr, f"port {listening_port} is already in use", "with --master-port")
 
 
 def test_control_store_port_in_use_by_something_else_multi_node(listening_port):

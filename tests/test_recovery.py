@@ -223,13 +223,25 @@ def test_a_second_start_of_a_running_job_id_is_refused_and_touches_nothing(start
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("when", ["imports", "store-wait"])
-def test_a_stop_signal_while_the_job_starts_ends_it_in_one_line(start_job, when):
-    """A node waiting for its control store (none there): SIGINT while the launcher imports torch, or while it
-    waits, used to end in a KeyboardInterrupt traceback (or be lost)."""
+@pytest.mark.parametrize("when", ["cli", "imports", "store-wait"])
+def test_a_stop_signal_while_the_job_starts_ends_it_in_one_line(start_job, tmp_path, when):
+    """A node waiting for its control store (none there): SIGINT while the command loads and checks (a traceback
+    from an import, or typer's silent exit 130), while the launcher imports torch, or while it waits, used to end
+    in a KeyboardInterrupt traceback (or be lost)."""
+    script = SCRIPTS / "hello.py"
+    if when == "cli":  # a script the command reads for a second or so before the exec (import_settings parses it)
+        script = tmp_path / "long.py"
+        script.write_text("\n".join(f"x{i} = {i}" for i in range(60000)))
     job = start_job("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
-                    "--rdzv-timeout", "60", str(SCRIPTS / "hello.py"))
-    if when == "imports":  # as soon as the launcher's interpreter runs: the signal is held until it can stop
+                    "--rdzv-timeout", "60", str(script))
+    if when == "cli":  # in the command's checks: PyYAML's C extension is mapped (the config's import) or the exec
+        deadline = time.monotonic() + 30
+        process = psutil.Process(job.proc.pid)
+        while not any("_yaml" in m.path for m in process.memory_maps()) and "ftrun.launch.launcher" not in " ".join(
+                process.cmdline()):
+            assert time.monotonic() < deadline
+            time.sleep(0.005)
+    elif when == "imports":  # as soon as the launcher's interpreter runs: the signal is held until it can stop
         deadline = time.monotonic() + 30
         while "ftrun.launch.launcher" not in " ".join(psutil.Process(job.proc.pid).cmdline()):
             assert time.monotonic() < deadline

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 
 import pytest
@@ -99,6 +100,21 @@ def test_sbatch_template_loops_srun_steps_with_spares():
         render(0, 1, 4, ["train.py"])
     with pytest.raises(UsageError, match="after --"):
         render(2, 1, 4, [])
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bogus", "train.py"], "after --: No such option: --bogus"),
+    (["--nproc-per-node", "8"], "after --: Missing argument 'script'"),
+    (["run", "--max-restarts", "x", "train.py"], "Invalid value for '--max-restarts'"),
+    (["--node-rank", "1", "train.py"], "srun gives each node its rank"),
+    (["--nnodes", "3", "train.py"], "--nnodes 3, but each step runs --nodes 2"),
+])
+def test_sbatch_template_checks_the_ftrun_arguments(args, message):
+    from ftrun.cli import check_batch_args
+
+    with pytest.raises(UsageError, match=re.escape(message)):
+        check_batch_args(args, 2)
+    check_batch_args(["--nnodes", "1:2", "--nproc-per-node", "8", "train.py", "--bogus"], 2)
 
 
 @pytest.mark.parametrize("requeued", [False, True])

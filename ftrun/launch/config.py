@@ -113,6 +113,7 @@ class JobConfig:
         return (1, 0) if parity == 0 and group >= 1 else (group, parity)
 
     _rank_by_store = False  # not a setting: validate() sets it (see rank_by_store)
+    endpoint_flag = "--rdzv-endpoint"  # not a setting: the flag that chose the store's port (named when it is taken)
 
     @property
     def rank_by_store(self) -> bool:
@@ -240,6 +241,8 @@ class JobConfig:
                 self.rdzv_endpoint = static
         elif self.master_port is not None:
             self.rdzv_endpoint = f"{LOCAL_STORE_HOST}:{self.master_port}"
+        if self.rdzv_endpoint is not None:
+            self.endpoint_flag = "--master-port"
 
     def _validate_torchrun(self) -> None:
         """The rest of torchrun's flags."""

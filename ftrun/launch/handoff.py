@@ -196,8 +196,10 @@ def resolve_target(cfg: JobConfig, target: str) -> str:
     if os.path.isdir(target):  # as python: a directory (or a zip file) runs its __main__.py
         if not os.path.isfile(os.path.join(target, "__main__.py")):
             raise UsageError(f"cannot run directory {target}: it has no __main__.py")
-    elif not os.path.isfile(target):
+    elif not os.path.exists(target):
         raise UsageError(f"script not found: {target}")
+    elif not os.path.isfile(target):  # a FIFO or a device reads once; every trainer and restart reads the script
+        raise UsageError(f"script {target} is not a regular file (a pipe or device can be read only once)")
     return os.path.abspath(target)
 
 
@@ -212,8 +214,12 @@ def check_directories(cfg: JobConfig) -> None:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as err:
             raise UsageError(f"{flag} {path}: cannot create the directory ({err.strerror})") from None
-        if not os.access(path, os.W_OK | os.X_OK):
-            raise UsageError(f"{flag} {path}: the directory is not writable")
+        probe = os.path.join(path, f".ftrun-probe-{os.getpid()}")
+        try:  # a real file, not os.access: root passes access() where no file can be made (/proc, a full quota)
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            os.unlink(probe)
+        except OSError as err:
+            raise UsageError(f"{flag} {path}: cannot write a file in the directory ({err.strerror})") from None
 
 
 def check_shm_dir() -> None:

@@ -175,7 +175,11 @@ class Launcher:
             return host, port, open_store(self.address, cfg.rdzv_timeout, report)
         if cfg.local_mode:
             port = split_endpoint(cfg.rdzv_endpoint)[1] if cfg.rdzv_endpoint else 0
-            self.store_server = host_store(port, bind=LOOPBACK)
+            if cfg.rdzv_endpoint and not is_local_host(split_endpoint(cfg.rdzv_endpoint)[0]):
+                raise UsageError(f"--rdzv-endpoint {cfg.rdzv_endpoint} is not on this host, but a job of this host "
+                                 "alone hosts its control store here: give 127.0.0.1:PORT, or --node-rank N for a "
+                                 "node of a multi-node job")
+            self.store_server = host_store(port, bind=LOOPBACK, flag=cfg.endpoint_flag)
             self.address = StoreAddress("c10d", f"{LOOPBACK}:{self.store_server.port}")
             return LOOPBACK, self.store_server.port, C10dStore(self.store_server)
         assert cfg.rdzv_endpoint is not None
@@ -185,7 +189,7 @@ class Launcher:
         # as torchrun's is_host: the first binds the port, the others (and all when an `ftrun store` serves it) join
         if (cfg.node_rank == 0 or cfg.rank_by_store) and is_local_host(host):
             try:
-                self.store_server = host_store(port, bind=self.bind)
+                self.store_server = host_store(port, bind=self.bind, flag=cfg.endpoint_flag)
                 return host, port, C10dStore(self.store_server)
             except UsageError:
                 pass  # an `ftrun store` may already serve this endpoint: join it, or say it is not a store

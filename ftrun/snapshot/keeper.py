@@ -946,6 +946,7 @@ def main() -> None:
         keeper.serve(server)
     finally:
         keeper.unlink_all()
+        server.close()
 
 
 if __name__ == "__main__":

@@ -126,6 +126,9 @@ class LineSocket:
     def close(self) -> None:
         self.sock.close()
 
+    def __del__(self) -> None:  # dropped unclosed (a trainer's, as its script returns): closed without a warning
+        self.sock.close()
+
 
 class KeeperClient:
     """A trainer's or supervisor's connection to its node's keeper; reconnects across keeper restarts.
