@@ -302,7 +302,7 @@ def check_batch_args(args: list[str], nodes: int) -> None:
     script) and leaves the nodes' ranks to srun; its values are checked on the nodes, where they apply."""
     command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
     try:
-        params = command.make_context("ftrun", args[1:] if args[:1] == ["run"] else args).params
+        params = command.make_context("ftrun", args[1:] if args[:1] == ["run"] else list(args)).params  # it pops
     except TyperException as err:
         raise UsageError(f"the ftrun arguments after --: {err.format_message()}") from None
     if params["node_rank"] is not None:

@@ -12,12 +12,13 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from datetime import timedelta
 
 import psutil
 import pytest
-from torch.distributed import TCPStore
+from torch.distributed import DistError, TCPStore
 
 from conftest import SCRIPTS, assert_job_left_nothing, free_port
 from ftrun.control.coordination import Coordinator, Failure, Generation, open_run
@@ -339,6 +340,30 @@ def test_a_generation_watch_tells_every_move_at_once_a_forged_one_changes_nothin
         assert watcher.current_raw() == seen and not watch.moved.wait(0.3)
         host.kill()
         assert watch.moved.wait(10) and watch.lost
+    finally:
+        host.kill()
+        host.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_whose_host_is_frozen_fails_its_operations_within_the_timeout():
+    """A store process stopped (SIGSTOP: a frozen host) accepts requests and never answers; torch's client waited
+    forever (a frozen node 0 froze every node of the job). The watchdog cuts the connection: the operation waiting
+    and every later one raise DistError, saying why."""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        port = int(host.stdout.readline())
+        store = C10dStore(TCPStore(LOOPBACK, port, is_master=False), op_timeout=1.0)
+        store.set("key", b"value")
+        assert store.get_many(["key", "missing"]) == [b"value", None]
+        os.kill(host.pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(DistError, match=f"control store at {LOOPBACK}:{port} did not answer for 1s"):
+            store.get_many(["key"])
+        assert time.monotonic() - began < 10
+        with pytest.raises(DistError):
+            store.set("key", b"again")
     finally:
         host.kill()
         host.wait()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import shutil
 import stat
 import subprocess
 import sys
@@ -130,6 +131,27 @@ def test_write_and_finalize(dirs, states):
     assert mode(final) == mode(root) == mode(root.parent) == 0o700
     assert not os.path.exists(persist.partial_dir(str(root), 30))
     assert persist.verify_step(str(root), 30) == {0: None, 1: None}
+
+
+def test_a_step_persisted_again_keeps_a_complete_copy_when_the_disk_fails(dirs, states, monkeypatch):
+    """A run that resumed from an older step persists step N again: the earlier step N was moved aside before the
+    new manifest was written, so a full or read-only disk left only ``step-N.replaced``, which resume ignores."""
+    root, shm = dirs
+    write_step(root, shm, 30, states)
+    before = persist.manifest(str(root), 30)
+    real_fsync = persist._fsync
+    monkeypatch.setattr(persist, "_fsync", lambda path: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full", path)))
+    with pytest.raises(OSError):
+        write_step(root, shm, 30, states)
+    assert persist.complete_steps(str(root)) == [30] and persist.manifest(str(root), 30) == before
+    assert sorted(os.listdir(root)) == [".step-00000030.partial", "step-00000030"]
+    monkeypatch.setattr(persist, "_fsync", real_fsync)
+    persist.remove_partial(str(root), 30)
+    write_step(root, shm, 30, states)  # done: the earlier copy waits, replaced, for the caller to remove it
+    assert sorted(os.listdir(root)) == ["step-00000030", "step-00000030.replaced"]
+    shutil.rmtree(root / "step-00000030")  # as if killed between the two renames: only the earlier copy is left
+    assert persist.put_back_replaced(str(root)) == [30] and persist.complete_steps(str(root)) == [30]
+    assert persist.manifest(str(root), 30) == before
 
 
 def test_bad_inputs_of_writer(dirs, states):

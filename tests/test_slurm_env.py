@@ -114,7 +114,9 @@ def test_sbatch_template_checks_the_ftrun_arguments(args, message):
 
     with pytest.raises(UsageError, match=re.escape(message)):
         check_batch_args(args, 2)
-    check_batch_args(["--nnodes", "1:2", "--nproc-per-node", "8", "train.py", "--bogus"], 2)
+    good = ["--nnodes", "1:2", "--nproc-per-node", "8", "train.py", "--bogus"]
+    check_batch_args(good, 2)
+    assert good == ["--nnodes", "1:2", "--nproc-per-node", "8", "train.py", "--bogus"]  # the parser consumed a list
 
 
 @pytest.mark.parametrize("requeued", [False, True])

@@ -112,13 +112,18 @@ def test_flipped_byte_in_a_committed_slot_is_never_loaded(start_job, tmp_path, g
 
 
 @pytest.mark.timeout(120)
-def test_too_small_shm_stops_the_job_with_one_line_saying_how_much_is_needed(start_job, tmp_path, small_tmpfs):
-    small = small_tmpfs(4)
+@pytest.mark.parametrize("megabytes, what, detail", [(4, "snapshots", "more for local rank"),
+                                                      (14, "parity", "for a parity file")])
+def test_too_small_shm_stops_the_job_with_one_line_saying_how_much_is_needed(start_job, tmp_path, small_tmpfs,
+                                                                             megabytes, what, detail):
+    """4 MiB: no room for the slots (8 of 1.3 MiB); 14 MiB: room for the slots, not for the parity files (4 of
+    2.6 MiB), where the encoder retried quietly and the trainers waited for protection forever."""
+    small = small_tmpfs(megabytes)
     args, out = gpt_args(tmp_path, "small")
     job = start_job(*NODES, *args, env={"FTRUN_SHM_DIR": str(small)})
     assert job.wait(120) != 0
-    lines = [line for line in job.output.splitlines() if "too small for snapshots" in line]
-    assert lines and "more for local rank" in lines[0] and "is free" in lines[0], job.output
+    lines = [line for line in job.output.splitlines() if f"too small for {what}" in line]
+    assert lines and detail in lines[0] and "is free" in lines[0], job.output
     assert [f["kind"] for f in primary_failures(job)] == ["fatal"]
     assert os.listdir(small) == [], "segments left in the small tmpfs"
 

@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import errno
 import ipaddress
+import os
 import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Protocol
+from typing import Any, Protocol
 
 import psutil
 from torch.distributed import DistError, DistStoreError, TCPStore
@@ -75,30 +76,64 @@ class C10dStore:
 
     A read of keys that may be missing cannot use ``multi_get`` (it waits for them): each key is read with
     ``compare_set(key, ABSENT, ABSENT)``, which answers ``ABSENT`` for a missing key and the value for a present
-    one (whose value is never ``ABSENT``) without waiting and without writing: one round trip per key."""
+    one (whose value is never ``ABSENT``) without waiting and without writing: one round trip per key.
+
+    Every operation but :meth:`wait` ends within ``op_timeout`` seconds: torch's client waits forever for a server
+    that accepted the request and never answers (its host frozen, SIGSTOP, or cut off without a reset), and its own
+    timeout bounds only waits for keys. A watchdog thread (started with the first operation) shuts down this
+    process's connections to the server when one operation outlives it, so that operation (and every later one)
+    raises ``DistError``, as for a store that is gone."""
 
     poll_interval = 0.0
 
-    def __init__(self, store: TCPStore) -> None:
+    def __init__(self, store: TCPStore, op_timeout: float = STORE_OP_TIMEOUT.total_seconds()) -> None:
         self.tcp = store
+        self.op_timeout = op_timeout
+        self.unanswered = False  # the watchdog cut the connections: the server did not answer in time
+        self._began: dict[int, float] = {}  # thread -> when its operation began
+        self._watchdog: threading.Thread | None = None
+
+    def _call(self, operation: Callable[..., Any], *args: Any) -> Any:
+        thread = threading.get_ident()
+        self._began[thread] = time.monotonic()
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watch, name="ftrun-store-watchdog", daemon=True)
+            self._watchdog.start()
+        try:
+            return operation(*args)
+        except DistError as err:
+            if self.unanswered:
+                raise DistError(f"the control store at {self.tcp.host}:{self.tcp.port} did not answer for "
+                                f"{self.op_timeout:g}s (its host frozen, or cut off)") from err
+            raise
+        finally:
+            del self._began[thread]
+
+    def _watch(self) -> None:
+        while not self.unanswered:
+            time.sleep(min(1.0, self.op_timeout / 4))
+            now = time.monotonic()
+            if any(now - began > self.op_timeout for began in list(self._began.values())):
+                self.unanswered = True
+                cut_connections(self.tcp.host, self.tcp.port)
 
     def set(self, key: str, value: bytes) -> None:
-        self.tcp.set(key, value)
+        self._call(self.tcp.set, key, value)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         keys = list(keys)
         if not keys:
             return []
-        if len(keys) > 2 and self.tcp.check(keys):  # two round trips for all (multi_get waits for missing keys)
-            return [bytes(value) for value in self.tcp.multi_get(keys)]
-        values = [bytes(self.tcp.compare_set(key, ABSENT, ABSENT)) for key in keys]
+        if len(keys) > 2 and self._call(self.tcp.check, keys):  # two round trips (multi_get waits for missing keys)
+            return [bytes(value) for value in self._call(self.tcp.multi_get, keys)]
+        values = [bytes(self._call(self.tcp.compare_set, key, ABSENT, ABSENT)) for key in keys]
         return [None if value == ABSENT else value for value in values]
 
     def compare_set(self, key: str, expected: bytes, value: bytes) -> bytes:
-        return bytes(self.tcp.compare_set(key, expected, value))
+        return bytes(self._call(self.tcp.compare_set, key, expected, value))
 
     def check(self, keys: Sequence[str]) -> bool:
-        return bool(self.tcp.check(list(keys)))
+        return bool(self._call(self.tcp.check, list(keys)))
 
     def wait(self, key: str) -> None:
         """Block until ``key`` is set: the server answers the moment it is, no polling. It holds the connection
@@ -119,6 +154,25 @@ class C10dStore:
 
     def close(self) -> None:
         """Nothing to do: torch closes the connection when the store object goes."""
+
+
+def cut_connections(host: str, port: int) -> int:
+    """Shut down (both ways) every TCP connection of this process to ``host:port``; a thread blocked reading one
+    returns at once. Returns how many."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
+    except OSError:
+        addresses = {host}
+    cut = 0
+    for conn in psutil.Process().net_connections(kind="tcp"):
+        if conn.raddr and conn.raddr.port == port and conn.raddr.ip.removeprefix("::ffff:") in addresses:
+            try:
+                with socket.socket(fileno=os.dup(conn.fd)) as sock:  # a duplicate: shutdown acts on the socket
+                    sock.shutdown(socket.SHUT_RDWR)
+                cut += 1
+            except OSError:  # closed meanwhile
+                pass
+    return cut
 
 
 def host_store(port: int, what: str = "control store", bind: str = LOOPBACK,

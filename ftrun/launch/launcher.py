@@ -58,7 +58,7 @@ from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bi
                                  route_address)
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
-from ftrun.snapshot.persist import complete_steps, job_dir, manifest, move_aside, step_name
+from ftrun.snapshot.persist import complete_steps, job_dir, manifest, move_aside, put_back_replaced, step_name
 from ftrun.snapshot.reserve import unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
@@ -71,6 +71,7 @@ EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
 REPEAT_GAP = 1.0
 # Any other non-zero exit (a lost node, the launcher killed): running it again resumes from RAM, parity or disk.
 _ACK_TIMEOUT = 10.0
+END_STORE_TIMEOUT = 5.0  # seconds a failed job's summary waits for a store operation (a frozen store host)
 _POLL_INTERVAL = 0.02
 FENCE_INTERVAL = 0.1  # seconds between two looks for a supervisor whose rank a spare took (local mode, --spares)
 
@@ -342,11 +343,15 @@ class Launcher:
             if self.pool is not None:
                 self.pool.stop(cfg.stop_grace)
             state = "done" if code == 0 else "stopped" if self.signalled is not None else "failed"
+            if code != 0 and isinstance(raw_store, C10dStore):  # a store that failed a supervisor gets no minute more
+                raw_store.op_timeout = END_STORE_TIMEOUT
             try:
                 self._end(coord, code, state)
-            except DistError as err:  # the control store went away (etcd without quorum past --rdzv-timeout)
-                self.events.emit("failed", f"control store lost at the end of the job, no summary: "
-                                 f"{str(err).splitlines()[0]}")
+            except DistError as err:  # the control store went away (node 0's, or etcd without quorum)
+                hint = ("; a store that outlives any node: --rdzv-backend etcd, or `ftrun store` on a host of its own"
+                        if cfg.rdzv_backend == "c10d" and not cfg.local_mode else "")
+                self.events.emit("failed", f"control store lost{' at the end of the job' if code == 0 else ''}, no "
+                                 f"summary: {str(err).splitlines()[0]}{hint}")
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             for pending in self.pending:  # not needed after all
@@ -470,6 +475,7 @@ class Launcher:
     def _check_world_on_disk(self, root: str) -> None:
         """Resuming: the newest persisted step of this job was saved at the world size of this run, or has a copy
         in DCP's format (``ftrun.dcp.MemoryReader`` reshards it); else a UsageError, before anything starts."""
+        put_back_replaced(root)  # a step moved aside by a second persist of it that did not finish
         steps = complete_steps(root, self.job_id)
         if not steps:
             return

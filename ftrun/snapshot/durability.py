@@ -50,7 +50,7 @@ from ftrun.control.spec import NodeSpec
 from ftrun.events import EventLog
 from ftrun.snapshot.dcp_copy import DcpCopies
 from ftrun.snapshot.persist import (MANIFEST, complete_steps, finalize, manifest, move_aside, prune, remove_partial,
-                                    step_name)
+                                    replaced_dir, step_name)
 from ftrun.snapshot.protocol import POLL_WAIT
 
 READ_INTERVAL = 0.2  # how often a node reads the round document while it holds nothing for one
@@ -250,17 +250,16 @@ class Durability:
             except (KeyError, TypeError, ValueError, AttributeError):
                 errors = ["a node's outcome is malformed"]
         t0 = time.perf_counter()
-        replaced = self.step_path(step) + ".replaced"
+        replaced = replaced_dir(self.root, step)
         if not errors:
-            try:
-                if os.path.isdir(self.step_path(step)):  # left by an earlier run of the job (it resumed from older)
-                    os.rename(self.step_path(step), replaced)
+            try:  # a step-N left by an earlier run of the job (it resumed from older) goes to `replaced`
                 path = finalize(self.root, step, self.spec.job_id, self.spec.nnodes, self.spec.nproc_per_node,
                                 entries)
                 pruned = prune(self.root, self.spec.keep, self.spec.job_id)
                 self._drop_replaced(replaced)
             except (OSError, ValueError) as err:
-                errors = [str(err)]
+                errors = [f"{err.strerror} ({err.filename})" if isinstance(err, OSError) and err.filename
+                          else str(err)]
         if errors:
             self._failed(step, "; ".join(errors))
             return

@@ -129,6 +129,13 @@ def capacity_problem(node: int, local_rank: int, nproc: int, slot_bytes: int, mi
             f"{nproc} local rank(s)) but only {human(free)} is free; {SHM_ADVICE}")
 
 
+def parity_room_problem(node: int, file_bytes: int, free: int, directory: str) -> str:
+    """The one-line error when a parity file does not fit beside the slots."""
+    return (f"{directory} too small for parity: node {node} needs {human(file_bytes)} for a parity file (2 of them "
+            f"beside its snapshot slots) but only {human(free)} is free; {SHM_ADVICE}, or run without parity "
+            "(--ec-parity 0: a lost node then resumes from disk)")
+
+
 @dataclass
 class RankSlots:
     """What the keeper knows of one local rank's two slots."""
@@ -731,6 +738,12 @@ class Keeper:
                     self.redundancy.encode(step, generation, protected, lambda: self._fire_parity_fault(step))
                 failed = None
             except Exception as err:  # noqa: BLE001 - the encoder must outlive anything one step does
+                if isinstance(err, OSError) and err.errno == errno.ENOSPC:  # as no room for slots: the job ends
+                    with self.cond:  # (the trainers would wait for protection that never comes)
+                        self.fatal = self.fatal or parity_room_problem(self.node, self.redundancy.wanted,
+                                                                       free_bytes(self.dir), self.dir)
+                        self.cond.notify_all()
+                    return
                 expected = isinstance(err, (PeerUnavailable, PeerError, RedundancyError, LookupError, OSError))
                 if failed != (step, str(err)):  # once per step and cause, then retried quietly
                     failed = (step, str(err))

@@ -151,7 +151,12 @@ def finalize(root: str, step: int, job: str, nnodes: int, nproc_per_node: int, e
     """Write the manifest of the ranks' ``entries`` (from :func:`write_rank`) into the partial directory and
     rename it to the complete step, durably (see the module docstring); returns the final path.
 
-    ValueError if ``entries`` are not exactly ranks 0..world-1; OSError if the step is already complete.
+    A complete step N already there (an earlier run's: this one resumed from an older step) is renamed to
+    :func:`replaced_dir` only once the new manifest is on disk, and put back if the last rename fails: a full or
+    read-only disk never leaves step N without a complete copy (a kill between the two renames is repaired by
+    :func:`put_back_replaced`). The caller removes the replaced copy.
+
+    ValueError if ``entries`` are not exactly ranks 0..world-1.
     """
     world = nnodes * nproc_per_node
     if sorted(entries) != list(range(world)):
@@ -164,7 +169,13 @@ def finalize(root: str, step: int, job: str, nnodes: int, nproc_per_node: int, e
         f.flush()
         os.fsync(f.fileno())
     _fsync(partial)
-    os.rename(partial, final)
+    if os.path.isdir(final):
+        os.rename(final, replaced_dir(root, step))
+    try:
+        os.rename(partial, final)
+    except OSError:
+        put_back_replaced(root)
+        raise
     _fsync(root)
     return final
 
@@ -230,8 +241,34 @@ def move_aside(root: str, paths: list[str]) -> str:
 
 
 def remove_partial(root: str, step: int) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    """Best effort: a partial step that cannot be removed (the disk went read-only) is never loaded, and is
+    removed or replaced by a later round."""
+    with contextlib.suppress(OSError):
         shutil.rmtree(partial_dir(root, step))
+
+
+def replaced_dir(root: str, step: int) -> str:
+    """Where a complete step waits while the same step is persisted again (see :func:`put_back_replaced`)."""
+    return os.path.join(root, step_name(step)) + ".replaced"
+
+
+def put_back_replaced(root: str) -> list[int]:
+    """Rename every ``step-N.replaced`` whose ``step-N`` is missing back to ``step-N``: it is a complete step that
+    a failed (or killed) second persist of step N moved aside; without this it would be lost to resume. Returns
+    those steps; best effort (a read-only disk keeps them for the next run)."""
+    try:
+        with os.scandir(root) as found:
+            names = [e.name for e in found if e.name.endswith(".replaced") and e.is_dir()]
+    except OSError:
+        return []
+    restored = []
+    for name in names:
+        complete = _COMPLETE.fullmatch(name.removesuffix(".replaced"))
+        if complete and not os.path.exists(os.path.join(root, complete.group(0))):
+            with contextlib.suppress(OSError):
+                os.rename(os.path.join(root, name), os.path.join(root, complete.group(0)))
+                restored.append(int(complete.group(1)))
+    return sorted(restored)
 
 
 def prune(root: str, keep: int, job: str | None = None) -> list[int]:

@@ -203,6 +203,7 @@ class Redundancy:
         self.codec = Codec(self.layout.k, place.parity, place.backend)
         self.files: list[SlotFile | None] = [None] * PARITY_FILES
         self.steps: list[int | None] = [None] * PARITY_FILES  # complete parity held per file
+        self.wanted = 0  # bytes of the parity file made last (or tried: see _ensure)
         self.peers: dict[int, str] = {}  # node -> "host:port"
         self._connections = PeerPool(secret, peer_timeout)
         # two pieces in flight (erasure's pipeline), k fetches each; encoding is background work, a rebuild is not
@@ -735,12 +736,16 @@ class Redundancy:
         return int.from_bytes(hashlib.sha256(shape.encode()).digest()[:8], "little")
 
     def _ensure(self, index: int, payload: int) -> SlotFile:
+        """Parity file ``index`` with room for ``payload``; OSError (ENOSPC: the shm dir is full) leaves it None
+        and :attr:`wanted` its size."""
         file = self.files[index]
         if file is not None and file.capacity >= payload:
             return file
         if file is not None:
             file.close()
-        file = self.files[index] = SlotFile(self.path(index), HEADER_SIZE + payload, populate=True)
+            self.files[index] = None
+        self.wanted = HEADER_SIZE + payload
+        file = self.files[index] = SlotFile(self.path(index), self.wanted, populate=True)
         return file
 
     def _allocate_other(self, index: int, payload: int) -> None:
