@@ -128,6 +128,7 @@ PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are
 RELAY_PART = 1 << 20  # terms, or every survivor on this host; the most a relay request may ask for
 RELAY_PART_NIC = 256 << 10  # XOR chains with a survivor on another host
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
+REJECT_NOTICE = 60.0  # seconds between two console lines about refused peer connections
 
 
 class RedundancyError(RuntimeError):
@@ -204,6 +205,8 @@ class Redundancy:
         self.files: list[SlotFile | None] = [None] * PARITY_FILES
         self.steps: list[int | None] = [None] * PARITY_FILES  # complete parity held per file
         self.wanted = 0  # bytes of the parity file made last (or tried: see _ensure)
+        self._rejected_shown = -REJECT_NOTICE  # when the last refused connection was printed (see _rejected)
+        self._rejected_quiet = 0  # refused connections not printed since
         self.peers: dict[int, str] = {}  # node -> "host:port"
         self._connections = PeerPool(secret, peer_timeout)
         # two pieces in flight (erasure's pipeline), k fetches each; encoding is background work, a rebuild is not
@@ -273,7 +276,15 @@ class Redundancy:
 
     # -- serving peers ----------------------------------------------------------------------------------------
     def _rejected(self, message: str) -> None:
-        self.keeper.events.emit("peer_rejected", f"refused a peer connection: {message}", node=self.place.node)
+        """One console line per :data:`REJECT_NOTICE` seconds (a scan or a flood of stalled connections would
+        print one per connection); every one in the event log."""
+        now = time.monotonic()
+        shown = now - self._rejected_shown >= REJECT_NOTICE
+        more = f" ({self._rejected_quiet} more since the last such line)" if shown and self._rejected_quiet else ""
+        self._rejected_shown, self._rejected_quiet = (now, 0) if shown else (self._rejected_shown,
+                                                                              self._rejected_quiet + 1)
+        self.keeper.events.emit("peer_rejected", f"refused a peer connection: {message}{more}", console=shown,
+                                node=self.place.node)
 
     def serve(self, request: dict[str, Any]) -> Reply:
         op = request.get("op")

@@ -332,6 +332,8 @@ class PeerServer:
                 continue
             peer = f"{addr[0]}:{addr[1]}"
             with self._lock:
+                if len(self._connections) >= self.max_connections:
+                    self._forget_closed()
                 admitted = not self._closed and len(self._connections) < self.max_connections
                 if admitted:
                     self._connections.add(conn)
@@ -341,6 +343,20 @@ class PeerServer:
                     self._report(f"peer {peer}: refused, {self.max_connections} connections already open")
                 continue
             threading.Thread(target=self._serve, args=(conn, peer), name=f"ftrun-peer-{peer}", daemon=True).start()
+
+    def _forget_closed(self) -> None:
+        """Forget the connections their peers have closed, whose threads have not yet seen it (under the lock): a
+        pool that just replaced some of its connections is not refused for ones already gone."""
+        for conn in list(self._connections):
+            if conn.gettimeout() is not None:  # in its handshake: a recv would wait for up to its timeout
+                continue
+            try:
+                if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                    self._connections.discard(conn)
+            except (BlockingIOError, InterruptedError):  # open, nothing to read
+                pass
+            except OSError:  # reset, or closed by its thread meanwhile
+                self._connections.discard(conn)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
