@@ -170,6 +170,7 @@ def finalize(root: str, step: int, job: str, nnodes: int, nproc_per_node: int, e
         os.fsync(f.fileno())
     _fsync(partial)
     if os.path.isdir(final):
+        shutil.rmtree(replaced_dir(root, step), ignore_errors=True)  # a stale one, left beside a complete step
         os.rename(final, replaced_dir(root, step))
     try:
         os.rename(partial, final)
