@@ -50,7 +50,8 @@ SYNTAX = "x = (\n"
 MISSING_IMPORT = "import os\nimport no_such_module_ftrun_test\n"
 SAME_AT_IMPORT = 'raise ValueError("device_ids can only be used with a CUDA module")\n'
 DIFFERENT_AT_IMPORT = 'import os\nraise ValueError(f"broken in restart {os.environ[\'TORCHELASTIC_RESTART_COUNT\']}")\n'
-AFTER_FIRST_BEAT = 'import ftrun\nftrun.heartbeat(0)\nraise ValueError("broken after the first heartbeat")\n'
+AFTER_FIRST_BEAT = ('import os, ftrun\nftrun.heartbeat(int(os.environ["TORCHELASTIC_RESTART_COUNT"]))\n'
+                    'raise ValueError("broken after the first heartbeat")\n')  # at another step each time
 ABORT_AT_IMPORT = "import os\nos.abort()\n"
 
 
@@ -165,13 +166,14 @@ def test_same_as_earlier_compares_signatures():
 
 
 # -- the crash-loop rule (unit) ------------------------------------------------------------------------------------
-def crash(signature: str = "ValueError: bad", early: bool = True) -> Failure:
-    return Failure("crash", "rank 0 exited with code 1 (ValueError: bad)", 0, 0, "waitpid", None,
+def crash(signature: str = "ValueError: bad", early: bool = True, step: int | None = None) -> Failure:
+    return Failure("crash", "rank 0 exited with code 1 (ValueError: bad)", 0, 0, "waitpid", step,
                    signature=signature, early=early)
 
 
-def started_by(signature: str = "ValueError: bad", early: bool = True, kind: str = "crash", gen: int = 1):
-    return Generation(gen, kind, "rank 1 exited with code 1", 0, 1, "waitpid", 1.0, None, None, signature, early)
+def started_by(signature: str = "ValueError: bad", early: bool = True, kind: str = "crash", gen: int = 1,
+               step: int | None = None):
+    return Generation(gen, kind, "rank 1 exited with code 1", 0, 1, "waitpid", 1.0, step, None, signature, early)
 
 
 @pytest.mark.parametrize("cause, failure, loop", [
@@ -184,6 +186,10 @@ def started_by(signature: str = "ValueError: bad", early: bool = True, kind: str
     (started_by(kind="node-lost", signature="", early=False), crash(), False),
     (Generation(0, "start", "job started"), crash(), False),  # generation 0: nothing to repeat
     (started_by(signature=""), crash(signature=""), False),  # no signature: nothing to compare
+    (started_by(early=False, step=16), crash(early=False, step=16), True),  # the same step after the restore
+    (started_by(early=False, step=16), crash(early=False, step=17), False),  # later: the restore got further
+    (started_by(early=False, step=16), crash(early=False, signature="ValueError: other", step=16), False),
+    (started_by(early=False, kind="hang", step=16), crash(early=False, step=16), False),
 ])
 def test_crash_loop_rule(cause, failure, loop):
     assert cause.repeated_by(failure) is loop
@@ -199,6 +205,9 @@ def test_crash_loop_becomes_a_fatal_failure_with_one_clear_reason_unless_the_lim
     assert fatal.reason == f"{CRASH_LOOP}: ValueError: bad" == \
         "failed the same way twice before its first step; not restarting: ValueError: bad"
     assert reported(started_by(), crash(early=False)) == crash(early=False)  # restarts as before
+    again = reported(started_by(early=False, step=16), crash(early=False, step=16))
+    assert again.kind == "fatal" and again.reason == "failed the same way twice at step 16; not restarting: " \
+        "ValueError: bad"
     assert reported(started_by(gen=1), crash(), max_restarts=1) == crash()  # the restart limit ends it anyway
     assert reported(started_by(gen=1), crash(), max_restarts=2).kind == "fatal"
 
@@ -388,6 +397,18 @@ def test_the_same_failure_after_the_first_heartbeat_restarts_as_before(start_job
     assert {f["signature"] for f in failures} == {"ValueError: broken after the first heartbeat"}
     assert "restart limit reached (2 restarts)" in job.output and CRASH_LOOP not in job.output
     assert "same failure as generation" not in job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(180)
+def test_the_same_failure_at_the_same_step_twice_stops_the_job(start_job, tmp_path):
+    """A restore replays the steps bit for bit: a crash at the step it restores (or after the last snapshot)
+    comes back at every restart; it restarted up to --max-restarts."""
+    script = write(tmp_path, "same_step.py", 'import ftrun\nftrun.heartbeat(3)\nraise ValueError("broken at 3")\n')
+    job = start_job(str(script))
+    assert job.wait() == 3, job.output
+    assert generations_started(job) == [0, 1]
+    assert "job failed: failed the same way twice at step 3; not restarting: ValueError: broken at 3" in job.output
     assert_job_left_nothing(job)
 
 

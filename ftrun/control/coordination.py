@@ -108,9 +108,12 @@ class Generation:
 
     def repeated_by(self, failure: Failure) -> bool:
         """Whether ``failure``, seen in this generation, is a crash loop: it and the crash that started this
-        generation both happened before the first heartbeat, the same way (same signature)."""
-        return (self.kind == failure.kind == "crash" and self.early and failure.early
-                and bool(failure.signature) and failure.signature == self.signature)
+        generation happened the same way (same signature), both before the first heartbeat, or both at the same
+        reported step (a restore replays the steps bit for bit: a crash at the step it restored, or after the
+        last snapshot, comes back at every restart)."""
+        return (self.kind == failure.kind == "crash" and bool(failure.signature)
+                and failure.signature == self.signature
+                and ((self.early and failure.early) or (self.step is not None and failure.step == self.step)))
 
 
 GENESIS = Generation(0, "start", "job started")  # generation 0 as read when the store holds no authentic one

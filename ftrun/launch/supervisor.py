@@ -795,13 +795,14 @@ class Supervisor:
         return not self.coord.marks(gen, "up")
 
     def _crash_loop(self, seen: bytes, failure: Failure) -> Failure:
-        """``failure`` as it is reported: a crash that repeats, before the first heartbeat, the one that started
-        this generation (:meth:`Generation.repeated_by`) ends the job, with one clear reason, instead of
-        restarting; when the restart limit ends it anyway, it is reported as usual."""
+        """``failure`` as it is reported: a crash that repeats the one that started this generation, before the
+        first heartbeat or at the same step (:meth:`Generation.repeated_by`), ends the job with one clear reason
+        instead of restarting; when the restart limit ends it anyway, it is reported as usual."""
         cause = Generation.decode(seen)
         if not cause.repeated_by(failure) or cause.gen + 1 > self.spec.max_restarts:
             return failure
-        return replace(failure, kind="fatal", reason=f"{CRASH_LOOP}: {_first_line(failure.signature)}")
+        how = CRASH_LOOP if failure.early else f"failed the same way twice at step {failure.step}; not restarting"
+        return replace(failure, kind="fatal", reason=f"{how}: {_first_line(failure.signature)}")
 
     def _fail(self, seen: bytes, failure: Failure) -> bytes:
         """Report a failure: try to start the next generation with it; returns the raw generation now current."""
