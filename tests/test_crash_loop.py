@@ -262,7 +262,7 @@ def test_bootstrap_sees_what_python_script_sees(tmp_path):
     (tmp_path / "sub").mkdir()
     script = write(tmp_path / "sub", "show.py", "import sys\nprint(sys.argv, sys.path[0], __name__, __file__)\n")
     (tmp_path / "link.py").symlink_to(script)
-    for target in (script, tmp_path / "link.py"):
+    for target in (script, tmp_path / "link.py", "sub/show.py", "./link.py"):  # relative: sys.argv[0] as given
         expected = subprocess.run([sys.executable, str(target), "a"], cwd=tmp_path, capture_output=True, text=True)
         assert bootstrap_run(str(target), "a", cwd=tmp_path).stdout == expected.stdout
     write(tmp_path, "showmod.py", "import sys\nprint(sys.argv, sys.path[0], __name__, __file__)\n")

@@ -90,7 +90,7 @@ def run_as_main(target: str, module: bool) -> None:
         main.__dict__.update(__file__=spec.origin, __cached__=None, __loader__=spec.loader, __package__="",
                              __spec__=spec)
     else:
-        path = os.path.abspath(target)
+        path = os.path.join(os.getcwd(), target)  # as python's __file__: joined, not normalized (./a.py stays)
         sys.path.insert(0, os.path.dirname(os.path.realpath(target)))
         forget_shadowed(sys.path[0])
         with io.open_code(path) as f:

@@ -185,7 +185,8 @@ def resume() -> tuple[JobConfig, Begun, list[str]]:
 
 
 def resolve_target(cfg: JobConfig, target: str) -> str:
-    """Check that the script (or executable) exists before anything starts."""
+    """Check that the script (or executable) exists before anything starts; a script's path is kept as given
+    (relative to the launcher's directory, where every trainer runs)."""
     if cfg.module:
         return target
     if cfg.no_python:
@@ -200,7 +201,7 @@ def resolve_target(cfg: JobConfig, target: str) -> str:
         raise UsageError(f"script not found: {target}")
     elif not os.path.isfile(target):  # a FIFO or a device reads once; every trainer and restart reads the script
         raise UsageError(f"script {target} is not a regular file (a pipe or device can be read only once)")
-    return os.path.abspath(target)
+    return target  # as given, as python keeps it in sys.argv[0]: the trainers run in this directory
 
 
 def check_directories(cfg: JobConfig) -> None:
