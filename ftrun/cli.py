@@ -300,9 +300,8 @@ def sbatch_template(
 def check_batch_args(args: list[str], nodes: int) -> None:
     """The ftrun command line a batch script embeds parses as ``ftrun run`` parses it (flags, their types, a
     script) and leaves the nodes' ranks to srun; its values are checked on the nodes, where they apply."""
-    command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
     try:
-        params = command.make_context("ftrun", args[1:] if args[:1] == ["run"] else list(args)).params  # it pops
+        params = _run_command().make_context("ftrun", args[1:] if args[:1] == ["run"] else list(args)).params  # it pops
     except TyperException as err:
         raise UsageError(f"the ftrun arguments after --: {err.format_message()}") from None
     if params["node_rank"] is not None:
@@ -312,11 +311,14 @@ def check_batch_args(args: list[str], nodes: int) -> None:
                          f"--nodes {nodes}: drop --nnodes")
 
 
+def _run_command() -> typer.core.TyperCommand:
+    return typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined,return-value]
+
+
 def script_index(args: list[str]) -> int:
     """Where the script starts in the arguments of ``ftrun [run]`` (``len(args)``: no script): after the options,
     the values of those that take one, and a ``--``."""
-    command = typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined]
-    takes_value = {name for param in command.params if isinstance(param, typer.core.TyperOption)
+    takes_value = {name for param in _run_command().params if isinstance(param, typer.core.TyperOption)
                    and not param.is_flag for name in param.opts}
     index = 1 if args[:1] == ["run"] else 0
     while index < len(args):

@@ -156,23 +156,20 @@ class C10dStore:
         """Nothing to do: torch closes the connection when the store object goes."""
 
 
-def cut_connections(host: str, port: int) -> int:
+def cut_connections(host: str, port: int) -> None:
     """Shut down (both ways) every TCP connection of this process to ``host:port``; a thread blocked reading one
-    returns at once. Returns how many."""
+    returns at once."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
     except OSError:
         addresses = {host}
-    cut = 0
     for conn in psutil.Process().net_connections(kind="tcp"):
         if conn.raddr and conn.raddr.port == port and conn.raddr.ip.removeprefix("::ffff:") in addresses:
             try:
                 with socket.socket(fileno=os.dup(conn.fd)) as sock:  # a duplicate: shutdown acts on the socket
                     sock.shutdown(socket.SHUT_RDWR)
-                cut += 1
             except OSError:  # closed meanwhile
                 pass
-    return cut
 
 
 def host_store(port: int, what: str = "control store", bind: str = LOOPBACK,

@@ -175,8 +175,8 @@ class Launcher:
             host, port = split_endpoint(cfg.rdzv_endpoint.split(",")[0])
             return host, port, open_store(self.address, cfg.rdzv_timeout, report)
         if cfg.local_mode:
-            port = split_endpoint(cfg.rdzv_endpoint)[1] if cfg.rdzv_endpoint else 0
-            if cfg.rdzv_endpoint and not is_local_host(split_endpoint(cfg.rdzv_endpoint)[0]):
+            host, port = split_endpoint(cfg.rdzv_endpoint) if cfg.rdzv_endpoint else (LOOPBACK, 0)
+            if cfg.rdzv_endpoint and not is_local_host(host):
                 raise UsageError(f"--rdzv-endpoint {cfg.rdzv_endpoint} is not on this host, but a job of this host "
                                  "alone hosts its control store here: give 127.0.0.1:PORT, or --node-rank N for a "
                                  "node of a multi-node job")

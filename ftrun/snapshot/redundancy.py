@@ -281,8 +281,10 @@ class Redundancy:
         now = time.monotonic()
         shown = now - self._rejected_shown >= REJECT_NOTICE
         more = f" ({self._rejected_quiet} more since the last such line)" if shown and self._rejected_quiet else ""
-        self._rejected_shown, self._rejected_quiet = (now, 0) if shown else (self._rejected_shown,
-                                                                              self._rejected_quiet + 1)
+        if shown:
+            self._rejected_shown, self._rejected_quiet = now, 0
+        else:
+            self._rejected_quiet += 1
         self.keeper.events.emit("peer_rejected", f"refused a peer connection: {message}{more}", console=shown,
                                 node=self.place.node)
 
