@@ -21,7 +21,8 @@
    were 1.4 s, a fifth of it the first parity.)
    The issue's target for parity: >= 0.97 x without.
 
-    python benchmarks/cuda.py            # about 4 minutes on an H100
+    python benchmarks/cuda.py                  # about 4 minutes on an H100
+    python benchmarks/cuda.py --sections 34    # only the figures
 """
 
 from __future__ import annotations
@@ -305,7 +306,7 @@ def main() -> int:
     parser.add_argument("--out", help=argparse.SUPPRESS)
     parser.add_argument("--size-mib", type=int, default=1024, help="state of the worker (default 1024)")
     parser.add_argument("--batch", type=int, default=4096, help="rows per training step of the worker")
-    parser.add_argument("--skip-jobs", action="store_true", help="only 3. and 4. (the figures)")
+    parser.add_argument("--sections", default="1234", help="which of the sections to run, in order (default 1234)")
     parser.add_argument("--ec-size-mib", type=int, default=256, help="state per trainer in 4. (default 256)")
     parser.add_argument("--ec-batch", type=int, default=1024, help="rows per training step in 4.")
     parser.add_argument("--train-steps", type=int, default=1500,
@@ -331,41 +332,44 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ftrun-cuda-") as tmp:
         workdir = Path(args.log_dir or tmp)
         workdir.mkdir(parents=True, exist_ok=True)
-        if not args.skip_jobs:
+        if "1" in args.sections:
             print("1. one trainer on the GPU (NCCL): crash at step 25, hang at step 45", flush=True)
             ok &= bitwise(workdir, "gpu", ["--nnodes", "1", "--nproc-per-node", "1", "--hang-timeout", "3"],
                           ["crash@rank=0,step=25", "hang@rank=0,step=45,gen=1"], [])
+        if "2" in args.sections:
             print("2. 3 nodes x 1 trainer on one GPU (gloo), k=2 m=1: node 1 lost at step 25", flush=True)
             ok &= bitwise(workdir, "ec", ["--nnodes", "3", "--nproc-per-node", "1", "--node-timeout", "3"],
                           ["node-loss@node=1,step=25"], ["--backend", "gloo"])
-        print(f"3. Snapshotter over {args.size_mib} MiB of CUDA state (medians of 5)", flush=True)
-        out = workdir / "worker.json"
-        code, seconds, events = ftrun(workdir, "worker", ["--nnodes", "1", "--nproc-per-node", "1",
-                                                          "--max-restarts", "1"],
-                                      [str(Path(__file__).resolve()), "--worker", "--out", str(out),
-                                       "--size-mib", str(args.size_mib), "--batch", str(args.batch)])
-        r = json.loads(out.read_text()) if out.exists() else {}
-        print(json.dumps(r, indent=1))
-        if code or not r.get("bitwise"):
-            ok = False
-            print("  worker: FAIL")
-        else:
-            gb = r["bytes"] / 1e9
-            print(f"  {gb:.2f} GB: pageable copy {gb / r['pageable_s']:.2f} GB/s, "
-                  f"pinned {gb / r['pinned_s']:.2f} GB/s, save()+wait() {gb / r['save_wait_s']:.2f} GB/s "
-                  f"(save() blocks {r['save_block_s'] * 1e3:.1f} ms)")
-            off = statistics.median(r["steps_per_s_off"])
-            for key in ("every10", "every1"):
-                print(f"  training with a snapshot {key}: {statistics.median(r['steps_per_s_' + key]) / off:.3f} x off "
-                      f"({off:.2f} steps/s off)")
-            print(f"  page-locking a shared-memory mapping of as many bytes: {r['register_s']:.3f} s, "
-                  f"unlocking it {r['unregister_s']:.3f} s")
-            print(f"  restore at the restart {r['first_restore_s']:.3f} s; again into the live CUDA tensors "
-                  f"{r['restore_s']:.3f} s ({gb / r['restore_s']:.2f} GB/s); bit-exact: {r['bitwise']}")
-            print(f"    {recovery(events)}")
-        print(f"4. training with parity (k=2 m=1) over without: 3 nodes x 1 trainer sharing the GPU, "
-              f"{args.ec_size_mib} MiB each, a snapshot every 10 steps", flush=True)
-        ok &= training_with_parity(args, workdir)
+        if "3" in args.sections:
+            print(f"3. Snapshotter over {args.size_mib} MiB of CUDA state (medians of 5)", flush=True)
+            out = workdir / "worker.json"
+            code, seconds, events = ftrun(workdir, "worker", ["--nnodes", "1", "--nproc-per-node", "1",
+                                                              "--max-restarts", "1"],
+                                          [str(Path(__file__).resolve()), "--worker", "--out", str(out),
+                                           "--size-mib", str(args.size_mib), "--batch", str(args.batch)])
+            r = json.loads(out.read_text()) if out.exists() else {}
+            print(json.dumps(r, indent=1))
+            if code or not r.get("bitwise"):
+                ok = False
+                print("  worker: FAIL")
+            else:
+                gb = r["bytes"] / 1e9
+                print(f"  {gb:.2f} GB: pageable copy {gb / r['pageable_s']:.2f} GB/s, "
+                      f"pinned {gb / r['pinned_s']:.2f} GB/s, save()+wait() {gb / r['save_wait_s']:.2f} GB/s "
+                      f"(save() blocks {r['save_block_s'] * 1e3:.1f} ms)")
+                off = statistics.median(r["steps_per_s_off"])
+                for key in ("every10", "every1"):
+                    ratio = statistics.median(r["steps_per_s_" + key]) / off
+                    print(f"  training with a snapshot {key}: {ratio:.3f} x off ({off:.2f} steps/s off)")
+                print(f"  page-locking a shared-memory mapping of as many bytes: {r['register_s']:.3f} s, "
+                      f"unlocking it {r['unregister_s']:.3f} s")
+                print(f"  restore at the restart {r['first_restore_s']:.3f} s; again into the live CUDA tensors "
+                      f"{r['restore_s']:.3f} s ({gb / r['restore_s']:.2f} GB/s); bit-exact: {r['bitwise']}")
+                print(f"    {recovery(events)}")
+        if "4" in args.sections:
+            print(f"4. training with parity (k=2 m=1) over without: 3 nodes x 1 trainer sharing the GPU, "
+                  f"{args.ec_size_mib} MiB each, a snapshot every 10 steps", flush=True)
+            ok &= training_with_parity(args, workdir)
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1
 
