@@ -82,14 +82,15 @@ def run_bitwise(start_job, tmp_path, expected: str, name: str, *flags: str, node
 
 @pytest.fixture
 def small_tmpfs(tmp_path):
-    """``mount(megabytes)``: a fresh tmpfs of that size (skips the test where mounting is not allowed);
-    unmounted after the test."""
+    """``mount(megabytes, options)``: a fresh tmpfs of that size, with more mount ``options`` if given (skips the
+    test where mounting is not allowed); unmounted after the test."""
     mounted: list[Path] = []
 
-    def mount(megabytes: int) -> Path:
+    def mount(megabytes: int, options: str = "") -> Path:
         path = tmp_path / f"tmpfs-{len(mounted)}"
         path.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700", "tmpfs", str(path)],
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m,mode=0700{options and ',' + options}",
+                               "tmpfs", str(path)],
                               capture_output=True, text=True)
         if done.returncode != 0:
             pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.strip()}")

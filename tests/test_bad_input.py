@@ -179,6 +179,17 @@ def test_a_shm_dir_that_is_not_a_writable_directory_is_one_line(tmp_path, where)
                           "directory")
 
 
+def test_a_shm_dir_where_no_file_can_be_made_is_one_line(small_tmpfs):
+    """Room for bytes but no inode left (a tmpfs's nr_inodes, shared by many jobs): os.access passes, a file fails."""
+    full = small_tmpfs(64, "nr_inodes=4")
+    with pytest.raises(OSError):
+        for i in range(8):
+            (full / f"taken-{i}").write_text("")
+    code, stderr, _ = run_ftrun(str(SCRIPTS / "hello.py"), env={"FTRUN_SHM_DIR": str(full)})
+    assert_one_line_error(code, stderr, f"the shared-memory directory {full} (FTRUN_SHM_DIR): cannot make a file "
+                          "there (No space left on device)")
+
+
 @pytest.mark.parametrize("spec, fragment", [
     ("crash@rank=2,step=1", "--inject 'crash@rank=2,step=1': the job has 2 rank(s), numbered from 0"),
     ("node-loss@node=1,step=1", "the job has 1 node(s)"),

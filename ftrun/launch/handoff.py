@@ -215,12 +215,21 @@ def check_directories(cfg: JobConfig) -> None:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as err:
             raise UsageError(f"{flag} {path}: cannot create the directory ({err.strerror})") from None
-        probe = os.path.join(path, f".ftrun-probe-{os.getpid()}")
-        try:  # a real file, not os.access: root passes access() where no file can be made (/proc, a full quota)
-            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            os.unlink(probe)
-        except OSError as err:
-            raise UsageError(f"{flag} {path}: cannot write a file in the directory ({err.strerror})") from None
+        problem = file_problem(path)
+        if problem is not None:
+            raise UsageError(f"{flag} {path}: cannot write a file in the directory ({problem})")
+
+
+def file_problem(directory: str) -> str | None:
+    """Why no file can be made in ``directory`` (the error's text), or None: a real file is made and removed, not
+    ``os.access``, which root passes where no file can be made (/proc, a full quota, no inode left)."""
+    probe = os.path.join(directory, f".ftrun-probe-{os.getpid()}")
+    try:
+        os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        os.unlink(probe)
+    except OSError as err:
+        return err.strerror or str(err)
+    return None
 
 
 def check_shm_dir() -> None:
@@ -237,6 +246,9 @@ def check_shm_dir() -> None:
     if free < SHM_FLOOR:
         raise UsageError(f"the shared-memory directory {where} has {free >> 10} KiB free; ftrun needs at least "
                          f"{SHM_FLOOR >> 20} MiB there before any snapshot")
+    problem = file_problem(directory)
+    if problem is not None:  # no inode left (a tmpfs's nr_inodes), a security module's denial
+        raise UsageError(f"the shared-memory directory {where}: cannot make a file there ({problem})")
 
 
 def job_id_for(cfg: JobConfig) -> str:
