@@ -229,9 +229,9 @@ def test_a_stop_signal_while_the_job_starts_ends_it_in_one_line(start_job, tmp_p
     from an import, or typer's silent exit 130), while the launcher imports torch, or while it waits, used to end
     in a KeyboardInterrupt traceback (or be lost)."""
     script = SCRIPTS / "hello.py"
-    if when == "cli":  # a script the command reads for a second or so before the exec (import_settings parses it)
-        script = tmp_path / "long.py"
-        script.write_text("\n".join(f"x{i} = {i}" for i in range(60000)))
+    if when == "cli":  # a script the command reads for a second or so before the exec (import_settings parses it:
+        script = tmp_path / "long.py"  # it names os.environ)
+        script.write_text("import os\nos.environ.get('HOME')\n" + "\n".join(f"x{i} = {i}" for i in range(60000)))
     job = start_job("--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}",
                     "--rdzv-timeout", "60", str(script))
     if when == "cli":  # in the command's checks: PyYAML's C extension is mapped (the config's import) or the exec

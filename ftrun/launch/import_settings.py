@@ -38,6 +38,7 @@ READ_AT_IMPORT_PREFIXES = ("TORCH", "PYTORCH_", "OMP_", "MKL_", "KMP_", "GOMP_",
 # read when CUDA or a process group starts, in the trainer: a forked trainer sees them as a new one does
 READ_LATER_PREFIXES = ("TORCH_NCCL_", "PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_NO_CUDA_MEMORY_CACHING",
                        "TORCH_CUDA_ARCH_LIST", "TORCHELASTIC_")
+ENVIRON_WORDS = (b"environ", b"putenv")  # every write this module finds names one of them
 
 
 @dataclass(frozen=True)
@@ -61,7 +62,10 @@ def import_time_settings(target: str, module: bool, environ: Mapping[str, str]) 
         return []
     try:
         with open(path, "rb") as f:
-            tree = ast.parse(f.read(), path)
+            source = f.read()
+        if not any(word in source for word in ENVIRON_WORDS):
+            return []  # no write of the environment: no parse (a 5 MB script parses in seconds)
+        tree = ast.parse(source, path)
     except (OSError, SyntaxError, ValueError):
         return []
     found = []
