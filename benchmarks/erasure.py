@@ -733,10 +733,10 @@ def main() -> int:
                         help="hot spares of the node-loss jobs (each allocates the slots it would rebuild while it "
                              "waits; as many as nodes lost: every rebuild writes into memory allocated before)")
     parser.add_argument("--no-training", action="store_true", help="skip the training-throughput jobs")
-    parser.add_argument("--quick", action="store_true", help="16 MiB, 2 repetitions, 10 steps: a smoke check")
+    parser.add_argument("--quick", action="store_true", help="16 MiB, 2 repetitions, 12 steps: a smoke check")
     args = parser.parse_args()
     if args.quick:
-        args.size_mib, args.reps, args.steps, args.hold_at, args.loss_at = 16, 2, 10, 3, 6
+        args.size_mib, args.reps, args.steps, args.hold_at, args.loss_at = 16, 2, 12, 3, 8
         args.train_steps, args.train_reps, args.matmuls = (UNTIMED_SNAPSHOTS + 2) * args.every, 1, 20
     if not 0 < args.hold_at < args.loss_at < args.steps:
         parser.error("need 0 < --hold-at < --loss-at < --steps")
