@@ -153,6 +153,25 @@ def test_a_relayed_rebuild_is_bit_exact_and_receives_each_byte_once(make_group, 
     assert not group.events("rebuild_relay_failed")
 
 
+@pytest.mark.parametrize("shape,lost", [((3, 1), 1), ((6, 2), 2)], ids=["k2", "k4m2"])
+def test_survivors_serve_a_rebuild_at_normal_priority_though_they_served_encoders_at_idle(make_group, shape, lost):
+    """Encoding is background work: a thread serving an encoder's fetch runs in SCHED_IDLE from then on. A rebuild
+    is not: its requests, the survivors' relayed fetches among them, go over connections of their own, so no
+    survivor serves them on a thread an encoder lowered (which waits for every idle core)."""
+    group = make_group(*shape, one_host=True)
+    policies: list[int] = []
+    for keeper in group.keepers.values():
+        def record(step: int, serving: Any = keeper.redundancy.serving_rebuild) -> None:
+            policies.append(os.sched_getscheduler(0))  # the serving thread's policy (Linux: 0 = this thread)
+            serving(step)
+
+        keeper.redundancy.serving_rebuild = record
+    group.lose(lost)
+    reply = group.rebuild(lost)
+    assert reply.get("bytes") == group.blob(lost) and group.holds(lost), reply
+    assert policies and os.SCHED_IDLE not in policies, policies
+
+
 def test_a_relay_that_fails_falls_back_to_the_direct_rebuild(make_group, monkeypatch):
     group = make_group(3, 1)
     group.lose(1)

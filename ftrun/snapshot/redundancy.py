@@ -63,7 +63,9 @@ keeper holds parity of the step already (then it pushes none: its holders do not
 ``xor {step, stripe, parts, chunk_len, offset, length[, want, sources]}`` -> the XOR of those bytes of fragments
 ``parts`` of ``stripe`` (parts[0] this node's; relayed), or of their terms in the reconstruction of fragment
 ``want`` from ``sources``; ``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece;
-``parity_put_end {step, t, infos}``.
+``parity_put_end {step, t, infos}``. A rebuild's requests carry ``rebuild`` and go over connections of their
+own: a thread that served an encoder's ``chunk`` runs in ``SCHED_IDLE`` from then on (encoding is background
+work), and none of those serves a rebuild, which the whole job waits for.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are
 # benchmarks/erasure.py, k=2 m=1), 256 KiB doubles it: 7.09 and 5.38 against 3.54 with 1 MiB
 RELAY_PART = 1 << 20  # terms, or every survivor on this host; the most a relay request may ask for
 RELAY_PART_NIC = 256 << 10  # XOR chains with a survivor on another host
+REBUILD_IDLE_CONNECTIONS = 2  # idle connections per peer kept after a rebuild (rare; an encoder's pool keeps 4)
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
 REJECT_NOTICE = 60.0  # seconds between two console lines about refused peer connections
 
@@ -209,6 +212,9 @@ class Redundancy:
         self._rejected_quiet = 0  # refused connections not printed since
         self.peers: dict[int, str] = {}  # node -> "host:port"
         self._connections = PeerPool(secret, peer_timeout)
+        # a rebuild's requests on connections of their own: a peer's thread that served an encoder runs in
+        # SCHED_IDLE for good (serve), and a rebuild, which every trainer waits for, must not wait for idle cores
+        self._rebuild_connections = PeerPool(secret, peer_timeout, idle=REBUILD_IDLE_CONNECTIONS)
         # two pieces in flight (erasure's pipeline), k fetches each; encoding is background work, a rebuild is not
         self._pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-rebuild-fetch")
         self._encode_pool = ThreadPoolExecutor(2 * max(place.group, 1), thread_name_prefix="ftrun-encode-fetch",
@@ -270,6 +276,7 @@ class Redundancy:
         self._encode_pool.shutdown(wait=False)
         self.server.close()
         self._connections.close()
+        self._rebuild_connections.close()
         for file in self.files:
             if file is not None:
                 file.close()
@@ -596,11 +603,13 @@ class Redundancy:
 
     # -- talking to peers -------------------------------------------------------------------------------------
     def _request(self, node: int, op: str, **fields: Any) -> tuple[dict[str, Any], bytes | int]:
-        """``op`` to ``node``'s keeper over a pooled connection (:class:`~ftrun.snapshot.transport.PeerPool`)."""
+        """``op`` to ``node``'s keeper over a pooled connection (:class:`~ftrun.snapshot.transport.PeerPool`):
+        the rebuilds' pool for a request marked ``rebuild``, else the encoders'."""
         address = self.peers.get(node)
         if address is None:
             raise PeerUnavailable(f"address of node {node}'s keeper unknown")
-        return self._connections.request(address, op, **fields)
+        pool = self._rebuild_connections if fields.get("rebuild") else self._connections
+        return pool.request(address, op, **fields)
 
     def _fetch_into(self, node: int, op: str, into: memoryview, **fields: Any) -> None:
         """Receive ``node``'s answer to ``op`` straight into ``into``, which it must fill exactly."""
