@@ -234,13 +234,57 @@ def test_prune(dirs, states):
         write_step(root, shm, step, states[:1])
     for step in (15, 35, 50):
         persist.write_rank(persist.partial_dir(str(root), step), 0, make_slot(shm / f"p{step}", states[0], step)[0])
-    assert persist.prune(str(root), 2) == [10, 15, 20, 35]
+    assert persist.prune(str(root), 2, 40) == [10, 15, 20, 35]
     assert persist.complete_steps(str(root)) == [30, 40]
-    assert persist.step_dirs(str(root), partial=True) == [50]  # newer than the newest complete: being written
-    assert persist.prune(str(root), 0) == [30]  # never the newest complete step
+    assert persist.step_dirs(str(root), partial=True) == [50]  # newer than the step persisted: being written
+    assert persist.prune(str(root), 0, 40) == [30]  # never the step persisted
     assert persist.complete_steps(str(root)) == [40]
-    assert persist.prune(str(root), 5) == []
-    assert persist.prune(str(root / "missing"), 1) == []
+    assert persist.prune(str(root), 5, 40) == []
+    assert persist.prune(str(root / "missing"), 1, 40) == []
+
+
+def test_prune_keeps_the_step_just_persisted_and_leaves_newer_steps_alone(dirs, states, monkeypatch):
+    """A run that resumed from 51 because 60 and 70 failed their checks (or another run wrote them) persists 53:
+    counting 60 and 70 toward --keep deleted 53 and 51 and left only steps that cannot be loaded."""
+    root, shm = dirs
+    for step in (40, 51, 60, 70):
+        write_step(root, shm, step, states[:1])
+    flip_byte(root / "step-00000060" / "rank-00000.snap", HEADER_SIZE + 10)
+    write_step(root, shm, 53, states[:1])
+    assert persist.prune(str(root), 1, 53) == [40, 51]
+    assert persist.complete_steps(str(root)) == [53, 60, 70]
+    write_step(root, shm, 55, states[:1])
+    assert persist.prune(str(root), 2, 55) == []
+    real = persist.complete_steps
+    monkeypatch.setattr(persist, "complete_steps", lambda *a: [7, *real(*a)])  # 7: pruned by another process
+    write_step(root, shm, 57, states[:1])
+    assert persist.prune(str(root), 2, 57) == [7, 53]
+    assert real(str(root)) == [55, 57, 60, 70]
+
+
+@pytest.mark.timeout(30)
+def test_a_manifest_nested_too_deep_or_a_fifo_in_a_step_is_not_a_step(dirs, states):
+    """A hostile step directory: JSON nested 200,000 deep (a RecursionError in json), or a FIFO where a file
+    should be (a reader would block forever). Neither is loaded, and nothing hangs or raises past the check."""
+    root, shm = dirs
+    write_step(root, shm, 10, states)
+    (root / "step-00000020").mkdir()
+    (root / "step-00000020" / "manifest.json").write_text("[" * 200_000 + "]" * 200_000)
+    (root / "step-00000030").mkdir()
+    os.mkfifo(root / "step-00000030" / "manifest.json")
+    assert persist.complete_steps(str(root)) == [10]
+    with pytest.raises(ValueError, match="step-00000020"):
+        persist.manifest(str(root), 20)
+    with pytest.raises(OSError, match="not a regular file"):
+        persist.manifest(str(root), 30)
+    rank_file = root / "step-00000010" / "rank-00001.snap"
+    rank_file.unlink()
+    os.mkfifo(rank_file)
+    target = SlotFile(str(shm / "target"), 1 << 20)
+    with pytest.raises(OSError, match="not a regular file"):
+        persist.load_rank(str(root), 10, 1, target)
+    assert target.header().state == EMPTY
+    target.close()
 
 
 def test_load_rank_round_trip(dirs, states):
@@ -409,7 +453,7 @@ def test_a_ckpt_dir_shared_by_jobs(dirs, states, tmp_path):
     write_step(other, shm, 20, states)
     assert persist.job_dirs(str(root.parent)) == [str(root), str(other)]
     assert persist.job_dirs(str(root)) == [str(root)]
-    assert persist.prune(str(other), 1, job="someone-else") == []  # never another job's steps
+    assert persist.prune(str(other), 1, 20, job="someone-else") == []  # never another job's steps
     out = str(tmp_path / "out")
     assert_one_line_error(ftrun("export", str(root.parent), "--format", "torch", out), "several jobs", "--job")
     assert_one_line_error(ftrun("export", str(root.parent), "--job", "nope", "--format", "torch", out), "nope")

@@ -49,8 +49,8 @@ from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
 from ftrun.events import EventLog
 from ftrun.snapshot.dcp_copy import DcpCopies
-from ftrun.snapshot.persist import (MANIFEST, complete_steps, finalize, manifest, move_aside, prune, remove_partial,
-                                    replaced_dir, step_name)
+from ftrun.snapshot.persist import (MANIFEST, MAX_MANIFEST_BYTES, complete_steps, finalize, manifest, move_aside,
+                                    open_regular, prune, remove_partial, replaced_dir, step_name)
 from ftrun.snapshot.protocol import POLL_WAIT
 
 READ_INTERVAL = 0.2  # how often a node reads the round document while it holds nothing for one
@@ -255,14 +255,19 @@ class Durability:
             try:  # a step-N left by an earlier run of the job (it resumed from older) goes to `replaced`
                 path = finalize(self.root, step, self.spec.job_id, self.spec.nnodes, self.spec.nproc_per_node,
                                 entries)
-                pruned = prune(self.root, self.spec.keep, self.spec.job_id)
-                self._drop_replaced(replaced)
             except (OSError, ValueError) as err:
                 errors = [f"{err.strerror} ({err.filename})" if isinstance(err, OSError) and err.filename
                           else str(err)]
         if errors:
             self._failed(step, "; ".join(errors))
             return
+        self._drop_replaced(replaced)
+        try:  # the step is on disk: failing to delete older ones does not undo that
+            pruned = prune(self.root, self.spec.keep, step, self.spec.job_id)
+        except OSError as err:
+            pruned = []
+            self.events.emit("durability", f"WARNING could not remove old steps after persisting step {step}: "
+                             f"{err.strerror} ({err.filename})", step=step)
         self.done = step
         if self.copies is not None:
             self.copies.want(step)
@@ -286,14 +291,18 @@ class Durability:
         if not os.path.isdir(replaced):
             return
         try:
-            with open(os.path.join(replaced, MANIFEST), "rb") as f:
-                world = json.loads(f.read())["world"]
-        except (OSError, ValueError, KeyError, TypeError):
+            with open_regular(os.path.join(replaced, MANIFEST)) as f:
+                world = json.loads(f.read(MAX_MANIFEST_BYTES))["world"]
+        except (OSError, ValueError, KeyError, TypeError, RecursionError):
             world = None
         if world is None or world == self.spec.nnodes * self.spec.nproc_per_node:
             shutil.rmtree(replaced, ignore_errors=True)
             return
-        aside = move_aside(self.root, [replaced])
+        try:
+            aside = move_aside(self.root, [replaced])
+        except OSError as err:  # kept where it is; put_back_replaced never takes it while step-N exists
+            self.events.emit("durability", f"WARNING could not move {replaced} aside: {err.strerror}", path=replaced)
+            return
         self.events.emit("durability", f"moved {os.path.basename(replaced).removesuffix('.replaced')}, saved at "
                          f"world size {world} and persisted again by this run, to {aside}", path=aside,
                          saved_world=world)

@@ -38,7 +38,9 @@ import mmap
 import os
 import re
 import shutil
+import stat
 import time
+from typing import BinaryIO
 
 from ftrun.control.spec import safe_job_id
 from ftrun.snapshot.slot import CHUNK, EMPTY, HEADER_SIZE, SlotFile
@@ -100,7 +102,7 @@ def mkdir_private(path: str) -> None:
 
 def open_image(path: str) -> SlotFile:
     """A rank file mapped copy-on-write as a :class:`SlotFile`: needs read permission only, never writes it."""
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if size < HEADER_SIZE:
             raise CorruptStep(f"{path}: {size} bytes, smaller than a slot header")
@@ -202,7 +204,7 @@ def step_dirs(root: str, partial: bool = False) -> list[int]:
 def manifest(root: str, step: int) -> dict:
     """The manifest of complete ``step``; ValueError (naming the file) when it is not one :func:`finalize` wrote."""
     path = os.path.join(root, step_name(step), MANIFEST)
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         raw = f.read(MAX_MANIFEST_BYTES + 1)
     try:
         doc = json.loads(raw)
@@ -213,11 +215,25 @@ def manifest(root: str, step: int) -> dict:
         ok = ok and sorted(ranks) == sorted(map(str, range(world))) and all(
             e["file"] == rank_file(r) and all(type(e[k]) is int for k in ("bytes", "checksum", "digest"))
             and e["bytes"] >= HEADER_SIZE for r, e in ((r, ranks[str(r)]) for r in range(world)))
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: JSON nested too deep
         ok = False
     if not ok or not world:
         raise ValueError(f"{path}: not an ftrun format-{FORMAT} manifest of step {step}")
     return doc
+
+
+def open_regular(path: str) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file; else OSError: a FIFO planted in a step (or a device)
+    would block the reader forever."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", path)
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def complete_steps(root: str, job: str | None = None) -> list[int]:
@@ -272,17 +288,20 @@ def put_back_replaced(root: str) -> list[int]:
     return sorted(restored)
 
 
-def prune(root: str, keep: int, job: str | None = None) -> list[int]:
-    """Delete complete steps (of ``job`` when given) beyond the newest ``keep`` (never the newest complete one)
-    and every partial directory of a step older than the newest complete one; returns the steps deleted, oldest
-    first."""
-    complete = complete_steps(root, job)
+def prune(root: str, keep: int, persisted: int, job: str | None = None) -> list[int]:
+    """After step ``persisted`` was finalized: delete the complete steps (of ``job`` when given) up to it beyond
+    the newest ``keep`` of them (never ``persisted`` itself) and every partial directory of an older step;
+    returns the steps deleted, oldest first. Steps newer than ``persisted`` are left alone and not counted: they
+    are not this run's (one it could not resume from, a step that failed its checks, another run's), and counting
+    them deleted the step just written. A step that vanishes meanwhile (another process pruned it) is skipped."""
+    complete = [step for step in complete_steps(root, job) if step <= persisted]
     doomed = complete[:-max(keep, 1)]
     for step in doomed:
         remove_partial(root, step)
-        os.rename(os.path.join(root, step_name(step)), partial_dir(root, step))
+        with contextlib.suppress(FileNotFoundError):
+            os.rename(os.path.join(root, step_name(step)), partial_dir(root, step))
         remove_partial(root, step)
-    stale = [step for step in step_dirs(root, partial=True) if complete and step < complete[-1]]
+    stale = [step for step in step_dirs(root, partial=True) if step < persisted]
     for step in stale:
         remove_partial(root, step)
     return sorted(set(doomed) | set(stale))
@@ -311,7 +330,7 @@ def load_rank(root: str, step: int, rank: int, slot: SlotFile) -> None:
     path = os.path.join(root, step_name(step), entry["file"])
     slot.set_state(EMPTY)
     try:
-        with open(path, "rb") as f, memoryview(slot.map) as view:
+        with open_regular(path) as f, memoryview(slot.map) as view:
             size = os.fstat(f.fileno()).st_size
             if size > slot.size:
                 raise ValueError(f"{path}: {size} bytes do not fit in {slot.path} ({slot.size} bytes)")
