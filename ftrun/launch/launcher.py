@@ -58,7 +58,8 @@ from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bi
                                  route_address)
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
-from ftrun.snapshot.persist import complete_steps, job_dir, manifest, move_aside, put_back_replaced, step_name
+from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, step_dirs,
+                                    step_name)
 from ftrun.snapshot.reserve import unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
@@ -477,6 +478,7 @@ class Launcher:
         in DCP's format (``ftrun.dcp.MemoryReader`` reshards it); else a UsageError, before anything starts."""
         put_back_replaced(root)  # a step moved aside by a second persist of it that did not finish
         steps = complete_steps(root, self.job_id)
+        self._report_unreadable_steps(root, steps[-1] if steps else -1)
         if not steps:
             return
         world, newest = self.cfg.nnodes * self.cfg.nproc_per_node, steps[-1]
@@ -496,6 +498,24 @@ class Launcher:
                          f"at world size {saved} and this run has {world}; ftrun resumes at the same world size, or "
                          "from a step persisted with --ckpt-format dcp (resharded by ftrun.dcp.MemoryReader); start "
                          "afresh with --no-resume (the steps are moved aside, kept)")
+
+    def _report_unreadable_steps(self, root: str, newest: int) -> None:
+        """One line when step directories newer than the newest complete step are not steps of this job (a
+        manifest missing, edited, or another job's): the resume goes past them, and says so."""
+        skipped = [step for step in step_dirs(root) if step > newest]
+        if not skipped:
+            return
+        try:
+            reason = f"a step of job {manifest(root, skipped[-1])['job']!r}"
+        except OSError as err:
+            reason = f"{err.strerror} ({err.filename})"
+        except ValueError as err:
+            reason = str(err)
+        which = f"{len(skipped)} step director{'y' if len(skipped) == 1 else 'ies'} in {root}"
+        if newest >= 0:
+            which += f" newer than its newest complete step, {newest},"
+        self.events.emit("resume", f"WARNING {which} not resumed from: {step_name(skipped[-1])} is not a complete "
+                         f"step of this job ({reason})", steps=skipped, newest=newest)
 
     def _move_aside(self, root: str) -> None:
         """--no-resume: move this job's persisted steps into ``previous-<time>/`` (kept, but not resumed from)."""
