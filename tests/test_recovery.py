@@ -223,6 +223,20 @@ def test_a_second_start_of_a_running_job_id_is_refused_and_touches_nothing(start
 
 
 @pytest.mark.timeout(120)
+def test_sigterm_before_the_first_generation_agreed_ends_at_once_with_nothing_to_persist(start_job, tmp_path):
+    """Stopped as soon as its supervisor is up (its link not yet agreed where the first generation restores
+    from): no trainer of this run took a step, so there is nothing to persist. The final persist waited its whole
+    grace (60 s) and reported 'did not complete' (1 run in 4 here); now exit 143 at once."""
+    for attempt in range(3):  # the window is short: each attempt signals at the supervisor's first line
+        job = start_job("--ckpt-dir", str(tmp_path / f"ckpt{attempt}"), str(SCRIPTS / "hello.py"))
+        job.wait_for_event(lambda e: e["event"] == "node_start", timeout=60)
+        os.killpg(job.proc.pid, signal.SIGTERM)
+        assert job.wait(30) == 143, job.output
+        assert "did not complete" not in job.output and "Traceback" not in job.output, job.output
+        assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("when", ["cli", "imports", "store-wait"])
 def test_a_stop_signal_while_the_job_starts_ends_it_in_one_line(start_job, tmp_path, when):
     """A node waiting for its control store (none there): SIGINT while the command loads and checks (a traceback

@@ -311,10 +311,11 @@ class KeeperLink(threading.Thread):
 
     def finish(self, grace: float) -> str | None:
         """The trainers have stopped (or ended): persist the newest globally committed step, within ``grace``
-        seconds. None when it is on disk (or there is no checkpoint directory, or nothing to persist); else why not
+        seconds. None when it is on disk (or there is no checkpoint directory, or nothing to persist: stopped before
+        its first generation agreed where to restore from, it ends at once); else why not
         ("did not complete within 60s", "failed: <reason>")."""
-        if self.durability is None:
-            return None
+        if self.durability is None or not self._plans:
+            return None  # no generation agreed its plan yet: no trainer of this run took a step
         self._final_grace = grace
         self._finish_by = time.monotonic() + grace
         self._nudge()
