@@ -122,7 +122,7 @@ def test_full_disk_degrades_durability_and_training_completes_from_ram(start_job
     job = run_bitwise(start_job, tmp_path, gpt_baselines(2, 2), "full", *durable(small),
                       "--inject", "crash@rank=1,step=35")
     warnings = [line for line in job.output.splitlines() if "durability degraded" in line]
-    assert len(warnings) == 1 and "No space left on device" in warnings[0], job.output
+    assert len(warnings) == 1 and f"No space left on device ({small}" in warnings[0], job.output  # the file
     assert "ftrun: durability DEGRADED" in job.output
     final = [line for line in job.output.splitlines() if "the final persist" in line]  # fails at once, no timeout
     assert final and all("failed: " in line and "did not complete" not in line for line in final), job.output

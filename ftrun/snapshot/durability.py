@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -53,6 +54,7 @@ from ftrun.snapshot.persist import (MANIFEST, MAX_MANIFEST_BYTES, complete_steps
                                     open_regular, prune, remove_partial, replaced_dir, step_name)
 from ftrun.snapshot.protocol import POLL_WAIT
 
+STEP_NUMBER = re.compile(r"step-\d+")
 READ_INTERVAL = 0.2  # how often a node reads the round document while it holds nothing for one
 CANCELLED = -1  # the step of a round cancelled by a generation change
 
@@ -314,8 +316,9 @@ class Durability:
         self.coord.store.set(self.coord.key("persist", "degraded"), reason)
         self.coord.store.set(self.coord.key("persist", "failed_reason"), reason)
         self.coord.store.set(self.coord.key("persist", "failed"), str(step))
-        if reason != self._degraded:  # one warning per cause; the counts say how often
-            self._degraded = reason
+        cause = STEP_NUMBER.sub("step-N", reason)  # the files a reason names are the step's own
+        if cause != self._degraded:  # one warning per cause; the counts say how often
+            self._degraded = cause
             self.events.emit("durability", f"WARNING durability degraded: persisting step {step} to {self.root} "
                              f"failed ({reason}); training goes on from RAM snapshots, retrying at the next "
                              "persist", step=step, degraded=True, reason=reason)

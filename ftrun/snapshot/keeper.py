@@ -811,7 +811,7 @@ class Keeper:
                     raise LookupError(f"step {step} is not held by every local rank")
                 result["entries"] = self._write_step(step, indexes)  # type: ignore[arg-type]
             except (OSError, LookupError, ValueError) as err:  # ValueError: the slot changed (a new generation)
-                result["error"] = f"node {self.node}: {(err.strerror if isinstance(err, OSError) else None) or err}"
+                result["error"] = f"node {self.node}: {_reason(err)}"
             result["seconds"] = time.perf_counter() - t0
             with self.cond:
                 if self._pinned_round == handled:  # not a newer round's pins
@@ -876,6 +876,14 @@ def find_segments(job: str, node: int | str = "*") -> list[tuple[str, int, int]]
         if match is not None:
             found.append((path, int(match.group(1)), int(match.group(2))))
     return found
+
+
+def _reason(err: Exception) -> str:
+    """An error's text for a one-line message: an OSError's with the file it names (``Permission denied
+    (/ckpt/job/.step-00000040.partial/rank-00003.snap)``), else its own."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
+    return str(err)
 
 
 def peer_timeout(node_timeout: float) -> float:

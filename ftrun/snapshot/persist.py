@@ -117,7 +117,7 @@ def write_rank(directory: str, rank: int, slot: SlotFile) -> dict[str, int | str
     entry ``{"file", "bytes", "checksum", "digest"}``. Creates ``directory`` (0700) if missing.
 
     The caller keeps the slot from being rewritten meanwhile (a header that changed is a ValueError). OSError
-    (ENOSPC, EACCES...) propagates untouched. On any failure the rank file is removed.
+    (ENOSPC, EACCES...) propagates, naming the rank file. On any failure the rank file is removed.
     """
     header = slot.header()
     problem = slot.problem() or (None if header.sealed else "not sealed")
@@ -142,9 +142,11 @@ def write_rank(directory: str, rank: int, slot: SlotFile) -> dict[str, int | str
             os.fsync(out.fileno())
         if slot.header() != header:
             raise ValueError(f"{slot.path} was rewritten while it was persisted")
-    except BaseException:
+    except BaseException as err:
         with contextlib.suppress(OSError):
             os.unlink(path)
+        if isinstance(err, OSError) and err.filename is None:  # from a write or fsync: name the file
+            raise OSError(err.errno, err.strerror, path) from err
         raise
     return {"file": rank_file(rank), "bytes": size, "checksum": header.checksum, "digest": header.digest}
 
