@@ -170,13 +170,16 @@ def test_a_step_persisted_at_another_world_size_is_not_resumed_nor_lost(tmp_path
     assert sorted(p.name for p in step.iterdir()) == ["manifest.json"]
 
 
-def test_a_newer_step_directory_that_is_not_a_step_is_named_when_the_run_resumes_past_it(tmp_path):
+def test_a_resume_names_newer_step_directories_it_skips_and_removes_unfinished_steps(tmp_path):
     """A step directory whose manifest was edited (or is missing, or another job's) is never loaded: the resume
     says so in one line, where it went past it silently."""
     job = f"edited-{uuid.uuid4().hex[:6]}"
     step = tmp_path / "ckpt" / job / "step-00000010"
     step.mkdir(parents=True)
     (step / "manifest.json").write_text('{"format": 1, "step": 10, "world": "2"}')
+    unfinished = tmp_path / "ckpt" / job / ".step-00000030.partial"  # a run killed while it persisted step 30
+    unfinished.mkdir()
+    (unfinished / "rank-00000.snap").write_bytes(bytes(4096))
     result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, "--ckpt-dir", str(tmp_path / "ckpt"),
                              str(SCRIPTS / "hello.py")], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
@@ -184,6 +187,7 @@ def test_a_newer_step_directory_that_is_not_a_step_is_named_when_the_run_resumes
            f"complete step of this job ({step / 'manifest.json'}: not an ftrun format-1 manifest of step 10)" \
            in result.stdout + result.stderr
     assert (step / "manifest.json").read_text() == '{"format": 1, "step": 10, "world": "2"}'  # left as it was
+    assert not unfinished.exists() and "removed 1 unfinished step(s) an earlier run of job" in result.stderr
     assert not job_processes(job) and not job_segments(job)
 
 

@@ -58,8 +58,8 @@ from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bi
                                  route_address)
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
-from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, step_dirs,
-                                    step_name)
+from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, remove_partial,
+                                    step_dirs, step_name)
 from ftrun.snapshot.reserve import unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
@@ -475,8 +475,18 @@ class Launcher:
 
     def _check_world_on_disk(self, root: str) -> None:
         """Resuming: the newest persisted step of this job was saved at the world size of this run, or has a copy
-        in DCP's format (``ftrun.dcp.MemoryReader`` reshards it); else a UsageError, before anything starts."""
+        in DCP's format (``ftrun.dcp.MemoryReader`` reshards it); else a UsageError, before anything starts. First
+        the directory is repaired: a step moved aside by an unfinished second persist is put back, and unfinished
+        steps are removed (they could fill the disk until the run reached their step again; a launcher joining a
+        running job at worst fails one persist round, which the next retries)."""
         put_back_replaced(root)  # a step moved aside by a second persist of it that did not finish
+        unfinished = step_dirs(root, partial=True)  # an earlier run's, killed while it persisted: no round runs yet
+        for step in unfinished:
+            remove_partial(root, step)
+        if unfinished:
+            self.events.emit("resume", f"removed {len(unfinished)} unfinished step(s) an earlier run of job "
+                             f"{self.job_id} left in {root} ({', '.join(map(str, unfinished[:5]))}"
+                             f"{', ...' if len(unfinished) > 5 else ''})", steps=unfinished)
         steps = complete_steps(root, self.job_id)
         self._report_unreadable_steps(root, steps[-1] if steps else -1)
         if not steps:
