@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import glob
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 
 import psutil
 import pytest
@@ -220,6 +222,33 @@ def test_a_second_start_of_a_running_job_id_is_refused_and_touches_nothing(start
     assert before <= set(job_segments(job.job_id))  # nothing of the running job was touched
     assert job.wait(120) == 0 and not failures(job), job.output
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(180)
+def test_two_starts_of_one_job_at_the_same_moment_one_runs_and_the_other_touches_nothing(start_job, tmp_path):
+    """Both pass the command's check (no keeper of the job holds its socket yet); the launchers' claim on the
+    job's nodes lets one run. The other used to move the job's persisted steps aside (--no-resume) from under the
+    first, and then share its snapshot files (a helper's report)."""
+    ckpt = tmp_path / "ckpt"
+    job_id = f"t{uuid.uuid4().hex[:10]}"
+    step = ckpt / job_id / "step-00000010"
+    step.mkdir(parents=True)
+    ranks = {"0": {"file": "rank-00000.snap", "bytes": 4096, "checksum": 1, "digest": 1}}
+    (step / "manifest.json").write_text(json.dumps({"format": 1, "job": job_id, "step": 10, "world": 1,
+                                                    "nnodes": 1, "nproc_per_node": 1, "time": 0, "ranks": ranks}))
+    args = ("--nproc-per-node", "1", "--ckpt-dir", str(ckpt), "--no-resume", str(SCRIPTS / "sleeper.py"),
+            "--seconds", "8")  # long enough that neither can end before the other's launcher starts
+    jobs = [start_job(*args, job_id=job_id) for _ in range(2)]
+    codes = sorted(job.wait(120) for job in jobs)
+    refused = next(job for job in jobs if job.proc.returncode == 2)
+    assert codes == [0, 2], [job.output for job in jobs]
+    (line,) = refused.output.strip().splitlines()  # the claim's line (the keeper's if the other was that quick)
+    assert line.startswith(f"ftrun: error: job {job_id} already runs node 0 on this host (") and line.endswith(
+        "): stop it first, or choose another --rdzv-id"), line
+    assert sum("--no-resume: moved 1 persisted step(s)" in job.output for job in jobs) == 1
+    assert not step.exists() and len(list(ckpt.joinpath(job_id).glob("previous-*/step-00000010"))) == 1
+    for job in jobs:
+        assert_job_left_nothing(job)
 
 
 @pytest.mark.timeout(120)

@@ -129,6 +129,28 @@ def running_here(job: str, nodes: Iterable[int], local: bool) -> str | None:
     return f"job {job} already runs on this host (launcher pid {launcher})" if launcher else None
 
 
+def claim_nodes(job: str, nodes: Iterable[int]) -> tuple[list[socket.socket], str | None]:
+    """This host's claim on ``job``'s ``nodes``, held while the returned sockets are open (abstract Unix sockets,
+    released when the process ends, whatever ends it): a second launcher of the job for one of those nodes on this
+    host fails here, also one that passed :func:`running_here` at the same moment (it probes and lets go), before
+    it touches the job's files (``--no-resume`` moves the steps aside). ``(sockets, None)``, or ``([], why)`` with
+    nothing held."""
+    held: list[socket.socket] = []
+    for node in nodes:
+        claim = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            claim.bind(f"\0ftrun-launcher-{job}-node{node}")
+        except OSError as err:
+            claim.close()
+            for other in held:
+                other.close()
+            if err.errno != errno.EADDRINUSE:
+                raise
+            return [], f"job {job} already runs node {node} on this host (another launcher claimed it)"
+        held.append(claim)
+    return held, None
+
+
 def _live_launcher(path: str) -> int | None:
     """The pid in a launcher's announce file when it is a running ftrun started before the file was written."""
     try:

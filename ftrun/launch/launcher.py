@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 
 import psutil
@@ -42,6 +43,7 @@ from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
 from ftrun.control.ownership import claim_free_rank, owner, spares
 from ftrun.control.signed import SignedStore
+from ftrun.launch.clean import claim_nodes
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads, trainer_threads
 from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, kill_descendants,
@@ -144,6 +146,7 @@ class Launcher:
         self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
         self.signalled: int | None = None
         self.files: list[str] = []  # what this launcher wrote in the shm dir (removed by remove_files())
+        self.claims: list[socket.socket] = []  # this host's claim on the job's nodes, held for life (_claim)
         self.signalled_at = 0.0  # time.monotonic() of the signal that began the stop
         self.forced = False  # a second signal stopped the job at once
         # signs every control-store value (and authenticates keepers to each other); never given to trainers
@@ -289,6 +292,8 @@ class Launcher:
     def run(self) -> int:
         become_subreaper()
         cfg = self.cfg
+        if not cfg.standby:
+            self._claim(range(cfg.nnodes) if cfg.local_mode else [] if cfg.node_rank is None else [cfg.node_rank])
         if cfg.ckpt_dir and cfg.resume and not cfg.standby:
             self._check_world_on_disk(job_dir(cfg.ckpt_dir, self.job_id))
         store_host, store_port, raw_store = self._open_store()
@@ -327,6 +332,8 @@ class Launcher:
                              "which reads it then; a trainer forked with torch imported would not. Set "
                              f"{', '.join(names)} on ftrun's command line (NAME=VALUE ftrun ...) for restarts in a "
                              "fraction of a second", variables=names)
+        if not self.claims:  # its node rank agreed just now (SLURM, the store)
+            self._claim([self.node_rank])
         if cfg.ckpt_dir and not cfg.resume and self.node_rank == 0:
             self._move_aside(job_dir(cfg.ckpt_dir, self.job_id))
         self._handle_signals()
@@ -472,6 +479,13 @@ class Launcher:
         self.events.emit("slurm_step", f"SLURM step {step.job_id}.{step.step_id} on {step.node_name}: node rank "
                          f"{self.node_rank} ({why})", slurm_node=step.node_name, node_rank=self.node_rank,
                          claimed=claim, slurm_step=f"{step.job_id}.{step.step_id}")
+
+    def _claim(self, nodes: Iterable[int]) -> None:
+        """Hold this host's claim on the job's ``nodes`` for the launcher's life (:func:`claim_nodes`); a
+        UsageError when another launcher of the job holds one."""
+        self.claims, problem = claim_nodes(self.job_id, nodes)
+        if problem:
+            raise UsageError(f"{problem}: stop it first, or choose another --rdzv-id")
 
     def _check_world_on_disk(self, root: str) -> None:
         """Resuming: the newest persisted step of this job was saved at the world size of this run, or has a copy
