@@ -325,9 +325,15 @@ def test_corrupt_rank(dirs, states, where):
     with pytest.raises(CorruptStep, match="rank-00001.snap"):
         persist.load_rank(str(root), 30, 1, target)
     assert target.header().state == EMPTY
-    target.close()
     path.write_bytes(path.read_bytes()[:-1])  # truncated
     assert "beyond capacity" in persist.verify_step(str(root), 30)[1]
+    size = path.stat().st_size
+    with pytest.raises(CorruptStep, match=f"rank-00001.snap: {size} bytes, the manifest says {size + 1}"):
+        persist.load_rank(str(root), 30, 1, target)
+    path.write_bytes(path.read_bytes()[:15])  # not even a header: named as such, not 'changed while it was read'
+    with pytest.raises(CorruptStep, match=f"rank-00001.snap: 15 bytes, the manifest says {size + 1}"):
+        persist.load_rank(str(root), 30, 1, target)
+    target.close()
     path.unlink()
     assert "No such file" in persist.verify_step(str(root), 30)[1]
 

@@ -334,6 +334,8 @@ def load_rank(root: str, step: int, rank: int, slot: SlotFile) -> None:
     try:
         with open_regular(path) as f, memoryview(slot.map) as view:
             size = os.fstat(f.fileno()).st_size
+            if size != entry["bytes"]:  # before reading: a file cut short (or replaced) reads as a bad header
+                raise CorruptStep(f"{path}: {size} bytes, the manifest says {entry['bytes']}")
             if size > slot.size:
                 raise ValueError(f"{path}: {size} bytes do not fit in {slot.path} ({slot.size} bytes)")
             for at in [*range(HEADER_SIZE, size, CHUNK), 0]:  # the header last: committed once complete
