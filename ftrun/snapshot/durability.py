@@ -284,7 +284,7 @@ class Durability:
             self.coord.store.set(self.coord.key("persist", "degraded"), "")
         self.events.emit("persisted", f"persisted step {step} to {path} ({nbytes / 2**20:.1f} MiB written in "
                          f"{seconds:.2f}s, {nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s; finished in {finishing:.2f}s)"
-                         f"{'; removed steps ' + str(pruned) if pruned else ''}", step=step, bytes=nbytes,
+                         f"{'; removed ' + _steps(pruned) if pruned else ''}", step=step, bytes=nbytes,
                          seconds=seconds, finish_seconds=finishing, path=path, pruned=pruned)
 
     def _drop_replaced(self, replaced: str) -> None:
@@ -345,6 +345,11 @@ class Durability:
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.root, step_name(step))
+
+
+def _steps(steps: list[int]) -> str:
+    """Steps for a console line: all of a few, else how many and the range (the event keeps them all)."""
+    return f"steps {steps}" if len(steps) <= 8 else f"{len(steps)} steps, {steps[0]} to {steps[-1]}"
 
 
 def _outcome(raw: str) -> dict[str, Any]:
