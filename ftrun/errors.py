@@ -1,4 +1,4 @@
-"""The one exception type that reaches the user as a single line.
+"""The one exception type that reaches the user as a single line, and how other errors read in one.
 
 Every check of user input (flags, YAML, scripts, ports, endpoints) raises :class:`UsageError`; the CLI prints
 ``ftrun: error: <message>`` and exits with :data:`USAGE_EXIT_CODE`, never a traceback.
@@ -12,6 +12,14 @@ USAGE_EXIT_CODE = 2
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2, nothing started or left behind."""
+
+
+def error_text(err: BaseException) -> str:
+    """An error's text for a one-line message: an OSError's reason with the file it names (``No space left on
+    device (/ckpt/job/.step-00000040.partial/rank-00003.snap)``), else its own text."""
+    if isinstance(err, OSError) and err.strerror:
+        return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
+    return str(err)
 
 
 def stopped_while_starting(signum: int, frame: object) -> None:

@@ -37,7 +37,7 @@ from rich.console import Console
 from torch.distributed import DistError, TCPStore
 
 from ftrun.launch.config import JobConfig
-from ftrun.errors import USAGE_EXIT_CODE, UsageError
+from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_text
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
@@ -61,7 +61,7 @@ from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bi
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
 from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, remove_partial,
-                                    step_dirs, step_name)
+                                    step_dirs, step_name, steps_text)
 from ftrun.snapshot.reserve import unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
@@ -499,8 +499,7 @@ class Launcher:
             remove_partial(root, step)
         if unfinished:
             self.events.emit("resume", f"removed {len(unfinished)} unfinished step(s) an earlier run of job "
-                             f"{self.job_id} left in {root} ({', '.join(map(str, unfinished[:5]))}"
-                             f"{', ...' if len(unfinished) > 5 else ''})", steps=unfinished)
+                             f"{self.job_id} left in {root} ({steps_text(unfinished)})", steps=unfinished)
         steps = complete_steps(root, self.job_id)
         self._report_unreadable_steps(root, steps[-1] if steps else -1)
         if not steps:
@@ -531,10 +530,8 @@ class Launcher:
             return
         try:
             reason = f"a step of job {manifest(root, skipped[-1])['job']!r}"
-        except OSError as err:
-            reason = f"{err.strerror} ({err.filename})"
-        except ValueError as err:
-            reason = str(err)
+        except (OSError, ValueError) as err:
+            reason = error_text(err)
         which = f"{len(skipped)} step director{'y' if len(skipped) == 1 else 'ies'} in {root}"
         if newest >= 0:
             which += f" newer than its newest complete step, {newest},"

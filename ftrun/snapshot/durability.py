@@ -48,10 +48,11 @@ from typing import Any
 
 from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
+from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.snapshot.dcp_copy import DcpCopies
 from ftrun.snapshot.persist import (MANIFEST, MAX_MANIFEST_BYTES, complete_steps, finalize, manifest, move_aside,
-                                    open_regular, prune, remove_partial, replaced_dir, step_name)
+                                    open_regular, prune, remove_partial, replaced_dir, step_name, steps_text)
 from ftrun.snapshot.protocol import POLL_WAIT
 
 STEP_NUMBER = re.compile(r"step-\d+")
@@ -258,8 +259,7 @@ class Durability:
                 path = finalize(self.root, step, self.spec.job_id, self.spec.nnodes, self.spec.nproc_per_node,
                                 entries)
             except (OSError, ValueError) as err:
-                errors = [f"{err.strerror} ({err.filename})" if isinstance(err, OSError) and err.filename
-                          else str(err)]
+                errors = [error_text(err)]
         if errors:
             self._failed(step, "; ".join(errors))
             return
@@ -269,7 +269,7 @@ class Durability:
         except OSError as err:
             pruned = []
             self.events.emit("durability", f"WARNING could not remove old steps after persisting step {step}: "
-                             f"{err.strerror} ({err.filename})", step=step)
+                             f"{error_text(err)}", step=step)
         self.done = step
         if self.copies is not None:
             self.copies.want(step)
@@ -284,7 +284,7 @@ class Durability:
             self.coord.store.set(self.coord.key("persist", "degraded"), "")
         self.events.emit("persisted", f"persisted step {step} to {path} ({nbytes / 2**20:.1f} MiB written in "
                          f"{seconds:.2f}s, {nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s; finished in {finishing:.2f}s)"
-                         f"{'; removed ' + _steps(pruned) if pruned else ''}", step=step, bytes=nbytes,
+                         f"{'; removed ' + steps_text(pruned) if pruned else ''}", step=step, bytes=nbytes,
                          seconds=seconds, finish_seconds=finishing, path=path, pruned=pruned)
 
     def _drop_replaced(self, replaced: str) -> None:
@@ -345,11 +345,6 @@ class Durability:
 
     def step_path(self, step: int) -> str:
         return os.path.join(self.root, step_name(step))
-
-
-def _steps(steps: list[int]) -> str:
-    """Steps for a console line: all of a few, else how many and the range (the event keeps them all)."""
-    return f"steps {steps}" if len(steps) <= 8 else f"{len(steps)} steps, {steps[0]} to {steps[-1]}"
 
 
 def _outcome(raw: str) -> dict[str, Any]:

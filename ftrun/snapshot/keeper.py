@@ -65,6 +65,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.control.faults import Fault, parse_faults
 from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir
@@ -811,7 +812,7 @@ class Keeper:
                     raise LookupError(f"step {step} is not held by every local rank")
                 result["entries"] = self._write_step(step, indexes)  # type: ignore[arg-type]
             except (OSError, LookupError, ValueError) as err:  # ValueError: the slot changed (a new generation)
-                result["error"] = f"node {self.node}: {_reason(err)}"
+                result["error"] = f"node {self.node}: {error_text(err)}"
             result["seconds"] = time.perf_counter() - t0
             with self.cond:
                 if self._pinned_round == handled:  # not a newer round's pins
@@ -876,14 +877,6 @@ def find_segments(job: str, node: int | str = "*") -> list[tuple[str, int, int]]
         if match is not None:
             found.append((path, int(match.group(1)), int(match.group(2))))
     return found
-
-
-def _reason(err: Exception) -> str:
-    """An error's text for a one-line message: an OSError's with the file it names (``Permission denied
-    (/ckpt/job/.step-00000040.partial/rank-00003.snap)``), else its own."""
-    if isinstance(err, OSError) and err.strerror:
-        return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
-    return str(err)
 
 
 def peer_timeout(node_timeout: float) -> float:

@@ -193,6 +193,11 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
+def steps_text(steps: list[int]) -> str:
+    """Sorted steps for a console line: all of a few, else how many and their range (events keep them all)."""
+    return f"steps {steps}" if len(steps) <= 8 else f"{len(steps)} steps, {steps[0]} to {steps[-1]}"
+
+
 def step_dirs(root: str, partial: bool = False) -> list[int]:
     """Steps of the directories in ``root`` named as complete (or partial) steps, whatever they hold; sorted."""
     pattern = _PARTIAL if partial else _COMPLETE
