@@ -11,6 +11,7 @@ import time
 import pytest
 
 from conftest import SCRIPTS, assert_job_left_nothing, gpt_args, primary_failures
+from ftrun.snapshot.dir_owner import OWNER_FILE, read_holder
 
 
 def wait_for_output(job, text: str, timeout: float = 120) -> None:
@@ -23,8 +24,9 @@ def wait_for_output(job, text: str, timeout: float = 120) -> None:
 @pytest.mark.timeout(300)
 def test_etcd_leader_then_node_0_lost_job_ends_bitwise_equal(start_job, tmp_path, gpt_baselines, etcd):
     args, out = gpt_args(tmp_path, "etcd", "--step-time", "0.1", "--log-every", "5")
+    ckpt = tmp_path / "ckpt"  # only the final persist: held by node 0, then by the standby that takes its rank
     common = ("--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--nproc-per-node", "2",
-              "--node-timeout", "3", "--rdzv-timeout", "60")
+              "--node-timeout", "3", "--rdzv-timeout", "60", "--ckpt-dir", str(ckpt), "--persist-every", "100000")
     node0 = start_job("--nnodes", "2", "--node-rank", "0", *common, *args, job_id="etcdjob")
     node1 = start_job("--nnodes", "2", "--node-rank", "1", *common, *args, job_id="etcdjob",
                       log_dir=node0.log_dir)
@@ -46,8 +48,14 @@ def test_etcd_leader_then_node_0_lost_job_ends_bitwise_equal(start_job, tmp_path
     time.sleep(0.5)
     for path in glob.glob("/dev/shm/ftrun-etcdjob-node0-*"):  # its RAM is gone with it
         os.unlink(path)
+    record = ckpt / "etcdjob" / OWNER_FILE
+    deadline = time.monotonic() + 60
+    while (held := read_holder(str(record.parent))) is None or held[0].pid != standby.proc.pid:
+        assert time.monotonic() < deadline and standby.proc.poll() is None, (held, standby.output)
+        time.sleep(0.1)
     assert node1.wait(180) == 0, node1.output
     assert standby.wait(60) == 0, standby.output
+    assert not record.exists()
     assert out.read_text().strip() == gpt_baselines(2, 2)
     failures = primary_failures(standby)
     assert failures and all(f["kind"] in ("node-lost", "crash") for f in failures), failures

@@ -23,6 +23,7 @@ import hashlib
 import ipaddress
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -60,6 +61,7 @@ from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bi
                                  route_address)
 from ftrun.ui.summary import print_summary
 from ftrun.snapshot.dcp_copy import dcp_path
+from ftrun.snapshot.dir_owner import DirOwner, check as check_dir_owner
 from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, remove_partial,
                                     step_dirs, step_name, steps_text)
 from ftrun.snapshot.reserve import unlink_reserves
@@ -76,6 +78,7 @@ REPEAT_GAP = 1.0
 _ACK_TIMEOUT = 10.0
 END_STORE_TIMEOUT = 5.0  # seconds a failed job's summary waits for a store operation (a frozen store host)
 _POLL_INTERVAL = 0.02
+DIR_OWNER_LOOK = 2.0  # seconds between a standby's looks for whether it took node rank 0 (then it holds --ckpt-dir)
 FENCE_INTERVAL = 0.1  # seconds between two looks for a supervisor whose rank a spare took (local mode, --spares)
 
 
@@ -153,6 +156,7 @@ class Launcher:
         self.secret = local_secret() if cfg.local_mode else shared_secret(self.job_id, cfg.secret_file)
         self.bind = self._bind_address()
         self.job_run = 0  # the job's run in the control store (taken or joined in run())
+        self.dir_owner: DirOwner | None = None  # node 0's hold on the job's --ckpt-dir directory
 
     def _bind_address(self) -> str:
         """The address this node's listening sockets bind: loopback in local mode, else ``--rdzv-bind`` (checked),
@@ -294,8 +298,6 @@ class Launcher:
         cfg = self.cfg
         if not cfg.standby:
             self._claim(range(cfg.nnodes) if cfg.local_mode else [] if cfg.node_rank is None else [cfg.node_rank])
-        if cfg.ckpt_dir and cfg.resume and not cfg.standby:
-            self._check_world_on_disk(job_dir(cfg.ckpt_dir, self.job_id))
         store_host, store_port, raw_store = self._open_store()
         use_job(self.job_id, self.secret, self._store_warning)
         store = signed(raw_store, self.job_id)
@@ -310,6 +312,8 @@ class Launcher:
                                      f"{self.job_run} are taken: ")
         coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes, run=self.job_run)
         coord.init_job(self._job_doc())
+        if cfg.ckpt_dir:  # before this launcher, or any of its keepers, touches the job's directory
+            self._hold_job_dir(job_dir(cfg.ckpt_dir, self.job_id), str((coord.job_doc() or {}).get("run_id")))
         self.files.append(secret_path(self.job_id))  # before they are written: a signal may stop the start
         write_secret_file(self.job_id, self.secret)  # for `ftrun status` on this host
         assert self.address is not None
@@ -366,6 +370,8 @@ class Launcher:
                 pending.cancel()
             if self.pool is not None:
                 self.pool.stop(cfg.stop_grace)
+            if self.dir_owner is not None:
+                self.dir_owner.close()
             self.remove_files()
             kill_descendants(spare=left_by_user if code == 0 else None)  # what the supervisors let outlive a success
             for node in nodes:  # what supervisors killed before they could clean up left behind
@@ -398,7 +404,8 @@ class Launcher:
                 "target": self.target, "script": script_digest(cfg, self.target), "args": self.args,
                 "module": cfg.module, "no_python": cfg.no_python,
                 "ec": [*cfg.erasure, cfg.ec_backend], "persist": [cfg.persist_every, cfg.keep, cfg.ckpt_format],
-                "ckpt_dir": job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None}
+                "ckpt_dir": job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None,
+                "run_id": secrets.token_hex(8)}  # the run's, whichever launcher wrote it: see dir_owner
 
     def _run_standby(self, store: SignedStore, store_host: str, store_port: int, why: str = "") -> int:
         """``--standby``, or a launcher that found every node rank taken (``why`` says so): join the job's current
@@ -438,12 +445,19 @@ class Launcher:
                          all_ranks_taken=bool(why))
         self._handle_signals()
         code: int | None = None
+        coord = Coordinator(store, self.job_id, -1, int(doc["nnodes"]), run=run)
+        next_look = time.monotonic() + DIR_OWNER_LOOK
         try:
             proc = self.procs[-1] = self._spawn(spec)
             while proc.poll() is None:
                 time.sleep(_POLL_INTERVAL)
+                if spec.ckpt_dir and self.dir_owner is None and time.monotonic() > next_look:
+                    next_look = time.monotonic() + DIR_OWNER_LOOK
+                    self._hold_if_node_0(coord, name, spec.ckpt_dir, str(doc.get("run_id")))
             code = proc.returncode
         finally:
+            if self.dir_owner is not None:
+                self.dir_owner.close()
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             kill_descendants(spare=left_by_user if code == EXIT_DONE else None)
         if self.store_server is not None:  # this spare hosts the store (rank_by_store): the nodes still need it
@@ -453,6 +467,13 @@ class Launcher:
         if code in (EXIT_STOPPED, EXIT_STOPPED_UNSAVED) or self.signalled is not None:
             return EXIT_UNSAVED if code == EXIT_STOPPED_UNSAVED else 128 + (self.signalled or signal.SIGTERM)
         return EXIT_FAILED if code == EXIT_JOB_FAILED else 1
+
+    def _hold_if_node_0(self, coord: Coordinator, spare: str, root: str, run_id: str) -> None:
+        """A spare that took node rank 0 holds the job's checkpoint directory for the run from then on."""
+        with contextlib.suppress(DistError):
+            if getattr(owner(coord, 0)[1], "spare", None) == spare:
+                self.dir_owner = DirOwner(root, run_id, lambda line: self.events.emit("ckpt_dir", f"WARNING {line}"))
+                self.dir_owner.take()
 
     def _agree_rank(self, store: SignedStore) -> bool:
         """torchrun's multi-node form without --node-rank (:attr:`JobConfig.rank_by_store`): take the lowest node
@@ -486,6 +507,19 @@ class Launcher:
         self.claims, problem = claim_nodes(self.job_id, nodes)
         if problem:
             raise UsageError(f"{problem}: stop it first, or choose another --rdzv-id")
+
+    def _hold_job_dir(self, root: str, run_id: str) -> None:
+        """Refuse to start beside a live run of this job that holds ``root`` (a UsageError); on node 0, hold it
+        for this run (:mod:`ftrun.snapshot.dir_owner`), after the checks and repairs of a resume."""
+        dead = check_dir_owner(root, run_id, self.job_id, lambda line: self.events.emit("ckpt_dir", line))
+        if dead is not None:
+            self.events.emit("ckpt_dir", f"{root} was held by a run of job {self.job_id} that is gone "
+                             f"({dead.describe()}): taken over", host=dead.host, pid=dead.pid)
+        if self.cfg.resume:
+            self._check_world_on_disk(root)
+        if self.node_rank == 0:
+            self.dir_owner = DirOwner(root, run_id, lambda line: self.events.emit("ckpt_dir", f"WARNING {line}"))
+            self.dir_owner.take()
 
     def _check_world_on_disk(self, root: str) -> None:
         """Resuming: the newest persisted step of this job was saved at the world size of this run, or has a copy

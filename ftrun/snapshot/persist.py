@@ -5,6 +5,7 @@ directory, named by its job id (``--rdzv-id``), so jobs that share a ``--ckpt-di
 resume each other's steps::
 
     <ckpt-dir>/<job>/                the job's directory (:func:`job_dir`); below it, ``<dir>`` for short
+    <dir>/.owner                    the run that holds it while it runs (:mod:`ftrun.snapshot.dir_owner`)
     <dir>/step-00000030/             a complete step, renamed atomically from <dir>/.step-00000030.partial/
         manifest.json               {"format": 1, "job": "<job id>", "step": 30, "world": 4, "nnodes": 2,
                                      "nproc_per_node": 2, "time": <unix seconds>,
