@@ -123,6 +123,18 @@ def test_a_silent_run_on_another_host_is_taken_over_after_the_wait_less_its_age_
     assert [p.name for p in tmp_path.iterdir()] == [OWNER_FILE]  # the probe that read the server's clock is gone
 
 
+def test_a_run_of_an_earlier_step_of_the_same_slurm_job_is_taken_over_at_once(tmp_path):
+    """ftrun's batch loop runs a SLURM job's steps one after the other (a lost node 0's step ends on every node
+    before the next one starts elsewhere), and a requeued job runs again only once its allocation ended."""
+    write_record(tmp_path, replace(elsewhere(), slurm="81234"))
+    said = Said()
+    started = time.monotonic()
+    assert check(str(tmp_path), "run-b", JOB, said, slurm="81234") == replace(elsewhere(), slurm="81234")
+    assert time.monotonic() - started < 1.0 and said == []
+    assert check(str(tmp_path), "run-b", JOB, said, slurm="81235", stale_after=0.5) is not None  # another job's
+    assert len(said) == 1  # waited for its beat
+
+
 @pytest.mark.parametrize("content", ["garbage", "[1, 2]", '{"run": "x"}',
                                      json.dumps({**asdict(elsewhere()), "pid": "1"}),
                                      json.dumps({**asdict(elsewhere()), "extra": 1}), "[" * 100000, "fifo"])

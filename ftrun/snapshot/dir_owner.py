@@ -7,7 +7,7 @@ could even mix their ranks in one step. So node 0's launcher of a run *holds* ``
 document), the host and the process, and a beat counter::
 
     {"run": "9f0c...", "host": "gpu-17", "boot": "<boot id>", "pidns": "pid:[4026531836]", "pid": 4242,
-     "started": 1795000000.25, "beat": 17}
+     "started": 1795000000.25, "beat": 17, "slurm": "81234"}
 
 Protocol:
 
@@ -18,8 +18,9 @@ Protocol:
   is this host (same boot id and pid namespace) and its process is gone, or when its beat does not change for
   :data:`STALE_AFTER` seconds. That wait is shortened by the record's age on the file server's own clock (the
   record's mtime against that of a file just written beside it), so no two hosts' clocks are ever compared, and
-  a record left by a run dead for longer costs no wait. A live one refuses the start with a one-line
-  :class:`~ftrun.errors.UsageError` naming the other run's host and process.
+  a record left by a run dead for longer costs no wait. Nor does one of an earlier step of the same SLURM job
+  (``slurm``): ftrun's batch loop runs a job's steps one after the other, and a requeue ends the allocation. A
+  live one refuses the start with a one-line :class:`~ftrun.errors.UsageError` naming its host and process.
 * A run's node 0 then takes the record, and a replacement node 0 of the same run takes it over (same run id).
   A holder that finds the record taken by another run (it stalled for longer than :data:`STALE_AFTER`, and a
   new run judged it dead) says so once and stops rewriting it.
@@ -61,15 +62,16 @@ class Holder:
     pid: int
     started: float  # the holder process's start time (psutil), against a reused pid
     beat: int = 0
+    slurm: str = ""  # the SLURM job id of its step ("": not under SLURM)
 
     def describe(self) -> str:
         return f"host {self.host}, pid {self.pid}"
 
 
-def this_process(run: str) -> Holder:
-    """A :class:`Holder` for this process in ``run``."""
+def this_process(run: str, slurm: str = "") -> Holder:
+    """A :class:`Holder` for this process in ``run`` (in a step of SLURM job ``slurm``)."""
     return Holder(run, socket.gethostname(), _boot_id(), _pid_namespace(), os.getpid(),
-                  psutil.Process().create_time())
+                  psutil.Process().create_time(), slurm=slurm)
 
 
 def owner_path(root: str) -> str:
@@ -87,20 +89,24 @@ def read_holder(root: str) -> tuple[Holder, float] | None:
         holder = Holder(**doc) if isinstance(doc, dict) else None
         ok = holder is not None and all(isinstance(getattr(holder, name), kind) for name, kind in
                                         (("run", str), ("host", str), ("boot", str), ("pidns", str), ("pid", int),
-                                         ("started", (int, float)), ("beat", int)))
+                                         ("started", (int, float)), ("beat", int), ("slurm", str)))
     except (OSError, ValueError, TypeError, RecursionError):
         return None
     return (holder, mtime) if ok and holder is not None else None
 
 
-def check(root: str, run: str, job: str, say: Callable[[str], None], stale_after: float = STALE_AFTER) -> Holder | None:
-    """Raise :class:`UsageError` if a live run other than ``run`` holds ``root``; else return the dead run's
-    :class:`Holder` it found (None: none, or ``run`` itself). Waits for the other run's beat for at most
-    ``stale_after`` seconds, less the record's age, and tells ``say`` so first."""
+def check(root: str, run: str, job: str, say: Callable[[str], None], slurm: str = "",
+          stale_after: float = STALE_AFTER) -> Holder | None:
+    """Raise :class:`UsageError` if a live run other than ``run`` (in a step of SLURM job ``slurm``) holds
+    ``root``; else return the dead run's :class:`Holder` it found (None: none, or ``run`` itself). Waits for the
+    other run's beat for at most ``stale_after`` seconds, less the record's age, and tells ``say`` so first."""
     found = read_holder(root)
     if found is None or found[0].run == run:
         return None
     holder, mtime = found
+    if slurm and holder.slurm == slurm:
+        return holder  # an earlier step of this SLURM job: its steps run one after the other, and a requeued job
+        # runs again only once its allocation ended
     alive = _alive_here(holder)
     if alive is not None:
         if alive:
@@ -125,9 +131,10 @@ class DirOwner:
     """Holds ``root`` for ``run`` (see the module docstring): :meth:`take`, then :meth:`close` when the run ends.
     ``say`` gets one line when the record cannot be written, or was taken by another run."""
 
-    def __init__(self, root: str, run: str, say: Callable[[str], None], refresh: float = REFRESH) -> None:
+    def __init__(self, root: str, run: str, say: Callable[[str], None], slurm: str = "",
+                 refresh: float = REFRESH) -> None:
         self.root, self.refresh, self.say = root, refresh, say
-        self.holder = this_process(run)
+        self.holder = this_process(run, slurm)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
