@@ -241,6 +241,26 @@ def test_ctrl_c_stops_the_job_with_exit_code_130(start_job):
     assert job.wait(60) == 130, job.output
     assert "supervisor got SIGINT: every node stops its trainers" in job.output, job.output
     assert "stopped by a signal (exit code 130)" in job.output, job.output
+    for rank in (0, 1):  # relayed as SIGINT, as torchrun does: scripts see KeyboardInterrupt, their finally runs
+        assert f"[rank {rank}] KeyboardInterrupt in rank {rank}" in job.output, job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_a_node_stopped_by_sigint_stops_every_node_s_trainers_with_sigint(start_job):
+    """Only node 1's supervisor gets SIGINT (as a multi-node job's node whose terminal pressed Ctrl-C): node 0
+    learns of the stop from the generation, and relays the same signal."""
+    job = start_job("--nnodes", "2", "--label-output", HELLO, "--wait-usr1")
+    deadline = time.monotonic() + 60
+    while not ("[rank 0] ready 0" in job.output and "[rank 1] ready 1" in job.output):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.05)
+    node1 = job.wait_for_event(lambda e: e["event"] == "node_start" and e.get("node") == 1)
+    os.kill(node1["pid"], signal.SIGINT)
+    job.wait(60)
+    assert "node 1's supervisor got SIGINT: every node stops its trainers" in job.output, job.output
+    for rank in (0, 1):
+        assert f"[rank {rank}] KeyboardInterrupt in rank {rank}" in job.output, job.output
     assert_job_left_nothing(job)
 
 

@@ -9,7 +9,8 @@ generation moves: it waits on the trainers' pidfds and the :class:`GenerationWat
 children (a crash is seen by waitpid), reads the heartbeat table (hangs), reads the generation key when told or
 every 0.25 s (failures seen elsewhere), and four times a second the peers' beat counters (lost nodes). The
 first failure seen moves the job to the next generation; every node then stops its trainers (SIGCONT, SIGTERM,
-SIGKILL after ``stop_grace``) and meets the others at the next rendezvous.
+SIGKILL after ``stop_grace``) and meets the others at the next rendezvous. A job stopped by SIGINT stops them
+with SIGINT, as torchrun does.
 
 Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
 trainer and kept across generations; if it dies it is restarted at once and the trainers keep running. A
@@ -415,7 +416,7 @@ class Supervisor:
             self._started_by = gen
             self._start_trainers(gen.gen)
             outcome = self._watch(gen, seen)
-            self._stop_trainers()
+            self._stop_trainers(self._trainer_stop_signal(outcome))
             if outcome == "done":
                 self._publish_status("done", gen.gen, now=True)
                 self._persist_final()
@@ -856,15 +857,27 @@ class Supervisor:
         unlink_segments(self.spec.job_id, self.node)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def _stop_trainers(self) -> None:
-        """Stop every trainer of this node: SIGCONT and SIGTERM, then SIGKILL after the grace; reap them all."""
+    def _trainer_stop_signal(self, outcome: bytes | str) -> signal.Signals:
+        """What stops the trainers after a generation that ended in ``outcome`` (see :meth:`_watch`): the job's
+        stop signal when it was told to stop by SIGINT (Ctrl-C), as torchrun relays it, so that scripts see
+        KeyboardInterrupt (their ``finally`` blocks, a framework's graceful shutdown); else SIGTERM."""
+        if outcome == "stop":
+            return signal.SIGINT if self._stop_signal == signal.SIGINT else signal.SIGTERM
+        if isinstance(outcome, bytes):
+            new = Generation.decode(outcome)
+            if new.kind == STOP_KIND and new.detected_by == signal.SIGINT.name:
+                return signal.SIGINT
+        return signal.SIGTERM
+
+    def _stop_trainers(self, stop: signal.Signals = signal.SIGTERM) -> None:
+        """Stop every trainer of this node: SIGCONT and ``stop``, then SIGKILL after the grace; reap them all."""
         if not self.trainers:
             return
         t0 = time.monotonic()
         running = [t for t in self.trainers.values() if t.exit_code is None]
         for trainer in running:
             signal_group(trainer.pid, signal.SIGCONT)
-            signal_group(trainer.pid, signal.SIGTERM)
+            signal_group(trainer.pid, stop)
         deadline = t0 + self.spec.stop_grace
         killed = False
         while any(t.exit_code is None for t in running):
