@@ -422,3 +422,17 @@ def test_the_same_signal_at_import_twice_stops_the_job(start_job, tmp_path):
         [("crash", "killed by SIGABRT"), ("fatal", "killed by SIGABRT")]
     assert f"job failed: {CRASH_LOOP}: killed by SIGABRT" in job.output
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(180)
+def test_a_script_that_never_beats_and_fails_the_same_way_after_running_a_while_restarts_as_under_torchrun(
+        start_job, tmp_path):
+    """An unmodified torchrun script cannot tell its steps: once its trainers ran for --hang-timeout-initial
+    seconds (the time a trainer is given to start), a repeated failure is not one at its start."""
+    script = write(tmp_path, "late.py", 'import time\ntime.sleep(2)\nraise ValueError("the same late failure")\n')
+    job = start_job("--max-restarts", "2", "--hang-timeout-initial", "1", str(script))
+    assert job.wait() == 3, job.output
+    assert generations_started(job) == [0, 1, 2]
+    assert [(f["kind"], f["early"]) for f in primary_failures(job)] == [("crash", False)] * 3
+    assert "restart limit reached (2 restarts)" in job.output and CRASH_LOOP not in job.output
+    assert_job_left_nothing(job)

@@ -193,6 +193,7 @@ class Supervisor:
         self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=run_dir_prefix(spec.job_id, self.node))
         self._stopping = False
         self._stop_signal = signal.SIGTERM
+        self._trainers_started = 0.0  # time.monotonic() when this generation's trainers were started
         self._suspects_sent = -1  # the generation whose silent trainers this node reported
         self.output = Output(OutputSettings(  # where the trainers' stdout/stderr go
             spec.redirects, spec.tee, spec.local_ranks_filter, tuple(spec.duplicate_stdout_filters),
@@ -525,7 +526,8 @@ class Supervisor:
             self.trainers[pid] = Trainer(local, place.rank, pid)
             self.exits.watch(pid)
             self.detectors[local].trainer_started(time.monotonic())
-        took = time.monotonic() - t0
+        self._trainers_started = time.monotonic()
+        took = self._trainers_started - t0
         self.coord.mark(gen, "started", time.time())
         how = "forked by the zygote" if self.zygote else "as new processes"
         self.events.emit("trainers_started", f"generation {gen}: started {len(self.trainers)} trainers {how} "
@@ -789,9 +791,14 @@ class Supervisor:
 
     def _before_first_beat(self, gen: int) -> bool:
         """Whether no trainer of generation ``gen`` has sent its first heartbeat: none of this node's (its
-        heartbeat table), and no other node has all of its trainers beating (their ``up`` marks)."""
+        heartbeat table), and no other node has all of its trainers beating (their ``up`` marks). A script that
+        has never beaten (an unmodified torchrun script) cannot tell its steps: its trainers count as started
+        once they ran for ``--hang-timeout-initial`` seconds, the time a trainer is given to start."""
         assert self.heartbeats is not None
         if any(self.heartbeats.read(local).beats > 0 for local in range(self.spec.nproc_per_node)):
+            return False
+        if (not any(detector.armed for detector in self.detectors)
+                and time.monotonic() - self._trainers_started >= self.spec.hang_timeout_initial):
             return False
         return not self.coord.marks(gen, "up")
 
