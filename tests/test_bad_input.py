@@ -52,7 +52,10 @@ def listening_port():
     (["--inject", "hang@rank=1", str(TRAIN_PLAIN)], ["missing step="]),
     (["--inject", "node-loss@rank=1,step=2", str(TRAIN_PLAIN)], ["unknown key 'rank' for node-loss"]),
     (["--no-python", "no-such-executable-ftrun"], ["executable not found"]),
-    (["--rdzv-endpoint", "nohostport", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
+    (["--rdzv-endpoint", "host:99999", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
+    (["--rdzv-endpoint", "nohostport", str(TRAIN_PLAIN)], ["host 'nohostport' does not resolve"]),  # port 29400
+    (["--nnodes", "2", "--rdzv-endpoint", "localhost:0", str(TRAIN_PLAIN)],
+     ["port 0 (any free port) is for a job of this host alone"]),
     (["--rdzv-bind", "127.0.0.1", str(TRAIN_PLAIN)], ["--rdzv-bind is for multi-node jobs"]),
     (["--rdzv-endpoint", "198.51.100.7:29500", str(TRAIN_PLAIN)], ["198.51.100.7:29500 is not on this host"]),
     (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "--rdzv-bind", "198.51.100.77",

@@ -124,6 +124,11 @@ def test_torchrun_settings_map_onto_ftrun():
     assert (multi.node_rank, multi.rdzv_endpoint) == (0, "h:1234")
     single = build_config(None, {"nnodes": 1, "node_rank": 0})  # as torchrun: a local store on a free port
     assert (single.local_mode, single.rdzv_endpoint) == (True, None)
+    # an endpoint without a port: torchrun's default ports (c10d 29400, etcd 2379)
+    assert build_config(None, {"nnodes": 2, "node_rank": 1, "rdzv_endpoint": "node0"}).rdzv_endpoint == "node0:29400"
+    assert build_config(None, {"rdzv_endpoint": "[::1]"}).rdzv_endpoint == "[::1]:29400"
+    assert build_config(None, {"rdzv_backend": "etcd", "rdzv_endpoint": "e1,e2:2380"}).rdzv_endpoint == \
+        "e1:2379,e2:2380"
     assert build_config(None, {"master_port": 29555}).rdzv_endpoint == "127.0.0.1:29555"  # the local store's
     assert build_config(None, {"start_method": "spawn"}).zygote is False
     assert build_config(None, {"start_method": "fork", "zygote": False}).zygote is True
@@ -161,6 +166,15 @@ def test_role_signals_and_virtual_local_rank_in_the_trainer_env():
 
 def trainer_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if re.search(r"(hello|err) from rank", line)]
+
+
+@pytest.mark.timeout(120)
+def test_an_endpoint_on_port_0_hosts_the_store_of_a_job_of_this_host_on_a_free_port(start_job):
+    job = start_job("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "--nnodes", "1", HELLO)
+    assert job.wait(90) == 0, job.output
+    store = re.search(r"control store 127\.0\.0\.1:(\d+)", job.output)
+    assert store is not None and int(store.group(1)) > 0, job.output
+    assert_job_left_nothing(job)
 
 
 @pytest.mark.timeout(120)

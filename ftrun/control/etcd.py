@@ -66,10 +66,10 @@ from etcd3gw.exceptions import ConnectionTimeoutError, Etcd3Exception
 from torch.distributed import DistError
 from urllib3.exceptions import ProtocolError
 
+from ftrun.control.spec import ETCD_PORT as DEFAULT_PORT
 from ftrun.errors import UsageError
 
 CONF_KEYS = ("protocol", "cacert", "cert", "key", "user", "password")  # the --rdzv-conf keys for etcd
-DEFAULT_PORT = 2379
 API_PATH = "/v3/"  # etcd >= 3.4 (3.3 served /v3beta/)
 MAX_TXN_OPS = 128  # etcd's default --max-txn-ops
 POLL_INTERVAL = 0.1  # callers poll etcd at most this often (a read costs ~0.7 ms of CPU here, and the leader's)

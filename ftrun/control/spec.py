@@ -17,6 +17,7 @@ from ftrun.errors import UsageError
 ENV_NODE_SPEC = "FTRUN_NODE_SPEC"
 ENV_SHM_DIR = "FTRUN_SHM_DIR"
 DEFAULT_SHM_DIR = "/dev/shm"
+ETCD_PORT = 2379  # an etcd member's port when its endpoint names none
 
 # Exit codes of a supervisor; any other code means the supervisor itself crashed.
 EXIT_DONE = 0
@@ -95,12 +96,21 @@ class NodeSpec:
         return cls(**json.loads(os.environ[ENV_NODE_SPEC]))
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` (``--rdzv-endpoint``, an etcd member) -> (host, port); a bad one is a :class:`UsageError`."""
+def split_endpoint(endpoint: str, any_port: bool = False) -> tuple[str, int]:
+    """``host:port`` (``--rdzv-endpoint``, an etcd member) -> (host, port); a bad one is a :class:`UsageError`.
+    ``any_port``: port 0 (any free one) is one too."""
     host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not (0 if any_port else 1) <= int(port) < 65536:
         raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
     return host.strip("[]"), int(port)
+
+
+def with_port(endpoints: str, default: int) -> str:
+    """``endpoints`` (comma-separated) with ``:default`` added to each that names a host only (``node0``,
+    ``[::1]``), as torchrun reads a rendezvous endpoint."""
+    members = [member.strip() for member in endpoints.split(",")]
+    return ",".join(f"{member}:{default}" if member and (member.endswith("]") or ":" not in member) else member
+                    for member in members)
 
 
 def safe_job_id(job_id: str) -> str:

@@ -20,7 +20,7 @@ import yaml
 
 from ftrun.errors import UsageError
 from ftrun.control.faults import parse_faults
-from ftrun.control.spec import DEFAULT_SIGNALS, split_endpoint
+from ftrun.control.spec import DEFAULT_SIGNALS, ETCD_PORT, split_endpoint, with_port
 from ftrun.launch.output import OutputSettings
 from ftrun.launch.slurm import slurm_step
 from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
@@ -28,6 +28,7 @@ from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
 # torchrun's static rendezvous: where the store is when only --node-rank (and --master-*) is given
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
+DEFAULT_RDZV_PORT = 29400  # torchrun's port of a c10d --rdzv-endpoint given without one
 LOCAL_STORE_HOST = "127.0.0.1"
 START_METHODS = ("spawn", "fork", "forkserver")
 CKPT_FORMATS = ("ftrun", "dcp")
@@ -175,8 +176,10 @@ class JobConfig:
             _check_seconds(f"--{name.replace('_', '-')}", getattr(self, name))
         if self.module and self.no_python:
             raise UsageError("-m and --no-python cannot be combined")
-        if self.rdzv_endpoint is not None and self.rdzv_backend == "c10d":
-            split_endpoint(self.rdzv_endpoint)
+        if (self.rdzv_endpoint is not None and self.rdzv_backend == "c10d" and not self.local_mode
+                and split_endpoint(self.rdzv_endpoint, any_port=True)[1] == 0):
+            raise UsageError(f"--rdzv-endpoint {self.rdzv_endpoint}: port 0 (any free port) is for a job of this "
+                             "host alone; the nodes of a multi-node job meet at a port they all know")
         problem = None if self.standby else group_problem(self.nnodes, *self.erasure, self.ec_backend)
         if problem is not None:  # a standby takes the job's groups (its own flags may be the nodes' command line)
             raise UsageError(problem)
@@ -192,6 +195,11 @@ class JobConfig:
         if self.rdzv_backend not in ("c10d", "etcd"):
             raise UsageError(f"--rdzv-backend must be c10d, static or etcd, got {self.rdzv_backend!r}")
         conf = self.store_conf
+        if self.rdzv_endpoint is not None:  # a host alone: torchrun's default port
+            self.rdzv_endpoint = with_port(self.rdzv_endpoint, ETCD_PORT if self.rdzv_backend == "etcd"
+                                           else DEFAULT_RDZV_PORT)
+            if self.rdzv_backend == "c10d":
+                split_endpoint(self.rdzv_endpoint, any_port=True)
         if self.rdzv_backend == "etcd":
             if self.rdzv_endpoint is None:
                 raise UsageError("--rdzv-backend etcd needs --rdzv-endpoint HOST:PORT[,HOST:PORT...] (etcd members)")

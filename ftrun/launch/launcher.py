@@ -183,7 +183,7 @@ class Launcher:
             host, port = split_endpoint(cfg.rdzv_endpoint.split(",")[0])
             return host, port, open_store(self.address, cfg.rdzv_timeout, report)
         if cfg.local_mode:
-            host, port = split_endpoint(cfg.rdzv_endpoint) if cfg.rdzv_endpoint else (LOOPBACK, 0)
+            host, port = split_endpoint(cfg.rdzv_endpoint, any_port=True) if cfg.rdzv_endpoint else (LOOPBACK, 0)
             if cfg.rdzv_endpoint and not is_local_host(host):
                 raise UsageError(f"--rdzv-endpoint {cfg.rdzv_endpoint} is not on this host, but a job of this host "
                                  "alone hosts its control store here: give 127.0.0.1:PORT, or --node-rank N for a "
