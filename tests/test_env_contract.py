@@ -115,3 +115,28 @@ def test_gloo_binds_to_the_interface_holding_the_nodes_address():
     common = dict(omp_threads=1, heartbeat_file="h", keeper_socket="k", error_file="e", faults="")
     assert trainer_env({}, place, **common)["GLOO_SOCKET_IFNAME"] == loopback
     assert trainer_env({"GLOO_SOCKET_IFNAME": "eth9"}, place, **common)["GLOO_SOCKET_IFNAME"] == "eth9"
+
+
+CPP_WARNING = '''\
+import datetime
+import torch.distributed as dist
+try:  # nothing listens on port 9: torch's C++ client logs a warning (retrying) before it gives up
+    dist.TCPStore("127.0.0.1", 9, is_master=False, timeout=datetime.timedelta(seconds=0.3))
+except Exception as err:
+    print("raised", type(err).__name__, flush=True)
+'''
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags", [(), ("--no-zygote",)], ids=["zygote", "new-interpreter"])
+def test_trainers_print_torch_s_cpp_warnings_as_under_torchrun(start_job, tmp_path, flags):
+    """ftrun's own processes run torch's C++ logging at ERROR (no C++ stacks before its one-line reports); a
+    trainer, forked by the zygote or not, logs at the user's level (here torch's default, WARNING)."""
+    script = tmp_path / "cpp_warning.py"
+    script.write_text(CPP_WARNING)
+    env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
+    job = start_job(*flags, str(script), env=env)
+    assert job.wait(90) == 0, job.output
+    assert "raised DistNetworkError" in job.output and "failed to connect/validate to host 127.0.0.1:9 - retrying" \
+        in job.output, job.output
+    assert_job_left_nothing(job)

@@ -39,6 +39,7 @@ a trainer runs exactly one request, with nothing in its process that another req
 """
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import io
@@ -57,6 +58,7 @@ from threadpoolctl import ThreadpoolController
 
 from ftrun.control.spec import FORWARDED_SIGNALS
 from ftrun.launch.bootstrap import run_main
+from ftrun.launch.env import CPP_LOG_LEVEL, ENV_QUIET_CPP_LOG
 from ftrun.launch.processes import READY_NAME, ZYGOTE_NAME, die_with_parent, set_process_name
 from ftrun.snapshot.protocol import receive_handoff, send_handoff
 
@@ -289,8 +291,11 @@ def _become_trainer(supervisor: int) -> None:
 def _run(request: SpawnRequest) -> None:
     """Turn this forked process into the trainer: environment, directory, then the user's code
     (:func:`~ftrun.launch.bootstrap.run_main`: argv, sys.path, a clean traceback and the error file)."""
+    quieted = os.environ.get(ENV_QUIET_CPP_LOG)  # this process's torch logs C++ warnings at ftrun's ERROR
     os.environ.clear()
     os.environ.update(request.env)
+    if quieted:
+        _user_cpp_log_level()
     os.chdir(request.cwd)
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[attr-defined]
@@ -302,6 +307,25 @@ def _run(request: SpawnRequest) -> None:
         torch.set_num_threads(int(threads))
     # as `python script.py` would: a failure's traceback shows the user's frames only, and exits 1
     run_main(request.target, request.args, request.module)
+
+
+def _user_cpp_log_level() -> None:
+    """Give the trainer the C++ log level of the user's environment (torch's default, WARNING, where it sets
+    none), as a new interpreter would have: torch reads ``TORCH_CPP_LOG_LEVEL`` once, at its import, and this
+    process imported it with the ERROR that ftrun's own processes run at (:mod:`ftrun.launch.env`), which would
+    hide every warning of torch's C++ code (DDP's, gloo's, NCCL's). ``c10::initLogging`` (c10/util/Logging.h, a
+    public function of torch's C++ API) reads it again; a torch without it keeps ERROR."""
+    import torch
+
+    wanted = os.environ.get(CPP_LOG_LEVEL)
+    os.environ[CPP_LOG_LEVEL] = wanted or "WARNING"
+    try:
+        ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))._ZN3c1011initLoggingEv()
+    except (OSError, AttributeError):
+        pass
+    finally:
+        if wanted is None:
+            del os.environ[CPP_LOG_LEVEL]
 
 
 def _fresh_randomness() -> None:
