@@ -293,3 +293,27 @@ def test_sigusr1_reaches_every_trainer_and_sighup_stops_the_job(start_job):
     os.kill(job.proc.pid, signal.SIGHUP)
     assert job.wait(60) == 128 + signal.SIGHUP, job.output
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_a_rerun_with_the_same_log_dir_keeps_the_earlier_run_s_logs_apart(start_job, tmp_path):
+    """As torchrun keeps each run's logs in a directory of its own: the earlier run's trainer files move to
+    previous-<time>/, and its error file is never taken for the cause of this run's failure."""
+    log_dir = tmp_path / "logs"
+    first_script = tmp_path / "first.py"
+    first_script.write_text('print("first run", flush=True)\nraise ValueError("from the first run")\n')
+    first = start_job("--max-restarts", "0", "--redirects", "3", str(first_script), log_dir=log_dir)
+    assert first.wait(90) == 3, first.output
+    assert (log_dir / "gen0" / "rank0" / "error.json").exists()
+    second_script = tmp_path / "second.py"
+    second_script.write_text('import os, signal\nprint("second run", flush=True)\n'
+                             'os.kill(os.getpid(), signal.SIGKILL)\n')
+    second = start_job("--max-restarts", "0", "--redirects", "3", str(second_script), log_dir=log_dir)
+    assert second.wait(90) == 3, second.output
+    failure = [e for e in second.events() if e["event"] == "failure"][-1]
+    assert "SIGKILL" in failure["message"] and "first run" not in failure["message"], failure
+    assert (log_dir / "gen0" / "rank0" / "stdout.log").read_text() == "second run\n"
+    earlier = list(log_dir.glob("previous-*/gen0/rank0"))
+    assert len(earlier) == 1 and (earlier[0] / "stdout.log").read_text() == "first run\n"
+    assert "from the first run" in (earlier[0] / "error.json").read_text()
+    assert_job_left_nothing(second)

@@ -29,9 +29,12 @@ before it joins a generation and before it starts trainers: one that was cut off
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import json
 import math
 import os
+import re
 import select
 import shutil
 import signal
@@ -48,6 +51,7 @@ from typing import NoReturn, TypeVar
 
 from torch.distributed import DistError, TCPStore
 
+from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
@@ -233,6 +237,8 @@ class Supervisor:
             self.events.emit("node_start", f"{what} up (pid {os.getpid()}, zygote "
                              f"{'pid ' + str(self.zygote.pid) if self.zygote else 'off'})",
                              node=self.node, incarnation=self.incarnation, pid=os.getpid())
+            if self.spec.log_dir and self.incarnation == 1:
+                self._keep_earlier_logs(self.spec.log_dir)
             code = self._generations()
             succeeded = code == EXIT_DONE
             return code
@@ -427,6 +433,31 @@ class Supervisor:
                 return self._stopped()
             seen = outcome
 
+    def _keep_earlier_logs(self, log_dir: str) -> None:
+        """The first supervisor of this node in a run moves what an earlier run left in its ranks' directories
+        (``gen<G>/rank<R>/``) to ``previous-<time>/gen<G>/rank<R>/``, as torchrun keeps each run's logs apart:
+        nothing an earlier run wrote is overwritten, nor taken for this run's (its ``error.json`` for a new
+        failure's cause)."""
+        ranks = range(self.node * self.spec.nproc_per_node, (self.node + 1) * self.spec.nproc_per_node)
+        gens = [path for path in glob.glob(os.path.join(glob.escape(log_dir), "gen*"))
+                if re.fullmatch(r"gen\d+", os.path.basename(path))]
+        found = [path for gen in sorted(gens) for rank in ranks
+                 if os.path.isdir(path := os.path.join(gen, f"rank{rank}"))]
+        if not found:
+            return
+        aside = os.path.join(log_dir, time.strftime("previous-%Y%m%d-%H%M%S"))
+        try:
+            for path in found:
+                gen_dir = os.path.join(aside, os.path.basename(os.path.dirname(path)))
+                os.makedirs(gen_dir, exist_ok=True)
+                os.rename(path, os.path.join(gen_dir, os.path.basename(path)))
+        except OSError as err:
+            self.events.emit("logs", f"WARNING cannot move the logs an earlier run left in {log_dir} aside "
+                             f"({error_text(err)}): this run's trainers write over them", node=self.node)
+            return
+        self.events.emit("logs", f"moved what an earlier run left in {log_dir} for rank(s) {ranks.start}-"
+                         f"{ranks.stop - 1} to {aside}", node=self.node, path=aside)
+
     def _stopped(self) -> int:
         return EXIT_STOPPED if self._persist_final() else EXIT_STOPPED_UNSAVED
 
@@ -508,6 +539,8 @@ class Supervisor:
                                  gen, self.spec.max_restarts, addr, port)
             error_dir = os.path.join(self.run_dir, f"gen{gen}", f"rank{place.rank}")
             os.makedirs(error_dir, exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # an earlier run's (the trainer may write none)
+                os.unlink(os.path.join(error_dir, "error.json"))
             env = trainer_env(dict(os.environ), place, omp_threads=self.spec.omp_threads,
                               heartbeat_file=self.heartbeats.path,
                               keeper_socket=socket_name(safe_job_id(self.spec.job_id), self.node),
