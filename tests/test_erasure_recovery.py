@@ -185,3 +185,22 @@ def test_keepers_refuse_peers_without_the_secret_and_keep_serving(start_job, tmp
     rejected = [e for e in job.events() if e["event"] == "peer_rejected"]
     assert len(rejected) >= 3 and any("authentication" in e["message"] for e in rejected), rejected
     assert_rebuilt(job, {1}, 40)  # the keeper went on serving its peer after the intruders
+
+
+@pytest.mark.timeout(300)
+def test_a_survivor_frozen_during_a_rebuild_is_restarted_and_the_rebuild_tried_again(start_job, tmp_path,
+                                                                                      gpt_baselines):
+    """Node 1 lost; while its replacement rebuilds it, node 0's keeper (a survivor it reads from) stops (SIGSTOP)
+    and its node lives on. Its supervisor's keeper watch kills it once it answered nothing for 15 s and restarts
+    it (it re-adopts its slots and parity); the rebuild that failed for want of that survivor is tried again
+    instead of its parity being given up (which restored step 0), and the job ends with the failure-free state."""
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(3, 1), "serve-stall", "--node-timeout", "1",
+                      "--inject", "node-loss@node=1,step=25", "--inject", "serve-stall@node=0,step=1,gen=1",
+                      nodes=shape(3, 1))
+    events = job.events()
+    assert any(e["event"] == "inject" and "stops itself (SIGSTOP)" in e["message"] for e in events), job.output
+    assert any(e["event"] == "keeper_unresponsive" and e["node"] == 0 for e in events), job.output
+    assert [e["event"] for e in events if e["event"] in ("rebuild_failed", "restore_source_retry")][:2] == \
+        ["rebuild_failed", "restore_source_retry"], job.output
+    assert not any(e["event"] == "restore_source_failed" for e in events), job.output
+    assert_rebuilt(job, {1}, 25)

@@ -17,6 +17,8 @@ Kinds and their required keys:
   protected.
 - ``serve-loss@node=N,step=S``: node N is lost the same way when its keeper is asked for a piece of a step
   >= S by a peer rebuilding a lost node (a survivor lost during a rebuild; use ``gen=1`` after a node-loss).
+- ``serve-stall@node=N,step=S``: node N's keeper stops itself (SIGSTOP) there instead: a survivor frozen during
+  a rebuild, whose node lives on (its supervisor's keeper watch kills and restarts it).
 
 Every fault also takes ``gen=G`` (default 0) and fires at most once: only in generation G. Trainer faults
 travel to the trainer in :data:`ENV_TRAINER_FAULTS` as ``kind:step`` pairs and fire inside
@@ -34,7 +36,7 @@ ENV_TRAINER_FAULTS = "FTRUN_INJECT"
 
 TRAINER_FAULTS = ("crash", "hang", "copy-crash", "commit-crash")
 _WHERE = {"crash": "rank", "hang": "rank", "copy-crash": "rank", "commit-crash": "rank", "keeper-crash": "node",
-          "node-loss": "node", "parity-loss": "node", "serve-loss": "node"}
+          "node-loss": "node", "parity-loss": "node", "serve-loss": "node", "serve-stall": "node"}
 
 
 @dataclass(frozen=True)

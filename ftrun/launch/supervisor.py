@@ -13,7 +13,9 @@ SIGKILL after ``stop_grace``) and meets the others at the next rendezvous. A job
 with SIGINT, as torchrun does.
 
 Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
-trainer and kept across generations; if it dies it is restarted at once and the trainers keep running. A
+trainer and kept across generations; if it dies it is restarted at once and the trainers keep running, and so
+is one that lives but answers nothing (:mod:`ftrun.launch.keeper_watch`: killed after 3 x ``--node-timeout``,
+at least 15 s). A
 :class:`~ftrun.snapshot.link.KeeperLink` thread agrees each generation's restore step with the other nodes
 while the trainers start (they wait for it in ``Snapshotter.restore``). A fatal keeper error (no room in
 /dev/shm) ends the job: it becomes a generation of kind "fatal", which every supervisor turns into an exit.
@@ -79,6 +81,7 @@ from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_F
                                   unlink_segments)
 from ftrun.snapshot.link import KeeperLink
 from ftrun.snapshot.protocol import socket_name
+from ftrun.launch.keeper_watch import KeeperWatch
 from ftrun.ui.status import PUBLISH_INTERVAL, NodeStatus, RankStatus, publish
 
 POLL_INTERVAL = 0.02
@@ -186,6 +189,7 @@ class Supervisor:
         self.trainer_store: TCPStore | None = None
         self.heartbeats: HeartbeatTable | None = None
         self.keeper: subprocess.Popen[bytes] | None = None
+        self.keeper_watch: KeeperWatch | None = None  # kills a keeper that lives but answers nothing
         self.keeper_starts = 0
         self.link: KeeperLink | None = None
         self.gen_watch: GenerationWatch | None = None
@@ -331,6 +335,9 @@ class Supervisor:
             raise JobFailed(f"snapshot keeper of node {self.node} did not start")
         proc.returncode = 0  # reaped by this supervisor's reap(), never by Popen
         self.keeper = proc
+        self.keeper_watch = KeeperWatch(socket_name(safe_job_id(self.spec.job_id), self.node), proc.pid,
+                                        3 * self.spec.node_timeout,
+                                        lambda line: self.events.emit("keeper_unresponsive", line, node=self.node))
         self.keeper_starts += 1
         took = time.monotonic() - t0
         self.events.emit("keeper_start", f"keeper up (pid {proc.pid}) in {took * 1000:.0f} ms", console=False,
@@ -342,15 +349,22 @@ class Supervisor:
 
     def _keeper_exited(self, code: int) -> None:
         """The keeper died while the job runs: restart it; trainers keep running and reconnect."""
+        self._unwatch_keeper()
         self.keeper = None
         self.events.emit("keeper_failed", f"keeper {describe_exit(code)}; restarting it (trainers keep "
                          "running)", node=self.node, exit_code=code)
         self._start_keeper()
 
+    def _unwatch_keeper(self) -> None:
+        if self.keeper_watch is not None:
+            self.keeper_watch.stop()
+            self.keeper_watch = None
+
     def _stop_keeper(self) -> None:
         """Stop the keeper (it unlinks the node's snapshot segments) and make sure none are left."""
         if self.keeper_ahead is not None:  # never started
             self.keeper_ahead.close()
+        self._unwatch_keeper()
         if self.link is not None:
             self.link.stop()
         if self.keeper is not None:

@@ -209,6 +209,7 @@ class Keeper:
         self.crash_faults = [f for f in mine if f.kind == "keeper-crash"]
         self.parity_faults = [f for f in mine if f.kind == "parity-loss"]
         self.serve_faults = [f for f in mine if f.kind == "serve-loss"]
+        self.stall_faults = [f for f in mine if f.kind == "serve-stall"]
         self.ranks = [RankSlots() for _ in range(spec.nproc_per_node)]
         self.cond = threading.Condition()
         self.generation = -1
@@ -447,6 +448,11 @@ class Keeper:
                 self.cond.wait(min(left, POLL_RECHECK))
             return reply
 
+    def op_ping(self) -> dict[str, Any]:
+        """Answer at once, taking no lock: the supervisor's watch that this keeper still serves
+        (:mod:`ftrun.launch.keeper_watch`)."""
+        return {}
+
     def op_nudge(self) -> dict[str, Any]:
         """Answer the link's waiting ``poll`` now (its supervisor has news for it: a generation, a stop)."""
         with self.cond:
@@ -476,6 +482,13 @@ class Keeper:
         """The group's keepers' addresses (JSON keys are strings: node ranks)."""
         if self.redundancy is not None:
             self.redundancy.peers = {int(node): address for node, address in peers.items()}
+
+    def op_peers(self, peers: dict[str, str]) -> dict[str, Any]:
+        """The group's keepers' addresses, before the generation's plan is agreed: a survivor relays a rebuild to
+        them, and a keeper restarted meanwhile knows none yet."""
+        with self.cond:
+            self._set_peers(peers)
+        return {}
 
     def op_rebuild(self, generation: int, step: int, complete: list[int], peers: dict[str, str]) -> dict[str, Any]:
         """Rebuild every local rank's slot of ``step`` from the group's nodes in ``complete``; then it is held."""
@@ -771,6 +784,12 @@ class Keeper:
 
     def _fire_serve_fault(self, step: int) -> None:
         self._lose_node(self.serve_faults, step, f"serves a peer's rebuild of step {step}")
+        for fault in self.stall_faults:
+            if step >= fault.step and self.generation == fault.gen:
+                self.stall_faults.clear()  # once
+                self.events.emit("inject", f"injected {fault.spec}: keeper {self.node} stops itself (SIGSTOP) "
+                                 f"while it serves a peer's rebuild of step {step}", node=self.node)
+                os.kill(os.getpid(), signal.SIGSTOP)
 
     def _fire_parity_fault(self, step: int) -> None:
         self._lose_node(self.parity_faults, step, f"computes parity of step {step}")

@@ -7,7 +7,7 @@ Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
   start of g. Every node computes the same :class:`RestorePlan` from all of them (:func:`plan_restore`): the
   restore chain: the newest step that every rank holds in RAM, else can get rebuilt from its EC group's
   parity, else loads from disk, else step 0. The nodes that lack a parity step rebuild it first (their keepers,
-  from the group's nodes that hold the step and its parity; ``rebuild/<step>/<node>``: "ok" or why not); for a
+  from the group's nodes that hold the step and its parity; ``rebuild/<step>[.<try>]/<node>``: "ok" or why not); for a
   disk step every node's keeper loads and verifies it first (``load/<step>/<node>``). If any of them fails,
   every node excludes that source for that step and plans again within g: a failed source is never tried
   twice and never costs a restart. Only then do they tell their keeper the plan; trainers wait for it.
@@ -61,6 +61,8 @@ from ftrun.snapshot.durability import Durability
 from ftrun.snapshot.protocol import PEER_LOST, POLL_WAIT, KeeperClient, KeeperError, KeeperUnavailable, socket_name
 
 LINK_INTERVAL = 0.01  # seconds between two polls while the link follows the store (see Pace)
+NUDGE_TIMEOUT = 2.0  # seconds the supervisor waits for its keeper's answer to a nudge
+PEER_LOST_TRIES = 4  # rebuilds of a parity step that a survivor left unanswered, yet lived: then it is bad
 PREPARE_LOOKBACK = 8  # generations looked back for the group's documents when the link starts (prepare)
 
 
@@ -271,7 +273,8 @@ class KeeperLink(threading.Thread):
         self.events = events
         self.address = address
         self.keeper = KeeperClient(socket_name(job, spec.node_rank), patience=1.0)
-        self._nudger = KeeperClient(socket_name(job, spec.node_rank))  # the supervisor's thread's (_nudge)
+        # the supervisor's thread's (_nudge): a keeper that does not answer (frozen) must not hold up a stop
+        self._nudger = KeeperClient(socket_name(job, spec.node_rank), timeout=NUDGE_TIMEOUT)
         self._seen = ""  # the version of the keeper's last poll answer
         self.fatal: str | None = None  # ends the job (no room for snapshots)
         self._generation = -1
@@ -401,14 +404,20 @@ class KeeperLink(threading.Thread):
         verified); if any of them fails, every node marks that source bad for that step (never tried again by
         this node) and plans again, within the same generation: a failed source never costs a restart. A rebuild
         that failed only because a survivor became unreachable (:data:`PEER_LOST`) marks nothing: the nodes wait
-        for the generation that its loss starts (the survivors' RAM and parity are still good), and mark the step
-        bad only if none comes within twice the node timeout. None when the generation moved on meanwhile."""
+        for the generation that its loss starts (the survivors' RAM and parity are still good). If none comes
+        within twice the node timeout, the survivor lives (its keeper was frozen a while, or its supervisor
+        restarted it): they rebuild again, up to :data:`PEER_LOST_TRIES` times in all, before the step is marked
+        bad. None when the generation moved on meanwhile."""
+        tries: dict[int, int] = {}  # parity step -> rebuilds that failed only because a survivor did not answer
         while True:
             plan = plan_restore(held, self.group, self.parity, frozenset(self._bad_disk), frozenset(self._bad_parity))
+            if plan.source == "parity":  # survivors relay the rebuild: their keepers (one restarted, too) need peers
+                self.keeper.request("peers", peers=self._peers)
             if plan.source == "disk":
                 what, workers = f"load/{plan.step}", set(held)
             elif plan.source == "parity":
-                what, workers = f"rebuild/{plan.step}", set(plan.rebuild)
+                again = tries.get(plan.step, 0)
+                what, workers = f"rebuild/{plan.step}" + (f".{again}" if again else ""), set(plan.rebuild)
             else:
                 return plan
             if self.node in workers:
@@ -428,6 +437,13 @@ class KeeperLink(threading.Thread):
                     time.sleep(self._interval)
                 if self._generation != gen or self._halt.is_set():
                     return None
+                tries[plan.step] = tries.get(plan.step, 0) + 1
+                if tries[plan.step] < PEER_LOST_TRIES:
+                    self.events.emit("restore_source_retry", f"generation {gen}: a survivor did not answer during "
+                                     f"the rebuild of step {plan.step} ({problems}) but was not lost: rebuilding "
+                                     "again", console=self.node == 0, generation=gen, step=plan.step,
+                                     problems=problems)
+                    continue
             bad, source = (self._bad_disk, "persisted") if plan.source == "disk" else (self._bad_parity, "parity of")
             bad.add(plan.step)
             self.events.emit("restore_source_failed", f"generation {gen}: {source} step {plan.step} is not "

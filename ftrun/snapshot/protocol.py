@@ -21,7 +21,9 @@ supervisor  ``held {generation}`` -> ``{held: {rank: [steps]}}``: verified steps
             newest step every local rank took or skipped, and a fatal error if any. With ``wait`` > 0 the answer
             comes once its ``version`` differs from ``seen`` (the caller's last), or after ``wait`` seconds (at
             most ``POLL_WAIT``): an idle node's link sleeps in the keeper instead of asking 100 times a second.
-            ``nudge`` -> ``{}``: a waiting ``poll`` answers now.
+            ``nudge`` -> ``{}``: a waiting ``poll`` answers now. ``ping`` -> ``{}`` at once, taking no lock: the
+            supervisor's check that the keeper still serves (:mod:`ftrun.launch.keeper_watch`).
+            ``peers {peers}`` -> ``{}``: the group's keepers' addresses, before a rebuild (survivors relay it).
 
 Hand-off (:func:`send_handoff`, :func:`receive_handoff`): how a process started ahead, a keeper or a zygote's
 ready trainer, is told what to run once it is needed, on a socket pair of its own: descriptors (SCM_RIGHTS, on
@@ -134,16 +136,20 @@ class KeeperClient:
     """A trainer's or supervisor's connection to its node's keeper; reconnects across keeper restarts.
 
     A request whose connection breaks is sent again on a new connection (every request is idempotent), for
-    up to ``patience`` seconds; then :class:`KeeperUnavailable`.
+    up to ``patience`` seconds; then :class:`KeeperUnavailable`. With ``timeout``, a reply that takes longer
+    counts as a broken connection (for requests the keeper answers at once: a stopped keeper accepts
+    connections and never answers).
     """
 
-    def __init__(self, name: str, patience: float = 60.0) -> None:
+    def __init__(self, name: str, patience: float = 60.0, timeout: float | None = None) -> None:
         self.name = name
         self.patience = patience
+        self.timeout = timeout
         self._conn: LineSocket | None = None
 
     def _connect(self) -> LineSocket:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
         try:
             sock.connect(_address(self.name))
         except OSError:
