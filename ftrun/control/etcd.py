@@ -140,7 +140,7 @@ class EtcdStore:
                  on_outage: Callable[[str], None] | None = None,
                  on_recovered: Callable[[float], None] | None = None) -> None:
         self.endpoints = [f"{host}:{port}" for host, port in endpoints]
-        self.timeout = timeout
+        self.op_timeout = timeout
         self.clients = [Etcd3Client(host, port, protocol=protocol, ca_cert=cacert, cert_key=key, cert_cert=cert,
                                     timeout=REQUEST_TIMEOUT, api_path=API_PATH) for host, port in endpoints]
         for client in self.clients:
@@ -265,12 +265,12 @@ class EtcdStore:
             if self._down_since is None:
                 self._down_since = started
             down_for = now - self._down_since
-            notify = whole_round and OUTAGE_NOTICE <= down_for < self.timeout and not self._reported
+            notify = whole_round and OUTAGE_NOTICE <= down_for < self.op_timeout and not self._reported
             self._reported = self._reported or notify
         if notify and self._on_outage is not None:
             self._on_outage(f"etcd control store unreachable: no endpoint of {','.join(self.endpoints)} answers "
-                            f"(last error {reason}); ftrun pauses up to {self.timeout:g}s for it to come back")
-        if down_for >= self.timeout:
+                            f"(last error {reason}); ftrun pauses up to {self.op_timeout:g}s for it to come back")
+        if down_for >= self.op_timeout:
             raise DistError(f"etcd control store lost: no endpoint of {','.join(self.endpoints)} answered for "
                             f"{down_for:.1f}s (last error {reason})")
         if whole_round:

@@ -82,12 +82,13 @@ class HeartbeatTable:
     def read(self, slot: int) -> Beat:
         return Beat(*_SLOT.unpack_from(self._map, _offset(slot)))
 
-    def close(self) -> None:
-        """Unmap and unlink; safe to call twice."""
+    def close(self, unlink: bool = True) -> None:
+        """Unmap and (``unlink``) unlink; safe to call twice."""
         if not self._map.closed:
             self._map.close()
         try:
-            os.unlink(self.path)
+            if unlink:
+                os.unlink(self.path)
         except FileNotFoundError:
             pass
 

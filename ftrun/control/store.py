@@ -51,9 +51,11 @@ class Store(Protocol):
     ``poll_interval``: the shortest interval at which a process should poll the store for changes (seconds; 0:
     as often as the caller needs). A TCPStore answers in tens of microseconds; an etcd read costs a linearizable
     round trip through the leader and about 0.7 ms of client CPU, so its callers poll at most ten times a second.
+    ``op_timeout``: the longest one operation waits for a store that does not answer before it raises.
     """
 
     poll_interval: float
+    op_timeout: float
 
     def set(self, key: str, value: bytes) -> None:
         """Store ``value`` under ``key``."""

@@ -355,7 +355,7 @@ class Launcher:
             if self.pool is not None:
                 self.pool.stop(cfg.stop_grace)
             state = "done" if code == 0 else "stopped" if self.signalled is not None else "failed"
-            if code != 0 and isinstance(raw_store, C10dStore):  # a store that failed a supervisor gets no minute more
+            if code != 0:  # a store that failed a supervisor gets no minute more (c10d's, or etcd's)
                 raw_store.op_timeout = END_STORE_TIMEOUT
             try:
                 self._end(coord, code, state)
@@ -374,8 +374,10 @@ class Launcher:
                 self.dir_owner.close()
             self.remove_files()
             kill_descendants(spare=left_by_user if code == 0 else None)  # what the supervisors let outlive a success
-            for node in nodes:  # what supervisors killed before they could clean up left behind
-                unlink_node_files(self.job_id, node)
+            for node in nodes:  # what supervisors killed before they could clean up left behind (one replaced
+                # while the job goes on left its files, same names, to a replacement that may be on this host)
+                if self.cfg.local_mode or node not in self.procs or self.procs[node].poll() != EXIT_REPLACED:
+                    unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
             if self.slurm is not None:  # nothing left to claim
                 with contextlib.suppress(FileNotFoundError):

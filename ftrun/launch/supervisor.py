@@ -202,6 +202,7 @@ class Supervisor:
         self._stopping = False
         self._stop_signal = signal.SIGTERM
         self._trainers_started = 0.0  # time.monotonic() when this generation's trainers were started
+        self._replaced_here = False  # another supervisor of this host took this node's rank
         self._suspects_sent = -1  # the generation whose silent trainers this node reported
         self.output = Output(OutputSettings(  # where the trainers' stdout/stderr go
             spec.redirects, spec.tee, spec.local_ranks_filter, tuple(spec.duplicate_stdout_filters),
@@ -259,11 +260,12 @@ class Supervisor:
             self._stop_trainers()
             if self.zygote is not None:
                 self.zygote.close()
-            self._stop_keeper()
+            # replaced by a supervisor on this host: the node's files, same names, are its replacement's now
+            self._stop_keeper(unlink=not self._replaced_here)
             if beater is not None:
                 beater.stop()
             if self.heartbeats is not None:
-                self.heartbeats.close()
+                self.heartbeats.close(unlink=not self._replaced_here)
             self._end_descendants(succeeded)
             if self.spec.log_dir is None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -360,8 +362,9 @@ class Supervisor:
             self.keeper_watch.stop()
             self.keeper_watch = None
 
-    def _stop_keeper(self) -> None:
-        """Stop the keeper (it unlinks the node's snapshot segments) and make sure none are left."""
+    def _stop_keeper(self, unlink: bool = True) -> None:
+        """Stop the keeper (it unlinks the node's snapshot segments) and make sure none are left; without
+        ``unlink`` kill it, leaving them (they are a replacement's on this host)."""
         if self.keeper_ahead is not None:  # never started
             self.keeper_ahead.close()
         self._unwatch_keeper()
@@ -369,14 +372,15 @@ class Supervisor:
             self.link.stop()
         if self.keeper is not None:
             # os.kill, not Popen.send_signal: that does nothing once returncode is set, as it is here (reap())
-            os.kill(self.keeper.pid, KEEPER_STOP_SIGNAL)
+            os.kill(self.keeper.pid, KEEPER_STOP_SIGNAL if unlink else signal.SIGKILL)
             deadline = time.monotonic() + self.spec.stop_grace
             while not _reaped(self.keeper.pid):
                 if time.monotonic() > deadline:
                     signal_group(self.keeper.pid, signal.SIGKILL)
                 time.sleep(0.01)
             self.keeper = None
-        unlink_segments(self.spec.job_id, self.node)
+        if unlink:
+            unlink_segments(self.spec.job_id, self.node)
 
     # -- generations ------------------------------------------------------------------------------------------
     def _generation_watch(self) -> GenerationWatch | None:
@@ -712,6 +716,7 @@ class Supervisor:
                                         incarnation=held.incarnation if held else None))
 
     def _replaced(self, taker: Owner) -> Replaced:
+        self._replaced_here = taker.host == socket.gethostname()
         return Replaced(f"node rank {self.node} was taken by "
                         f"{f'spare {taker.spare}' if taker.spare else 'another supervisor'}"
                         f"{' on ' + taker.host if taker.host else ''} (incarnation {taker.incarnation}) after this "
