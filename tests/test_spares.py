@@ -12,7 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import NODES, assert_job_left_nothing, gpt_args, primary_failures, run_bitwise
+from conftest import NODES, assert_job_left_nothing, free_port, gpt_args, primary_failures, run_bitwise
 from ftrun.control.coordination import Coordinator, use_job
 from ftrun.control.ownership import claim, enlist, owner, spare_doc, spares, take
 from ftrun.control.store import C10dStore, host_store
@@ -140,6 +140,41 @@ def test_a_stalled_node_whose_rank_a_spare_took_is_killed_and_the_spare_resumes_
     assert "Traceback" not in job.output and "did not start" not in job.output
     assert not any(process.is_running() and process.status() != psutil.STATUS_ZOMBIE for process in stalled)
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(240)
+def test_a_node_replaced_by_a_standby_on_its_host_leaves_it_the_node_s_files(start_job, tmp_path, gpt_baselines):
+    """Multi-node: node 1's supervisor stalls (SIGSTOP) until a --standby on the same host has taken its rank, then
+    resumes, finds itself replaced and leaves. The node's files (same names on this host) are the standby's now:
+    the leaving node kills its keeper instead of letting it unlink them, and neither it nor its launcher removes
+    them. Before, the standby's slots vanished and every later generation failed (10 restarts, exit 3)."""
+    args, out = gpt_args(tmp_path, "replaced-here", "--step-time", "0.05")
+    common = ("--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--node-timeout", "1",
+              "--nproc-per-node", "1")
+    # the threads of the baseline (local mode: the host's cores shared by its 2 trainers); a node of a multi-node
+    # job gives its one trainer every core, and a matrix product's sums then run in another order
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}
+    node0 = start_job(*common, "--node-rank", "0", *args, env=env)
+    job_id = node0.job_id
+    node1 = start_job(*common, "--node-rank", "1", *args, job_id=job_id, log_dir=node0.log_dir, env=env)
+    standby = start_job("--standby", *common[2:], *args, job_id=job_id, log_dir=node0.log_dir, env=env)
+    node0.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 20, timeout=120)
+    [start] = [e for e in node0.events() if e["event"] == "node_start" and e["node"] == 1]
+    supervisor = psutil.Process(start["pid"])
+    supervisor.send_signal(signal.SIGSTOP)
+    try:
+        node0.wait_for_event(lambda e: e["event"] == "spare_claimed", timeout=60)
+        time.sleep(1)
+    finally:
+        supervisor.send_signal(signal.SIGCONT)
+    assert node0.wait(180) == 0, node0.output
+    assert standby.wait(60) == 0, standby.output
+    node1.wait(60)
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    assert [f["kind"] for f in primary_failures(node0)] == ["node-lost"], node0.output
+    assert "leaving the job: node rank 1 was taken by spare" in node1.output, node1.output
+    assert "Traceback" not in node0.output + standby.output  # (node 1's old trainer lost its peers: its own)
+    assert_job_left_nothing(node0)
 
 
 def test_a_keeper_waits_for_the_socket_of_its_node_then_says_in_one_line_that_another_holds_it(monkeypatch, capsys):
