@@ -758,6 +758,8 @@ class Keeper:
                                                                        free_bytes(self.dir), self.dir)
                         self.cond.notify_all()
                     return
+                if self._stopping:  # the keeper closes its files as it stops: not a failure of the parity
+                    return
                 expected = isinstance(err, (PeerUnavailable, PeerError, RedundancyError, LookupError, OSError))
                 if failed != (step, str(err)):  # once per step and cause, then retried quietly
                     failed = (step, str(err))
