@@ -41,6 +41,7 @@ class Owner:
     id: str  # unique per supervisor process
     spare: str | None = None  # the spare's name when a spare claimed the rank
     host: str = ""
+    shm: str = ""  # its shared-memory directory (:func:`~ftrun.control.spec.shm_place`): same name, same files
 
     def encode(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -71,24 +72,24 @@ def _advance(coord: Coordinator, key: str, after: Callable[[bytes | None], str])
     raise DistError(f"the control store's {key} keeps changing; giving up")
 
 
-def take(coord: Coordinator, node: int, me: str, host: str) -> int:
+def take(coord: Coordinator, node: int, me: str, host: str, shm: str = "") -> int:
     """Take ``node``'s rank whoever holds it (a supervisor started for that rank); returns this incarnation."""
 
     def after(payload: bytes | None) -> str:
         incarnation = Owner.decode(payload).incarnation + 1 if payload is not None else 1
-        return Owner(incarnation, me, None, host).encode()
+        return Owner(incarnation, me, None, host, shm).encode()
 
     return Owner.decode(_advance(coord, coord.key("node", node, "owner"), after)).incarnation
 
 
-def claim(coord: Coordinator, node: int, lost: int, me: str, spare: str, host: str) -> int | None:
+def claim(coord: Coordinator, node: int, lost: int, me: str, spare: str, host: str, shm: str = "") -> int | None:
     """Claim ``node``'s rank for spare ``spare`` if it is still held by incarnation ``lost`` (the one a node-lost
     generation named); returns the new incarnation, or None when another spare or a replacement was first."""
     raw, current = owner(coord, node)
     if current is None or current.incarnation != lost:
         return None
     won, _ = coord.store.compare_set(coord.key("node", node, "owner"), raw,
-                                     Owner(lost + 1, me, spare, host).encode())
+                                     Owner(lost + 1, me, spare, host, shm).encode())
     return lost + 1 if won else None
 
 

@@ -129,6 +129,19 @@ def shm_dir() -> str:
     return os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
 
 
+def shm_place() -> str:
+    """Which shared-memory directory this process's files go to, as a name equal for two processes exactly when
+    they share it: this boot's id and the directory's device and inode (a host name can be shared by hosts, and
+    one host's containers can each have a /dev/shm of their own); "" when it cannot be told."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        found = os.stat(shm_dir())
+    except OSError:
+        return ""
+    return f"{boot}/{found.st_dev}/{found.st_ino}"
+
+
 def shm_path(job_id: str, node_rank: int, what: str) -> str:
     """Path of a shared-memory file of this job and node (every segment of ftrun is named this way)."""
     return os.path.join(shm_dir(), f"ftrun-{safe_job_id(job_id)}-node{node_rank}-{what}")

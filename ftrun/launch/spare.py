@@ -24,7 +24,7 @@ from dataclasses import dataclass, replace
 
 from ftrun.control.coordination import Coordinator, Generation
 from ftrun.control.ownership import SpareDoc, claim, enlist, owner, spare_doc, update_spare
-from ftrun.control.spec import STOP_KIND, NodeSpec
+from ftrun.control.spec import STOP_KIND, NodeSpec, shm_place
 from ftrun.events import EventLog
 from ftrun.launch.zygote import ZygoteClient
 from ftrun.snapshot.keeper import human
@@ -124,7 +124,7 @@ class Spare:
     def _claim(self, node: int, lost: int, current: Generation) -> Claimed | None:
         if not self._vacant(node, lost, current):
             return None
-        incarnation = claim(self.coord, node, lost, self.me, self.spec.spare, self.host)
+        incarnation = claim(self.coord, node, lost, self.me, self.spec.spare, self.host, shm_place())
         if incarnation is None:
             return None
         took = time.time() - current.time

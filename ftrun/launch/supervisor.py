@@ -66,7 +66,7 @@ from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper
                                     kill_descendants, left_by_user, reap, set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, run_dir_prefix,
-                                safe_job_id, shm_path)
+                                safe_job_id, shm_path, shm_place)
 from ftrun.control.generation_watch import GenerationWatch
 from ftrun.control.store import C10dStore, host_store
 from ftrun.launch.output import Output, OutputSettings
@@ -202,7 +202,7 @@ class Supervisor:
         self._stopping = False
         self._stop_signal = signal.SIGTERM
         self._trainers_started = 0.0  # time.monotonic() when this generation's trainers were started
-        self._replaced_here = False  # another supervisor of this host took this node's rank
+        self._replaced_here = False  # a supervisor with this process's /dev/shm took this node's rank
         self._suspects_sent = -1  # the generation whose silent trainers this node reported
         self.output = Output(OutputSettings(  # where the trainers' stdout/stderr go
             spec.redirects, spec.tee, spec.local_ranks_filter, tuple(spec.duplicate_stdout_filters),
@@ -229,7 +229,7 @@ class Supervisor:
             store = open_store(spec_address(self.spec), self.spec.rdzv_timeout, self.report)
             self.coord = Coordinator(store, self.spec.job_id, self.node, self.spec.nnodes)
             if self.incarnation is None:
-                self.incarnation = take(self.coord, self.node, self.me, socket.gethostname())
+                self.incarnation = take(self.coord, self.node, self.me, socket.gethostname(), shm_place())
             self.coord.touch_beats()
             beater = _Beater(self.spec, self.report)
             beater.start()
@@ -260,7 +260,7 @@ class Supervisor:
             self._stop_trainers()
             if self.zygote is not None:
                 self.zygote.close()
-            # replaced by a supervisor on this host: the node's files, same names, are its replacement's now
+            # replaced by a supervisor on this host (this /dev/shm): the node's files are its replacement's now
             self._stop_keeper(unlink=not self._replaced_here)
             if beater is not None:
                 beater.stop()
@@ -716,7 +716,7 @@ class Supervisor:
                                         incarnation=held.incarnation if held else None))
 
     def _replaced(self, taker: Owner) -> Replaced:
-        self._replaced_here = taker.host == socket.gethostname()
+        self._replaced_here = bool(taker.shm) and taker.shm == shm_place()
         return Replaced(f"node rank {self.node} was taken by "
                         f"{f'spare {taker.spare}' if taker.spare else 'another supervisor'}"
                         f"{' on ' + taker.host if taker.host else ''} (incarnation {taker.incarnation}) after this "
