@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -364,6 +365,29 @@ def test_a_store_whose_host_is_frozen_fails_its_operations_within_the_timeout():
         assert time.monotonic() - began < 10
         with pytest.raises(DistError):
             store.set("key", b"again")
+    finally:
+        host.kill()
+        host.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_store_frozen_for_a_while_is_one_pause_line_and_one_line_when_it_answers_again():
+    """As etcd's outages: an operation unanswered for 2 s is told once, and its answer once (the job pauses)."""
+    host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    said: list[str] = []
+    try:
+        port = int(host.stdout.readline())
+        store = C10dStore(TCPStore(LOOPBACK, port, is_master=False), op_timeout=30.0, on_outage=said.append,
+                          on_recovered=lambda seconds: said.append(f"back after {seconds:.0f}s"))
+        store.set("key", b"value")
+        os.kill(host.pid, signal.SIGSTOP)
+        threading.Timer(3.5, os.kill, (host.pid, signal.SIGCONT)).start()
+        assert store.get_many(["key"]) == [b"value"]
+        assert len(said) == 2 and re.search(r"has not answered for [23]s; ftrun waits up to 30s", said[0]), said
+        assert said[1] in ("back after 3s", "back after 4s"), said
+        store.set("key", b"again")  # answered at once: nothing more said
+        assert len(said) == 2
     finally:
         host.kill()
         host.wait()

@@ -63,7 +63,8 @@ def open_store(address: StoreAddress, timeout: float, report: OutageReport | Non
                             on_outage=report.outage if report else None,
                             on_recovered=report.recovered if report else None)
     host, _, port = address.endpoint.rpartition(":")
-    return C10dStore(connect_store(host.strip("[]"), int(port), timeout, waiting))
+    return C10dStore(connect_store(host.strip("[]"), int(port), timeout, waiting),
+                     on_outage=report.outage if report else None, on_recovered=report.recovered if report else None)
 
 
 def spec_address(spec: NodeSpec) -> StoreAddress:

@@ -39,6 +39,7 @@ STORE_OP_TIMEOUT = timedelta(seconds=60)
 # C10dStore.wait's rounds: long, since each one that ends unanswered prints two C++ warnings (up to 24.8 days fit
 # the socket's millisecond timeout)
 _WAIT_ROUND = timedelta(days=1)
+OUTAGE_NOTICE = 2.0  # seconds an operation goes unanswered before on_outage is told (as etcd's)
 WAIT_NOTICE = 3.0  # seconds a launcher waits for an unreachable control store before it says so
 _HANDSHAKE_TIMEOUT = 5.0
 
@@ -84,15 +85,21 @@ class C10dStore:
     that accepted the request and never answers (its host frozen, SIGSTOP, or cut off without a reset), and its own
     timeout bounds only waits for keys. A watchdog thread (started with the first operation) shuts down this
     process's connections to the server when one operation outlives it, so that operation (and every later one)
-    raises ``DistError``, as for a store that is gone."""
+    raises ``DistError``, as for a store that is gone. An operation unanswered for :data:`OUTAGE_NOTICE` seconds
+    is told to ``on_outage`` (one line: the job pauses), and its answer to ``on_recovered``, as etcd's are."""
 
     poll_interval = 0.0
 
-    def __init__(self, store: TCPStore, op_timeout: float = STORE_OP_TIMEOUT.total_seconds()) -> None:
+    def __init__(self, store: TCPStore, op_timeout: float = STORE_OP_TIMEOUT.total_seconds(),
+                 on_outage: Callable[[str], None] | None = None,
+                 on_recovered: Callable[[float], None] | None = None) -> None:
         self.tcp = store
         self.op_timeout = op_timeout
         self.unanswered = False  # the watchdog cut the connections: the server did not answer in time
         self._began: dict[int, float] = {}  # thread -> when its operation began
+        self._reported: set[int] = set()  # threads whose operation was told to on_outage
+        self._lock = threading.Lock()
+        self._on_outage, self._on_recovered = on_outage, on_recovered
         self._watchdog: threading.Thread | None = None
 
     def _call(self, operation: Callable[..., Any], *args: Any) -> Any:
@@ -109,12 +116,27 @@ class C10dStore:
                                 f"{self.op_timeout:g}s (its host frozen, or cut off)") from err
             raise
         finally:
-            del self._began[thread]
+            with self._lock:
+                began = self._began.pop(thread)
+                reported = thread in self._reported
+                self._reported.discard(thread)
+            if reported and self._on_recovered is not None and not self.unanswered:
+                self._on_recovered(time.monotonic() - began)
 
     def _watch(self) -> None:
+        interval = min(OUTAGE_NOTICE / 2, self.op_timeout / 4)
+        looked = time.monotonic()
         while not self.unanswered:
-            time.sleep(min(1.0, self.op_timeout / 4))
+            time.sleep(interval)
             now = time.monotonic()
+            away, looked = now - looked > 2 * interval + 1.0, now  # this process was stopped: not the store's fault
+            with self._lock:
+                late = [(thread, began) for thread, began in self._began.items()
+                        if now - began > OUTAGE_NOTICE and not away and thread not in self._reported]
+                self._reported.update(thread for thread, _ in late)
+            for _, began in late if self._on_outage is not None else []:  # one call per operation, as recovered
+                self._on_outage(f"the control store at {self.tcp.host}:{self.tcp.port} has not answered for "
+                                f"{now - began:.0f}s; ftrun waits up to {self.op_timeout:g}s for it")
             if any(now - began > self.op_timeout for began in list(self._began.values())):
                 self.unanswered = True
                 cut_connections(self.tcp.host, self.tcp.port)
