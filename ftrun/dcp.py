@@ -69,7 +69,7 @@ from ftrun.snapshot.dcp_items import FORMAT
 from ftrun.snapshot.layout import UnsupportedState
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
-__all__ = ["MemoryReader", "MemoryWriter", "NoSnapshot", "ReshardRequired", "restored_step"]
+__all__ = ["MemoryReader", "MemoryWriter", "NoSnapshot", "ReshardRequired", "restored_step", "wait"]
 
 _RESHARD = ("resharding goes through a durable checkpoint in DCP format (ftrun --ckpt-dir DIR --ckpt-format dcp: "
             "MemoryReader then loads it)")
@@ -93,6 +93,16 @@ _saved = False  # a MemoryWriter of this process has saved
 def restored_step() -> int:
     """The step a :class:`MemoryReader` of this process restored; 0 when none did."""
     return _restored or 0
+
+
+def wait() -> None:
+    """Block until the copy of this process's newest ``MemoryWriter`` save is committed. ``dcp.save`` returns
+    before the parameters and optimizer state are copied, and only an optimizer step waits for the copy: call this
+    before changing them in place otherwise (EMA weights swapped in for a validation pass, a manual edit), which
+    would change the snapshot being taken."""
+    with _lock:
+        if _snap is not None:
+            _snap.wait()
 
 
 def _require_keeper(what: str) -> None:
@@ -154,17 +164,20 @@ class MemoryWriter(StorageWriter):
         self._pid = os.getpid()  # a copy in another process (async_save's process mode) is refused: see reset()
 
     def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        """DCP's first call of a save. In another process than the one that made the writer (``dcp.async_save``
-        with ``AsyncCheckpointerType.PROCESS`` saves in a process it spawns) it raises: the keeper holds one
-        snapshot stream per trainer, written by the trainer's own process."""
-        if os.getpid() != self._pid:
-            raise RuntimeError("ftrun.dcp.MemoryWriter saves in the trainer's process only: use dcp.async_save's "
-                               "thread mode (the default), not AsyncCheckpointerType.PROCESS")
+        """DCP's first call of a save given a ``checkpoint_id``. In another process than the one that made the
+        writer (``dcp.async_save`` with ``AsyncCheckpointerType.PROCESS`` saves in a process it spawns) it, and
+        every later call, raises: the keeper holds one snapshot stream per trainer, written by its own process."""
+        self._check_process()
         _no_checkpoint_id("MemoryWriter", checkpoint_id)
         self._local = None
 
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise RuntimeError("ftrun.dcp.MemoryWriter saves in the trainer's process only: use dcp.async_save's "
+                               "thread mode (the default), not AsyncCheckpointerType.PROCESS")
+
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        pass
+        self._check_process()  # DCP calls reset() only for a save given a checkpoint_id
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         self._local = plan  # every item of this rank, before the coordinator's dedup
@@ -174,6 +187,7 @@ class MemoryWriter(StorageWriter):
         return plans
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        self._check_process()
         local = self._local if self._local is not None else plan
         background = threading.current_thread() is threading.main_thread()
         stepped = stepped_memory() if background else set()
