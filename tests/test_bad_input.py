@@ -173,6 +173,26 @@ def test_a_step_persisted_at_another_world_size_is_not_resumed_nor_lost(tmp_path
     assert sorted(p.name for p in step.iterdir()) == ["manifest.json"]
 
 
+@pytest.mark.timeout(120)
+def test_at_another_world_size_a_resume_goes_on_when_an_older_step_has_a_dcp_copy(tmp_path):
+    """A job killed whole while its newest step's DCP copy was written: an older step's copy is the one
+    ftrun.dcp.MemoryReader reshards; the resume says which instead of refusing."""
+    job = f"older-dcp-{uuid.uuid4().hex[:6]}"
+    for number in (10, 20):
+        step = tmp_path / "ckpt" / job / f"step-{number:08d}"
+        step.mkdir(parents=True)
+        ranks = {str(r): {"file": f"rank-{r:05d}.snap", "bytes": 4096, "checksum": 1, "digest": 1} for r in range(2)}
+        (step / "manifest.json").write_text(json.dumps({"format": 1, "job": job, "step": number, "world": 2,
+                                                        "nnodes": 1, "nproc_per_node": 2, "time": 0, "ranks": ranks}))
+    (tmp_path / "ckpt" / job / "step-00000010" / "dcp").mkdir()
+    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, "--ckpt-dir", str(tmp_path / "ckpt"),
+                             str(SCRIPTS / "hello.py")], capture_output=True, text=True, timeout=100)
+    assert "the newest persisted step, 20, was saved at world size 2 and this run has 1: ftrun.dcp.MemoryReader " \
+        "loads the newest DCP copy, of step 10," in result.stderr + result.stdout, result.stderr
+    assert result.returncode == 0, result.stderr
+    assert not job_processes(job) and not job_segments(job)
+
+
 def test_a_resume_names_newer_step_directories_it_skips_and_removes_unfinished_steps(tmp_path):
     """A step directory whose manifest was edited (or is missing, or another job's) is never loaded: the resume
     says so in one line, where it went past it silently."""

@@ -22,6 +22,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from ftrun.events import EventLog
+from ftrun.snapshot.dcp_copy import DcpCopies
 from ftrun.snapshot import persist
 from ftrun.snapshot.layout import RNG_KEY, Capture, capture, encode_meta
 from ftrun.snapshot.persist import CorruptStep
@@ -241,6 +243,21 @@ def test_prune(dirs, states):
     assert persist.complete_steps(str(root)) == [40]
     assert persist.prune(str(root), 5, 40) == []
     assert persist.prune(str(root / "missing"), 1, 40) == []
+
+
+def test_prune_spares_the_steps_asked_and_dcp_copies_ask_for_the_one_copied_and_the_newest_copied(dirs, states):
+    """--ckpt-format dcp: an export takes seconds; the step it copies, and the newest step with a copy, are kept
+    beyond --keep (pruned meanwhile, no copy completed while steps were persisted faster than exported)."""
+    root, shm = dirs
+    for step in (10, 20, 30, 40):
+        write_step(root, shm, step, states[:1])
+    (root / "step-00000010" / "dcp").mkdir()  # an earlier run's copy
+    copies = DcpCopies(str(root), EventLog("test", None))
+    assert copies.done == 10 and copies.spare() == {10}
+    copies._running = (30, None, 0.0)  # exporting step 30
+    assert copies.spare() == {10, 30}
+    assert persist.prune(str(root), 1, 40, spare=copies.spare()) == [20]
+    assert persist.complete_steps(str(root)) == [10, 30, 40]
 
 
 def test_prune_keeps_the_step_just_persisted_and_leaves_newer_steps_alone(dirs, states, monkeypatch):

@@ -60,7 +60,7 @@ from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import print_summary
-from ftrun.snapshot.dcp_copy import dcp_path
+from ftrun.snapshot.dcp_copy import newest_dcp
 from ftrun.snapshot.dir_owner import DirOwner, check as check_dir_owner
 from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, remove_partial,
                                     step_dirs, step_name, steps_text)
@@ -551,11 +551,14 @@ class Launcher:
             return  # a corrupt step is reported (and not loaded) by the restore
         if saved == world:
             return
-        if os.path.isdir(dcp_path(root, newest)):
+        copied = newest_dcp(root)  # the newest step's, else an older one's (a job killed while it wrote the copy)
+        if copied is not None:
+            step, path = copied
+            which = "its DCP copy" if step == newest else f"the newest DCP copy, of step {step},"
             self.events.emit("resume", f"job {self.job_id}: the newest persisted step, {newest}, was saved at world "
-                             f"size {saved} and this run has {world}: ftrun.dcp.MemoryReader loads its DCP copy "
-                             f"({dcp_path(root, newest)}), resharded; a Snapshotter restores only at world size "
-                             f"{saved}", step=newest, saved_world=saved, world=world)
+                             f"size {saved} and this run has {world}: ftrun.dcp.MemoryReader loads {which} ({path}), "
+                             f"resharded; a Snapshotter restores only at world size {saved}", step=newest,
+                             dcp_step=step, saved_world=saved, world=world)
             return
         raise UsageError(f"cannot resume job {self.job_id} from {root}: its newest persisted step, {newest}, was saved "
                          f"at world size {saved} and this run has {world}; ftrun resumes at the same world size, or "

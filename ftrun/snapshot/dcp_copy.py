@@ -52,7 +52,8 @@ class DcpCopies:
         self.events = events
         self._wanted = 0  # the newest complete step waiting for its copy
         self._running: tuple[int, subprocess.Popen[str], float] | None = None
-        self.done = 0  # the newest step whose copy is complete
+        found = newest_dcp(root)
+        self.done = found[0] if found else 0  # the newest step whose copy is complete (an earlier run's too)
 
     def want(self, step: int) -> None:
         self._wanted = max(self._wanted, step)
@@ -61,6 +62,12 @@ class DcpCopies:
     def pending(self, step: int) -> bool:
         """Whether the copy of ``step`` (or of a newer one) is still to be written."""
         return self.done < step and (self._wanted >= step or self._running is not None)
+
+    def spare(self) -> frozenset[int]:
+        """The steps pruning must keep beyond ``--keep``: the one being copied (an export takes seconds; pruned
+        meanwhile, no copy would ever complete while steps are persisted faster), and the newest with a copy, so
+        that a job killed whole can always resume at another world size."""
+        return frozenset(step for step in (self._running[0] if self._running else 0, self.done) if step)
 
     def busy(self) -> bool:
         """Whether a copy runs or waits to start (:meth:`poll` has work)."""

@@ -265,7 +265,8 @@ class Durability:
             return
         self._drop_replaced(replaced)
         try:  # the step is on disk: failing to delete older ones does not undo that
-            pruned = prune(self.root, self.spec.keep, step, self.spec.job_id)
+            pruned = prune(self.root, self.spec.keep, step, self.spec.job_id,
+                           self.copies.spare() if self.copies is not None else frozenset())
         except OSError as err:
             pruned = []
             self.events.emit("durability", f"WARNING could not remove old steps after persisting step {step}: "

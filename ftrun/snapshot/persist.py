@@ -296,14 +296,16 @@ def put_back_replaced(root: str) -> list[int]:
     return sorted(restored)
 
 
-def prune(root: str, keep: int, persisted: int, job: str | None = None) -> list[int]:
+def prune(root: str, keep: int, persisted: int, job: str | None = None,
+          spare: frozenset[int] = frozenset()) -> list[int]:
     """After step ``persisted`` was finalized: delete the complete steps (of ``job`` when given) up to it beyond
-    the newest ``keep`` of them (never ``persisted`` itself) and every partial directory of an older step;
-    returns the steps deleted, oldest first. Steps newer than ``persisted`` are left alone and not counted: they
-    are not this run's (one it could not resume from, a step that failed its checks, another run's), and counting
-    them deleted the step just written. A step that vanishes meanwhile (another process pruned it) is skipped."""
+    the newest ``keep`` of them (never ``persisted`` itself, nor a step in ``spare``) and every partial directory
+    of an older step; returns the steps deleted, oldest first. Steps newer than ``persisted`` are left alone and
+    not counted: they are not this run's (one it could not resume from, a step that failed its checks, another
+    run's), and counting them deleted the step just written. A step that vanishes meanwhile (another process
+    pruned it) is skipped."""
     complete = [step for step in complete_steps(root, job) if step <= persisted]
-    doomed = complete[:-max(keep, 1)]
+    doomed = [step for step in complete[:-max(keep, 1)] if step not in spare]
     for step in doomed:
         remove_partial(root, step)
         with contextlib.suppress(FileNotFoundError):
