@@ -554,7 +554,7 @@ class Launcher:
         copied = newest_dcp(root)  # the newest step's, else an older one's (a job killed while it wrote the copy)
         if copied is not None:
             step, path = copied
-            which = "its DCP copy" if step == newest else f"the newest DCP copy, of step {step},"
+            which = "its DCP copy" if step == newest else f"the newest DCP copy, step {step}'s"
             self.events.emit("resume", f"job {self.job_id}: the newest persisted step, {newest}, was saved at world "
                              f"size {saved} and this run has {world}: ftrun.dcp.MemoryReader loads {which} ({path}), "
                              f"resharded; a Snapshotter restores only at world size {saved}", step=newest,
