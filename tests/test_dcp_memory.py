@@ -137,6 +137,7 @@ def test_dcp_save_borrows_only_what_an_optimizer_step_alone_changes(keeper):
             assert (same[name] == t.untyped_storage().data_ptr()) == stepped, name
 
 
+@SINGLE_PROCESS
 def test_wait_blocks_until_the_newest_save_is_copied(keeper):
     """dcp.save returns before the copy; ftrun.dcp.wait() is the call to make before changing parameters in place
     outside an optimizer step (an EMA swap), which the copy would otherwise take."""
