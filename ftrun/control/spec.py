@@ -129,17 +129,25 @@ def shm_dir() -> str:
     return os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
 
 
+def boot_id() -> str:
+    """This boot of this machine's kernel (``/proc/sys/kernel/random/boot_id``); "" when it cannot be read."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
 def shm_place() -> str:
     """Which shared-memory directory this process's files go to, as a name equal for two processes exactly when
     they share it: this boot's id and the directory's device and inode (a host name can be shared by hosts, and
     one host's containers can each have a /dev/shm of their own); "" when it cannot be told."""
+    boot = boot_id()
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
         found = os.stat(shm_dir())
     except OSError:
         return ""
-    return f"{boot}/{found.st_dev}/{found.st_ino}"
+    return f"{boot}/{found.st_dev}/{found.st_ino}" if boot else ""
 
 
 def shm_path(job_id: str, node_rank: int, what: str) -> str:

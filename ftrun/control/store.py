@@ -129,7 +129,8 @@ class C10dStore:
         while not self.unanswered:
             time.sleep(interval)
             now = time.monotonic()
-            away, looked = now - looked > 2 * interval + 1.0, now  # this process was stopped: not the store's fault
+            away = now - looked > 2 * interval + 1.0  # this process was stopped: not the store's fault
+            looked = now
             with self._lock:
                 late = [(thread, began) for thread, began in self._began.items()
                         if now - began > OUTAGE_NOTICE and not away and thread not in self._reported]

@@ -474,10 +474,7 @@ class Launcher:
         """A spare that took node rank 0 holds the job's checkpoint directory for the run from then on."""
         with contextlib.suppress(DistError):
             if getattr(owner(coord, 0)[1], "spare", None) == spare:
-                slurm = self.slurm.job_id if self.slurm is not None else ""
-                self.dir_owner = DirOwner(root, run_id, lambda line: self.events.emit("ckpt_dir", f"WARNING {line}"),
-                                          slurm)
-                self.dir_owner.take()
+                self._take_job_dir(root, run_id)
 
     def _agree_rank(self, store: SignedStore) -> bool:
         """torchrun's multi-node form without --node-rank (:attr:`JobConfig.rank_by_store`): take the lowest node
@@ -515,17 +512,25 @@ class Launcher:
     def _hold_job_dir(self, root: str, run_id: str) -> None:
         """Refuse to start beside a live run of this job that holds ``root`` (a UsageError); on node 0, hold it
         for this run (:mod:`ftrun.snapshot.dir_owner`), after the checks and repairs of a resume."""
-        slurm = self.slurm.job_id if self.slurm is not None else ""
-        dead = check_dir_owner(root, run_id, self.job_id, lambda line: self.events.emit("ckpt_dir", line), slurm)
+        dead = check_dir_owner(root, run_id, self.job_id, lambda line: self.events.emit("ckpt_dir", line),
+                               self._slurm_job())
         if dead is not None:
             self.events.emit("ckpt_dir", f"{root} was held by a run of job {self.job_id} that is gone "
                              f"({dead.describe()}): taken over", host=dead.host, pid=dead.pid)
         if self.cfg.resume:
             self._check_world_on_disk(root)
         if self.node_rank == 0:
-            self.dir_owner = DirOwner(root, run_id, lambda line: self.events.emit("ckpt_dir", f"WARNING {line}"),
-                                      slurm)
-            self.dir_owner.take()
+            self._take_job_dir(root, run_id)
+
+    def _take_job_dir(self, root: str, run_id: str) -> None:
+        """Hold ``root`` for run ``run_id`` until the launcher ends (:class:`DirOwner`)."""
+        self.dir_owner = DirOwner(root, run_id, lambda line: self.events.emit("ckpt_dir", f"WARNING {line}"),
+                                  self._slurm_job())
+        self.dir_owner.take()
+
+    def _slurm_job(self) -> str:
+        """The SLURM job id of this launcher's step; "" outside SLURM."""
+        return self.slurm.job_id if self.slurm is not None else ""
 
     def _check_world_on_disk(self, root: str) -> None:
         """Resuming: the newest persisted step of this job was saved at the world size of this run, or has a copy

@@ -41,6 +41,7 @@ from dataclasses import asdict, dataclass, replace
 
 import psutil
 
+from ftrun.control.spec import boot_id
 from ftrun.errors import UsageError, error_text
 from ftrun.snapshot.persist import mkdir_private, open_regular, private
 
@@ -70,7 +71,7 @@ class Holder:
 
 def this_process(run: str, slurm: str = "") -> Holder:
     """A :class:`Holder` for this process in ``run`` (in a step of SLURM job ``slurm``)."""
-    return Holder(run, socket.gethostname(), _boot_id(), _pid_namespace(), os.getpid(),
+    return Holder(run, socket.gethostname(), boot_id(), _pid_namespace(), os.getpid(),
                   psutil.Process().create_time(), slurm=slurm)
 
 
@@ -198,7 +199,7 @@ def _busy(root: str, job: str, holder: Holder, age: float) -> str:
 
 def _alive_here(holder: Holder) -> bool | None:
     """Whether ``holder``'s process lives, if it ran on this host in this pid namespace; else None."""
-    if holder.host != socket.gethostname() or holder.boot != _boot_id() or holder.pidns != _pid_namespace():
+    if holder.host != socket.gethostname() or holder.boot != boot_id() or holder.pidns != _pid_namespace():
         return None
     try:
         return abs(psutil.Process(holder.pid).create_time() - holder.started) < 0.5
@@ -218,14 +219,6 @@ def _age(root: str, mtime: float) -> float:
         with contextlib.suppress(OSError):
             os.unlink(probe)
     return max(0.0, now - mtime)
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
 
 
 def _pid_namespace() -> str:

@@ -411,11 +411,10 @@ class KeeperLink(threading.Thread):
         tries: dict[int, int] = {}  # parity step -> rebuilds that failed only because a survivor did not answer
         while True:
             plan = plan_restore(held, self.group, self.parity, frozenset(self._bad_disk), frozenset(self._bad_parity))
-            if plan.source == "parity":  # survivors relay the rebuild: their keepers (one restarted, too) need peers
-                self.keeper.request("peers", peers=self._peers)
             if plan.source == "disk":
                 what, workers = f"load/{plan.step}", set(held)
             elif plan.source == "parity":
+                self.keeper.request("peers", peers=self._peers)  # survivors relay: a keeper restarted knows none
                 again = tries.get(plan.step, 0)
                 what, workers = f"rebuild/{plan.step}" + (f".{again}" if again else ""), set(plan.rebuild)
             else:
