@@ -169,10 +169,11 @@ def test_a_node_replaced_by_a_standby_on_its_host_leaves_it_the_node_s_files(sta
         supervisor.send_signal(signal.SIGCONT)
     assert node0.wait(180) == 0, node0.output
     assert standby.wait(60) == 0, standby.output
-    node1.wait(60)
+    assert node1.wait(60) == 4, node1.output  # it left a job that went on: not "failed"
     assert out.read_text().strip() == gpt_baselines(2, 1)
     assert [f["kind"] for f in primary_failures(node0)] == ["node-lost"], node0.output
     assert "leaving the job: node rank 1 was taken by spare" in node1.output, node1.output
+    assert f"job {job_id} goes on without node 1, which a spare replaced (exit code 4)" in node1.output
     assert "Traceback" not in node0.output + standby.output  # (node 1's old trainer lost its peers: its own)
     assert_job_left_nothing(node0)
 

@@ -71,6 +71,7 @@ from ftrun.ui.status import PUBLISH_INTERVAL, gather
 EXIT_FAILED = 3  # the training failed for good (restart limit, fatal error): do not requeue or run it again
 EXIT_INTERRUPTED = 130
 EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
+EXIT_LEFT = 4  # this node was seen as lost while it ran (cut off, stalled), a spare took its rank: the job goes on
 # A second stop signal within this many seconds of the first is the same stop delivered twice (a signal to the
 # process group that a wrapper such as `timeout` relays too); a later one stops the job at once (no final persist)
 REPEAT_GAP = 1.0
@@ -354,7 +355,8 @@ class Launcher:
             code = self._wait(coord, store_host, store_port)
             if self.pool is not None:
                 self.pool.stop(cfg.stop_grace)
-            state = "done" if code == 0 else "stopped" if self.signalled is not None else "failed"
+            state = ("done" if code == 0 else "stopped" if self.signalled is not None else "left" if code == EXIT_LEFT
+                     else "failed")
             if code != 0:  # a store that failed a supervisor gets no minute more (c10d's, or etcd's)
                 raw_store.op_timeout = END_STORE_TIMEOUT
             try:
@@ -394,7 +396,9 @@ class Launcher:
         if self.view is not None:
             self.view.update(gather(coord))
             self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
-        print_summary(coord, code, self.job_id)
+        print_summary(coord, code, self.job_id, verdict=(
+            f"goes on without node {coord.node_rank}, which a spare replaced (exit code {code})"
+            if code == EXIT_LEFT else None))
         if coord.get(WATCHED) is not None:  # an `ftrun status` view follows the job: let it see the end
             time.sleep(2 * LIVE_POLL_INTERVAL)
         self._leave(coord)
@@ -468,7 +472,7 @@ class Launcher:
             return 0
         if code in (EXIT_STOPPED, EXIT_STOPPED_UNSAVED) or self.signalled is not None:
             return EXIT_UNSAVED if code == EXIT_STOPPED_UNSAVED else 128 + (self.signalled or signal.SIGTERM)
-        return EXIT_FAILED if code == EXIT_JOB_FAILED else 1
+        return EXIT_FAILED if code == EXIT_JOB_FAILED else EXIT_LEFT if code == EXIT_REPLACED else 1
 
     def _hold_if_node_0(self, coord: Coordinator, spare: str, root: str, run_id: str) -> None:
         """A spare that took node rank 0 holds the job's checkpoint directory for the run from then on."""
@@ -658,7 +662,9 @@ class Launcher:
             return EXIT_INTERRUPTED if self.signalled == signal.SIGINT else 128 + self.signalled
         if all(code == EXIT_DONE for code in results.values()):
             return 0
-        return EXIT_FAILED if EXIT_JOB_FAILED in results.values() else 1
+        if EXIT_JOB_FAILED in results.values():
+            return EXIT_FAILED
+        return EXIT_LEFT if EXIT_REPLACED in results.values() else 1
 
     def _fence(self, coord: Coordinator, skip: set[int]) -> set[int]:
         """SIGKILL the supervisor of each node (but ``skip``) whose rank a spare took while it still runs (stalled,

@@ -45,15 +45,17 @@ def restart_count(rows: list[Recovery], max_restarts: object) -> int:
     return sum(row.kind != "fatal" and (limit is None or row.gen <= limit) for row in rows)
 
 
-def print_summary(coord: Coordinator, exit_code: int, job_id: str) -> None:
+def print_summary(coord: Coordinator, exit_code: int, job_id: str, verdict: str | None = None) -> None:
+    """The job's end as this launcher saw it: ``verdict`` (say, "succeeded"; by default from ``exit_code``), the
+    failures and restarts, the durable tier, the spares, and a table of the recoveries."""
     # rich here, not at the top: the supervisors import this module (through ftrun.ui.status) and never print
     from rich.console import Console
     from rich.table import Table
 
     rows = recoveries(coord)
     console = Console(stderr=True, highlight=False, markup=False)  # reasons quote error messages: "[/path...]"
-    verdict = ("succeeded" if exit_code == 0 else f"stopped by a signal (exit code {exit_code})" if exit_code > 128
-               else f"failed (exit code {exit_code})")
+    verdict = verdict or ("succeeded" if exit_code == 0 else f"stopped by a signal (exit code {exit_code})"
+                          if exit_code > 128 else f"failed (exit code {exit_code})")
     limit = (coord.job_doc() or {}).get("max_restarts")
     restarts = restart_count(rows, limit)
     over = isinstance(limit, int) and bool(rows) and rows[-1].gen > limit
