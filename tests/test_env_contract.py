@@ -77,10 +77,24 @@ def test_omp_threads_default_and_same_variables_as_real_torchrun(start_job, tmp_
     contract = [k for k in torchrun_env["_all"] if not k.startswith("FTRUN_")]
     assert [k for k in ftrun_env["_all"] if not k.startswith("FTRUN_")] == contract
     assert set(contract) == set(TORCHRUN_VARIABLES)
-    expected_threads = max(1, (os.cpu_count() or 1) // 2)
+    expected_threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert ftrun_env["OMP_NUM_THREADS"] == str(expected_threads)
     for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_NAME", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):
         assert ftrun_env[name] == torchrun_env[name], name
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs 2 cores to run ftrun on fewer")
+def test_omp_threads_default_counts_the_cores_ftrun_may_run_on_not_the_host_s(start_job, tmp_path):
+    """A SLURM or container cpuset (here ``taskset``) gives ftrun fewer cores than the host has: each trainer's
+    default OpenMP threads share those (before: all of the host's cores per trainer, oversubscribed)."""
+    dumps = tmp_path / "dumps"
+    dumps.mkdir()
+    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
+    job = start_job("--nproc-per-node", "1", str(SCRIPTS / "envdump.py"), env={**env, "ENVDUMP_DIR": str(dumps)},
+                    prefix=("taskset", "-c", str(min(os.sched_getaffinity(0)))))
+    assert job.wait() == 0, job.output
+    assert read_dumps(dumps)[0, 0]["OMP_NUM_THREADS"] == "1"
 
 
 @pytest.mark.timeout(120)

@@ -82,8 +82,9 @@ def trainer_threads(base: Mapping[str, str], omp_threads: int) -> int | None:
 
 
 def default_omp_threads(trainers_on_host: int) -> int:
-    """Cores shared fairly among the trainers of this host (oversubscribed OpenMP is 10x slower here)."""
-    return max(1, (os.cpu_count() or 1) // max(1, trainers_on_host))
+    """The cores this process may run on (its CPU affinity: a SLURM or container cpuset, ``taskset``; not all of
+    the host's) shared fairly among the trainers of this host (oversubscribed OpenMP is 10x slower here)."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, trainers_on_host))
 
 
 def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, heartbeat_file: str,

@@ -90,7 +90,7 @@ def checksum(buf: memoryview | mmap.mmap, header: Header, threads: int | None = 
     """CRC-32 of the payload (in parallel 64 MiB chunks) folded with the header's identity fields."""
     view = memoryview(buf)[HEADER_SIZE:HEADER_SIZE + header.payload_len]
     starts = range(0, len(view), CHUNK)
-    workers = threads or min(4, os.cpu_count() or 1)
+    workers = threads or min(4, len(os.sched_getaffinity(0)))
     if len(starts) > 1 and workers > 1:
         with ThreadPoolExecutor(workers) as pool:
             crcs = list(pool.map(lambda s: crc32(view[s:s + CHUNK]), starts))
