@@ -7,6 +7,7 @@ seal), without a running job.
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import shutil
@@ -442,6 +443,41 @@ def test_export(dirs, states, tmp_path):
     assert skeleton["state"]["meta"]["d"][0] == ["epoch", 6]
     assert sorted(row[0] for row in json.loads(metadata["ftrun_layout"])["entries"]) == sorted(tensors)
     assert not list(out.glob("*.partial"))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fmt", ["dcp", "safetensors", "torch"])
+def test_an_export_to_a_full_disk_is_one_line_and_leaves_no_file(dirs, small_tmpfs, fmt):
+    """A 4 MiB rank exported to a 2 MiB filesystem: one line that says how much was free, nothing left in OUT.
+    Before: DCP's CheckpointException (a BaseException) and safetensors' SafetensorError were tracebacks, and DCP
+    left a file cut short."""
+    root, shm = dirs
+    write_step(root, shm, 10, [{"w": torch.arange(1 << 20, dtype=torch.float32)}])
+    out = small_tmpfs(2) / "out"
+    assert_one_line_error(ftrun("export", str(root), "--format", fmt, str(out)), "cannot write", "MiB free there")
+    assert os.listdir(out) == []
+
+
+@pytest.mark.timeout(120)
+def test_a_dcp_copy_the_disk_cut_short_is_never_published_though_its_exit_code_is_lost(small_tmpfs, tmp_path):
+    """The copy's exporter runs as a child of the supervisor, which reaps every child that exits: ``Popen`` then
+    reports exit code 0. A copy that the full disk cut short was renamed to ``step-N/dcp`` and reported as written
+    (dcp.load: "metadata is None"); now only the exporter publishes its copy, after checking it."""
+    root, shm = small_tmpfs(7) / JOB, tmp_path / "shm"
+    shm.mkdir()
+    write_step(root, shm, 10, [{"w": torch.arange(1 << 20, dtype=torch.float32)}])  # 4 MiB of 7: no room for a copy
+    lines = io.StringIO()
+    copies = DcpCopies(str(root), EventLog("test", None, stream=lines))
+    copies.want(10)
+    child = copies._running[1]
+    _, status = os.waitpid(child.pid, 0)  # as the supervisor's reap() does
+    assert os.waitstatus_to_exitcode(status) == 1
+    copies.poll()
+    assert not copies.busy() and copies.done == 0
+    assert sorted(os.listdir(root / "step-00000010")) == ["manifest.json", "rank-00000.snap"]
+    said = [line for line in lines.getvalue().splitlines() if "DCP copy" in line]
+    assert len(said) == 1 and "the DCP copy of step 10 failed (cannot write" in said[0], said
+    assert "MiB free there" in said[0] and "step stays on disk" in said[0]
 
 
 def test_export_bad_input(dirs, states, tmp_path):

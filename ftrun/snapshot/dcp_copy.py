@@ -1,15 +1,17 @@
 """Node 0's copy of each persisted step in DCP's on-disk format (``--ckpt-format dcp``): ``<dir>/step-N/dcp``.
 
 Once step N is complete on disk (:func:`ftrun.snapshot.persist.finalize`), a child process at the lowest CPU and
-I/O priority runs ``python -m ftrun export <dir> <dir>/step-N/dcp.partial --format dcp --step N``
-(:mod:`ftrun.snapshot.export`: every rank file verified first, each DTensor written as its ranks' shards, never
-assembled in memory), and the directory is renamed to ``dcp`` when that succeeds. ``dcp.load(state,
+I/O priority (``python -m ftrun.snapshot.dcp_copy <dir> N``, :func:`main`) exports it to
+``<dir>/step-N/dcp.partial`` as ``ftrun export --format dcp`` does (:mod:`ftrun.snapshot.export`: every rank file
+verified first, each DTensor written as its ranks' shards, never assembled in memory, the files checked against
+DCP's metadata), and renames the directory to ``dcp`` itself when that succeeded. ``dcp.load(state,
 checkpoint_id=<dir>/step-N/dcp)`` then reads it with torch alone, into any world size and sharding.
 
 Invariants:
 
-* A ``step-N/dcp`` directory is complete (renamed only after the export succeeded); it goes with its step when
-  the step is pruned.
+* A ``step-N/dcp`` directory is complete: only the child renames it, and only after its export succeeded. The
+  parent goes by that directory, not by the child's exit code (a supervisor reaps every child that exits, and
+  ``Popen`` then reports 0); it goes with its step when the step is pruned.
 * One copy runs at a time, of the newest complete step asked for; a step finished meanwhile replaces an older
   one still waiting. A copy of a step pruned while it ran fails silently; any other failure is one warning line
   (the ``ftrun`` format step stays complete and usable).
@@ -85,20 +87,15 @@ class DcpCopies:
             step, self._wanted = self._wanted, 0
             partial = dcp_path(self.root, step) + ".partial"
             shutil.rmtree(partial, ignore_errors=True)
-            child = spawn_lowered([sys.executable, "-m", "ftrun", "export", self.root, partial, "--format", "dcp",
-                                   "--step", str(step)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True)  # as the keeper's persister thread
+            child = spawn_lowered([sys.executable, "-m", __name__, self.root, str(step)], stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                  text=True)  # as the keeper's persister thread
             self._running = step, child, time.monotonic()
 
     def _ended(self, step: int, child: subprocess.Popen[str], seconds: float) -> None:
         partial, path = dcp_path(self.root, step) + ".partial", dcp_path(self.root, step)
         error = (child.stderr.read() if child.stderr else "").strip().splitlines()
-        if child.returncode == 0:
-            try:
-                os.rename(partial, path)
-            except OSError as err:
-                error = [f"cannot rename {partial}: {err.strerror or err}"]
-        if child.returncode == 0 and os.path.isdir(path):
+        if os.path.isdir(path):
             self.done = max(self.done, step)
             self.events.emit("dcp", f"wrote step {step} in DCP format to {path} in {seconds:.2f}s", step=step,
                              path=path, seconds=seconds)
@@ -106,13 +103,40 @@ class DcpCopies:
         shutil.rmtree(partial, ignore_errors=True)
         if not os.path.isdir(os.path.join(self.root, step_name(step))):
             return  # pruned while it was copied: a newer step is on disk
-        reason = error[-1] if error else f"exit code {child.returncode}"
+        reason = error[-1].removeprefix("ftrun: error: ") if error else "its exporter ended without a word"
         self.events.emit("durability", f"WARNING the DCP copy of step {step} failed ({reason}); the step stays on "
                          f"disk in ftrun's format", step=step, degraded=True, reason=reason)
 
     def stop(self) -> None:
-        """Stop a copy still running (its partial directory is removed at the next start)."""
+        """Stop a copy still running, and remove its partial directory."""
         if self._running is not None:
-            self._running[1].kill()
-            self._running[1].wait()
+            step, child, _ = self._running
+            child.kill()
+            child.wait()
             self._running = None
+            shutil.rmtree(dcp_path(self.root, step) + ".partial", ignore_errors=True)
+
+
+def main(argv: list[str]) -> int:
+    """``python -m ftrun.snapshot.dcp_copy ROOT STEP``: export step STEP of the job directory ROOT to
+    ``step-N/dcp.partial`` and rename that to ``step-N/dcp``; 0 when the copy is in place, else 1 and one line."""
+    from ftrun.errors import UsageError
+    from ftrun.snapshot.export import export_step
+
+    root, step = argv[0], int(argv[1])
+    partial = dcp_path(root, step) + ".partial"
+    try:
+        for _ in export_step(root, partial, "dcp", step):
+            pass
+        os.rename(partial, dcp_path(root, step))
+    except UsageError as err:
+        print(f"ftrun: error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:
+        print(f"ftrun: error: cannot rename {partial}: {err.strerror or err}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

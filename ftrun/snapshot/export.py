@@ -29,6 +29,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -204,7 +205,7 @@ def export_step(ckpt_dir: str, out: str, fmt: str, step: int | None = None, job:
                     _write_safetensors(target, layout, skeleton, stored, {"ftrun_job": doc["job"],
                                        "ftrun_step": str(step), "ftrun_rank": str(rank)})
         except OSError as err:
-            raise UsageError(f"cannot write {target}: {err.strerror or err}") from None
+            raise UsageError(f"cannot write {target}: {err.strerror or err} ({_free_space(out)})") from None
         yield target
 
 
@@ -249,8 +250,11 @@ def _write_torch(path: str, layout: Layout, skeleton: dict, stored: Callable[[En
 
     from ftrun.snapshot.layout import to_plain
 
-    with _replacing(path) as temporary, open(temporary, "wb") as f:  # a file object: ENOSPC is an OSError
-        torch.save(_torch_values(to_plain(layout, skeleton, stored)), f)
+    with _replacing(path) as temporary, open(temporary, "wb") as f:
+        try:
+            torch.save(_torch_values(to_plain(layout, skeleton, stored)), f)
+        except RuntimeError as err:  # its zip writer's, a full disk's ENOSPC included ("unexpected pos")
+            raise OSError(str(err).strip().splitlines()[-1]) from None
 
 
 def _torch_values(value: Any) -> Any:
@@ -289,14 +293,52 @@ def _write_dcp(out: str, sources: list[str]) -> Iterator[str]:
         state = _dcp_items(ranks) if memory_writer else _chunked(ranks)
         mask = os.umask(0o077)  # DCP writes its files with the process umask: 0600 as every ftrun file
         try:
-            dcp.save(state, checkpoint_id=out, planner=_chunk_planner(flatten=not memory_writer), no_dist=True)
-        except OSError as err:
-            raise UsageError(f"cannot write {out}: {err.strerror or err}") from None
+            with warnings.catch_warnings():  # no_dist=True is what it says this process does
+                warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+                dcp.save(state, checkpoint_id=out, planner=_chunk_planner(flatten=not memory_writer), no_dist=True)
+            _check_dcp(out)
+        except (OSError, RuntimeError, dcp.CheckpointException) as err:  # the last one is a BaseException
+            free = _free_space(out)  # before the files are removed: a full disk says so
+            for name in set(os.listdir(out)) - before:  # nothing half written stays
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(out, name))
+            raise UsageError(f"cannot write {out}: {_write_error(err)} ({free})") from None
         finally:
             os.umask(mask)
             del state, ranks  # the views, before the files are unmapped
     for name in sorted(set(os.listdir(out)) - before):
         yield os.path.join(out, name)
+
+
+def _check_dcp(out: str) -> None:
+    """Raise OSError unless every file that DCP's metadata in ``out`` names holds the bytes it says (torch's zip
+    writer can lose bytes to a full disk without an error)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    ends: dict[str, int] = {}
+    for info in FileSystemReader(out).read_metadata().storage_data.values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in ends.items():
+        size = os.path.getsize(os.path.join(out, name))
+        if size < end:
+            raise OSError(f"{name} holds {size} bytes, its metadata says {end}")
+
+
+def _write_error(err: BaseException) -> str:
+    """What went wrong, in one line: the first rank's exception of a CheckpointException, else ``err``'s."""
+    failures = getattr(err, "failures", None)
+    if isinstance(failures, dict) and failures:
+        err = next(iter(failures.values()))[0]
+    text = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+    return (text.strip().splitlines() or [type(err).__name__])[-1]
+
+
+def _free_space(path: str) -> str:
+    try:
+        stat = os.statvfs(path)
+    except OSError:
+        return "free space unknown"
+    return f"{stat.f_bavail * stat.f_frsize / 2**20:.1f} MiB free there"
 
 
 @dataclass
@@ -390,6 +432,7 @@ def _chunk_planner(flatten: bool) -> Any:
 
 def _write_safetensors(path: str, layout: Layout, skeleton: dict, stored: Callable[[Entry], torch.Tensor],
                        metadata: dict[str, str]) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     tensors = {}
@@ -404,3 +447,5 @@ def _write_safetensors(path: str, layout: Layout, skeleton: dict, stored: Callab
             save_file(tensors, temporary, metadata=metadata)
         except KeyError as err:  # safetensors has no such dtype (complex128)
             raise UsageError(f"safetensors cannot hold {err.args[0]} tensors: export with --format torch") from None
+        except SafetensorError as err:  # its I/O errors (a full disk) are not OSErrors
+            raise OSError(str(err)) from None
