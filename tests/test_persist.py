@@ -305,6 +305,22 @@ def test_a_manifest_nested_too_deep_or_a_fifo_in_a_step_is_not_a_step(dirs, stat
     target.close()
 
 
+@pytest.mark.timeout(60)
+def test_a_link_loop_named_as_a_step_or_a_job_is_not_one(dirs, states, tmp_path):
+    """``step-00000020`` (and a job's directory) as a link to itself: following it fails with ELOOP, which took
+    down the launcher's resume check, ``ftrun inspect`` and ``ftrun export`` with a traceback."""
+    root, shm = dirs
+    write_step(root, shm, 10, states)
+    os.symlink("step-00000020", root / "step-00000020")
+    os.symlink(".step-00000030.partial", root / ".step-00000030.partial")
+    os.symlink("loop", root.parent / "loop")
+    assert persist.complete_steps(str(root)) == [10] and persist.step_dirs(str(root), partial=True) == []
+    assert persist.job_dirs(str(root.parent)) == [str(root)]
+    listed = ftrun("inspect", str(root.parent))
+    assert listed.returncode == 0 and "Traceback" not in listed.stderr, listed.stderr
+    assert ftrun("export", str(root.parent), "--format", "torch", str(tmp_path / "out")).returncode == 0
+
+
 def test_load_rank_round_trip(dirs, states):
     root, shm = dirs
     write_step(root, shm, 30, states)

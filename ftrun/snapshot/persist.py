@@ -70,7 +70,7 @@ def job_dirs(ckpt_dir: str) -> list[str]:
         return [ckpt_dir]
     try:
         with os.scandir(ckpt_dir) as found:
-            subdirs = sorted(e.path for e in found if e.is_dir() and not e.name.startswith("."))
+            subdirs = sorted(e.path for e in found if _is_dir(e) and not e.name.startswith("."))
     except (FileNotFoundError, NotADirectoryError):
         return []
     return [d for d in subdirs if step_dirs(d) or step_dirs(d, partial=True)]
@@ -204,9 +204,17 @@ def step_dirs(root: str, partial: bool = False) -> list[int]:
     pattern = _PARTIAL if partial else _COMPLETE
     try:
         with os.scandir(root) as found:
-            return sorted(int(m[1]) for e in found if (m := pattern.fullmatch(e.name)) and e.is_dir())
+            return sorted(int(m[1]) for e in found if (m := pattern.fullmatch(e.name)) and _is_dir(e))
     except (FileNotFoundError, NotADirectoryError):
         return []
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    """Whether ``entry`` is a directory or a link to one; not a link that cannot be followed (a loop: ELOOP)."""
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
 
 
 def manifest(root: str, step: int) -> dict:
@@ -283,7 +291,7 @@ def put_back_replaced(root: str) -> list[int]:
     those steps; best effort (a read-only disk keeps them for the next run)."""
     try:
         with os.scandir(root) as found:
-            names = [e.name for e in found if e.name.endswith(".replaced") and e.is_dir()]
+            names = [e.name for e in found if e.name.endswith(".replaced") and _is_dir(e)]
     except OSError:
         return []
     restored = []
