@@ -12,6 +12,8 @@ import uuid
 import pytest
 
 from conftest import SCRIPTS, TRAIN_PLAIN, free_port, job_processes, job_segments
+from ftrun.control.spec import write_shm_file
+from ftrun.errors import UsageError
 
 
 def run_ftrun(*args: str, cwd=None, env: dict | None = None) -> tuple[int, str, str]:
@@ -232,6 +234,17 @@ def test_a_shm_dir_where_no_file_can_be_made_is_one_line(small_tmpfs):
     code, stderr, _ = run_ftrun(str(SCRIPTS / "hello.py"), env={"FTRUN_SHM_DIR": str(full)})
     assert_one_line_error(code, stderr, f"the shared-memory directory {full} (FTRUN_SHM_DIR): cannot make a file "
                           "there (No space left on device)")
+
+
+def test_a_shm_dir_filled_after_the_start_check_is_one_line_and_leaves_no_file(small_tmpfs):
+    """The launcher's small files there (the job's secret for `ftrun status`, its announce file): filled between
+    the start's check and their writing (another job's slots), the start was a traceback and left a temporary."""
+    full = small_tmpfs(1)
+    subprocess.run(["dd", "if=/dev/zero", f"of={full / 'fill'}", "bs=4k"], capture_output=True, check=False)
+    with pytest.raises(UsageError, match=f"cannot write {full}/ftrun-job-secret: No space left on device "
+                                         r"\(0.0 MiB free there; ftrun keeps its snapshots in this directory"):
+        write_shm_file(str(full / "ftrun-job-secret"), "ab" * 32)
+    assert os.listdir(full) == ["fill"]
 
 
 @pytest.mark.parametrize("spec, fragment", [

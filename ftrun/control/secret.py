@@ -18,7 +18,7 @@ import os
 import secrets
 import stat
 
-from ftrun.control.spec import safe_job_id, shm_dir
+from ftrun.control.spec import safe_job_id, shm_dir, write_shm_file
 from ftrun.errors import UsageError
 
 DEFAULT_SECRET_FILE = "~/.ftrun/secret"
@@ -37,11 +37,7 @@ def write_secret_file(job_id: str, secret: str) -> str:
     """Write the job secret to :func:`secret_path` (mode 0600, atomically: launchers of one job may share the
     host); returns the path."""
     path = secret_path(job_id)
-    temporary = f"{path}.{os.getpid()}"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(secret)
-    os.replace(temporary, path)
+    write_shm_file(path, secret)
     return path
 
 

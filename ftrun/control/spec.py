@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
 import json
@@ -127,6 +128,23 @@ def safe_job_id(job_id: str) -> str:
 def shm_dir() -> str:
     """Where ftrun's shared-memory files live: ``$FTRUN_SHM_DIR`` (any tmpfs), else /dev/shm."""
     return os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
+
+
+def write_shm_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` in the shared-memory directory, mode 0600, atomically (through a file of this
+    process's own, removed when it fails). A full or unwritable directory is a :class:`UsageError` saying so."""
+    temporary = f"{path}.{os.getpid()}"
+    try:
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(temporary, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        free = shutil.disk_usage(os.path.dirname(path)).free if os.path.isdir(os.path.dirname(path)) else 0
+        raise UsageError(f"cannot write {path}: {err.strerror or err} ({free / 2**20:.1f} MiB free there; ftrun "
+                         f"keeps its snapshots in this directory too: {ENV_SHM_DIR} names another tmpfs)") from None
 
 
 def boot_id() -> str:

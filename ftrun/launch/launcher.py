@@ -56,7 +56,7 @@ from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED,
                                 FORWARDED_SIGNALS, NodeSpec, STOP_KIND, announce_path, split_endpoint,
-                                unlink_node_files)
+                                unlink_node_files, write_shm_file)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import print_summary
@@ -104,9 +104,8 @@ def announce_job(job_id: str, endpoint: str, nnodes: int, backend: str) -> str:
     """Write ``<shm dir>/ftrun-<job>-launcher`` (JSON: job, endpoint, backend, nnodes, pid; mode 0600) so that
     ``ftrun status`` on this host finds the job's control store; the launcher removes it when it exits."""
     path = announce_path(job_id)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        json.dump({"job": job_id, "endpoint": endpoint, "backend": backend, "nnodes": nnodes, "pid": os.getpid()}, f)
+    write_shm_file(path, json.dumps({"job": job_id, "endpoint": endpoint, "backend": backend, "nnodes": nnodes,
+                                     "pid": os.getpid()}))
     return path
 
 
@@ -271,7 +270,7 @@ class Launcher:
 
     def remove_files(self) -> None:
         """Remove the files this launcher wrote in the shm dir (the job secret, the announce file): at its end,
-        and after a stop signal that came while the job was starting (main())."""
+        and after a stop signal or a refusal that came while the job was starting (main())."""
         for path in self.files:
             with contextlib.suppress(FileNotFoundError):  # two launchers of a job may share this host
                 os.unlink(path)
@@ -796,6 +795,8 @@ def main() -> None:
         code = launcher.run()  # it has cleaned up after the whole job
     except UsageError as err:
         print(f"ftrun: error: {err}", file=sys.stderr)
+        if launcher is not None:  # refused while it started: what it wrote (the job's secret) goes
+            launcher.remove_files()
         code = USAGE_EXIT_CODE
     except StartInterrupted as stop:
         signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
