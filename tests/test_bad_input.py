@@ -119,11 +119,22 @@ def test_a_directory_without_main_and_a_file_as_directory(tmp_path):
      ["key 'nnodes' must be int or str, got [[[...]], [[...]], [[...]], [[...]], ...]"]),
     ("nnodes: 1\n\xff\xfe\n", ["not UTF-8 text (byte 10)"]),
     ("#" * (1 << 20) + "\n", ["a config file of more than 1024 KiB is not a config file"]),
+    ("[" * 5000 + "]" * 5000 + "\n", ["not a config file (its YAML is nested too deep)"]),  # was a RecursionError
 ])
 def test_bad_yaml_names_key_and_file(tmp_path, text, fragments):
     config = tmp_path / "job.yaml"
     config.write_bytes(text.encode("latin-1"))
     assert_one_line_error(*run_ftrun("--config", str(config), str(TRAIN_PLAIN))[:2], str(config), *fragments)
+
+
+@pytest.mark.timeout(60)
+def test_a_config_that_is_a_fifo_or_a_directory_is_one_line(tmp_path):
+    """A FIFO nobody writes to blocked the start forever."""
+    os.mkfifo(tmp_path / "job.yaml")
+    assert_one_line_error(*run_ftrun("--config", str(tmp_path / "job.yaml"), str(TRAIN_PLAIN))[:2],
+                          f"cannot read config file {tmp_path / 'job.yaml'}: not a regular file")
+    assert_one_line_error(*run_ftrun("--config", str(tmp_path), str(TRAIN_PLAIN))[:2],
+                          f"cannot read config file {tmp_path}: not a regular file")
 
 
 def test_control_store_port_in_use_local_mode(listening_port):

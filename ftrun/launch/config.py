@@ -24,6 +24,7 @@ from ftrun.control.spec import DEFAULT_SIGNALS, ETCD_PORT, split_endpoint, with_
 from ftrun.launch.output import OutputSettings
 from ftrun.launch.slurm import slurm_step
 from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
+from ftrun.snapshot.persist import open_regular
 
 # torchrun's static rendezvous: where the store is when only --node-rank (and --master-*) is given
 DEFAULT_MASTER_ADDR = "127.0.0.1"
@@ -442,7 +443,7 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read a YAML config file into checked overrides; unknown or ill-typed keys name the key and the file."""
     source = str(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(source) as f:  # a FIFO would block the start forever
             raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
         raise UsageError(f"cannot read config file {source or repr(source)}: {err.strerror}") from None
@@ -459,6 +460,8 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         where = f" at line {mark.line + 1}" if mark is not None else ""
         why = f": {err.problem}" if isinstance(err, _DuplicateKey) else ""
         raise UsageError(f"{source}: not valid YAML{where}{why}") from None
+    except RecursionError:
+        raise UsageError(f"{source}: not a config file (its YAML is nested too deep)") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
