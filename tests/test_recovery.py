@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from conftest import (SCRIPTS, TRAIN_GPT, assert_job_left_nothing, free_port, gpt_args, job_processes, job_segments,
-                      train_args)
+                      primary_failures, train_args)
 
 NODES = ("--nnodes", "2", "--nproc-per-node", "2")
 
@@ -103,6 +103,20 @@ def test_script_broken_at_import_reports_the_restarts_it_made(start_job):
     assert "restart limit reached (2 restarts)" in job.output
     assert "3 failure(s), 2 restart(s) (limit reached: --max-restarts 2)" in job.output
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["atexit", "thread", "body"])
+def test_a_rank_slow_to_finish_after_its_loop_is_not_hung(start_job, how):
+    """After its loop (``snap.wait()``, or the script's return) a trainer has --hang-timeout-initial to finish and
+    exit, not the hang timeout of a step: an atexit handler (``wandb.finish()``, an upload) or a thread that runs
+    on, or the script's own last work. Before: atexit ran the user's handler before ftrun's "exiting" mark,
+    Python joins threads before any atexit, and the script's own work had no mark: "rank 1 hung" after 1 s,
+    restarted 10 times, exit 3."""
+    job = start_job("--nproc-per-node", "2", "--hang-timeout", "1", "--hang-timeout-initial", "60",
+                    str(SCRIPTS / "slow_exit.py"), "--how", how, "--seconds", "4")
+    assert job.wait(120) == 0, job.output
+    assert primary_failures(job) == [], job.output
 
 
 @pytest.mark.timeout(240)

@@ -132,6 +132,10 @@ class HeartbeatWriter:
         if self._faults and self._step >= self._faults[0][1]:
             self._fire(self._faults.pop(0)[0])
 
+    def exiting(self) -> None:
+        """Training is over: until the next :meth:`beat`, the supervisor allows --hang-timeout-initial."""
+        self._write(PHASE_EXITING)
+
     def _write(self, phase: int) -> None:
         self._beats += 1
         _SLOT.pack_into(self._map, self._offset, self._pid, self._step, self._beats, time.monotonic_ns(),
@@ -158,3 +162,11 @@ def heartbeat(step: int | None = None) -> None:
         _writer = HeartbeatWriter.from_env()
     if _writer is not None:
         _writer.beat(step)  # type: ignore[union-attr]
+
+
+def training_over() -> None:
+    """Tell the supervisor this trainer's training is over (the script returned, or a Snapshotter's ``wait()``
+    after its loop), if it ever beat: until its next beat, it has --hang-timeout-initial to finish and exit
+    (atexit handlers, an upload, threads still running), not the hang timeout of a training step."""
+    if isinstance(_writer, HeartbeatWriter):
+        _writer.exiting()

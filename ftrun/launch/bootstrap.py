@@ -28,6 +28,7 @@ import time
 import traceback
 from types import TracebackType
 
+from ftrun.control.heartbeat import training_over
 from ftrun.launch.as_main import NotRunnable, run_as_main
 
 ENV_EARLY_FAILURE = "FTRUN_EARLY_FAILURE"  # {"generation": G, "signature": "Type: message"}, set by the supervisor
@@ -126,7 +127,10 @@ def run_main(target: str, args: list[str], module: bool) -> None:
 
         track_ddp_modules()
     try:
-        run_as_main(target, module)
+        try:
+            run_as_main(target, module)
+        finally:  # before Python joins the script's threads and runs its atexit handlers (a last upload)
+            training_over()
     except SystemExit:
         raise
     except BaseException as exc:

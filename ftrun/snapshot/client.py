@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ftrun.control.heartbeat import heartbeat
+from ftrun.control.heartbeat import heartbeat, training_over
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.ddp_buckets import BucketWarmup
 from ftrun.snapshot.layout import (
@@ -247,7 +247,8 @@ class Snapshotter:
         """Block until the newest ``save()``'s snapshot is committed; if it was skipped, take it now, waiting for a
         slot, if it is still that step's state (module doc). Called after the training loop, it puts the state at
         its end in RAM (and on disk with ``--ckpt-dir``); at interpreter exit it runs by itself, but takes a
-        skipped snapshot only if it holds no live tensor.
+        skipped snapshot only if it holds no live tensor. From its return until the next ``save()`` the trainer
+        counts as done training: it has --hang-timeout-initial to finish (an evaluation, an upload) and exit.
 
         While the copy waits for the keeper to give it a slot (until the job has agreed its restore step; and when
         it does not skip, until every rank holds this rank's newest snapshot, with parity until the job has
@@ -256,6 +257,7 @@ class Snapshotter:
         """
         self._join()
         self._take_pending()
+        training_over()
 
     def _take_pending(self, at_exit: bool = False) -> None:
         """Take the skipped snapshot of the newest ``save()``, if any and the state is still its step's (module
