@@ -31,38 +31,48 @@ def run(
     script_args: Optional[list[str]] = typer.Argument(None, help="Arguments of the script."),
     config: Optional[str] = typer.Option(None, "--config", help="YAML file with settings; flags override it."),
     nnodes: Optional[str] = typer.Option(None, "--nnodes",
+                                         envvar="PET_NNODES",
                                          help="Number of nodes, or torchrun's MIN:MAX: the job runs MAX nodes (ftrun "
                                               "replaces a lost node, it never runs with fewer), MIN is checked and "
                                               "kept."),
     nproc_per_node: Optional[str] = typer.Option(None, "--nproc-per-node", "--nproc_per_node",
+                                                 envvar="PET_NPROC_PER_NODE",
                                                  help="Trainers per node: a number, or auto, cpu, gpu, xpu (the "
                                                       "devices of this host, as torchrun counts them)."),
     node_rank: Optional[int] = typer.Option(None, "--node-rank", "--node_rank",
+                                            envvar="PET_NODE_RANK",
                                             help="This node's rank (multi-node mode; without it, --rdzv-endpoint "
                                                  "and --nnodes > 1 agree it through the control store)."),
     master_addr: Optional[str] = typer.Option(None, "--master-addr", "--master_addr",
+                                              envvar="PET_MASTER_ADDR",
                                               help="With --node-rank and no --rdzv-endpoint: host of node 0, which "
                                                    "hosts the control store (torchrun's static rendezvous; "
                                                    "127.0.0.1)."),
     master_port: Optional[int] = typer.Option(None, "--master-port", "--master_port",
+                                              envvar="PET_MASTER_PORT",
                                               help="With --node-rank: port of the control store on --master-addr "
                                                    "(29500); local mode: port of the local control store."),
     local_addr: Optional[str] = typer.Option(None, "--local-addr", "--local_addr",
+                                             envvar="PET_LOCAL_ADDR",
                                              help="Multi-node: this node's address as the other nodes reach it (its "
                                                   "trainer store and keeper); also where they listen, unless "
                                                   "--rdzv-bind says."),
     rdzv_endpoint: Optional[str] = typer.Option(None, "--rdzv-endpoint", "--rdzv_endpoint",
+                                                envvar="PET_RDZV_ENDPOINT",
                                                 help="HOST:PORT of the control store."),
-    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", help="Job id (names store keys, files)."),
+    rdzv_id: Optional[str] = typer.Option(None, "--rdzv-id", "--rdzv_id", envvar="PET_RDZV_ID",
+                                          help="Job id (names store keys, files)."),
     rdzv_timeout: Optional[float] = typer.Option(None, "--rdzv-timeout", "--rdzv_timeout",
                                                  help="Seconds to wait for the store and for nodes to join."),
     rdzv_bind: Optional[str] = typer.Option(None, "--rdzv-bind", "--rdzv_bind",
                                             help="Multi-node: address the stores listen on (default: the "
                                                  "interface that reaches the endpoint; 0.0.0.0: all)."),
     rdzv_backend: Optional[str] = typer.Option(None, "--rdzv-backend", "--rdzv_backend",
+                                               envvar="PET_RDZV_BACKEND",
                                                help="Control store: c10d (a TCPStore; default) or etcd (a cluster "
                                                     "with no single point of failure: --rdzv-endpoint h1:2379,...)."),
     rdzv_conf: Optional[str] = typer.Option(None, "--rdzv-conf", "--rdzv_conf",
+                                            envvar="PET_RDZV_CONF",
                                             help="KEY=VALUE,... etcd: protocol=https, cacert, cert, key, user, "
                                                  "password. c10d/static (torchrun's keys): join_timeout (or "
                                                  "timeout) sets --rdzv-timeout; keep_alive_interval x "
@@ -75,54 +85,70 @@ def run(
     standby: Optional[bool] = typer.Option(None, "--standby",
                                            help="Join the job at --rdzv-endpoint as a hot spare (no node rank)."),
     max_restarts: Optional[int] = typer.Option(None, "--max-restarts", "--max_restarts",
+                                               envvar="PET_MAX_RESTARTS",
                                                help="Restarts allowed before the job fails."),
-    standalone: Optional[bool] = typer.Option(None, "--standalone", help="Single node, local control store."),
-    module: Optional[bool] = typer.Option(None, "-m", "--module", help="Run the script as a Python module."),
+    standalone: Optional[bool] = typer.Option(None, "--standalone", envvar="PET_STANDALONE",
+                                              help="Single node, local control store."),
+    module: Optional[bool] = typer.Option(None, "-m", "--module", envvar="PET_MODULE",
+                                          help="Run the script as a Python module."),
     no_python: Optional[bool] = typer.Option(None, "--no-python", "--no_python",
+                                             envvar="PET_NO_PYTHON",
                                              help="Run the script as an executable, not with Python."),
     run_path: Optional[bool] = typer.Option(None, "--run-path", "--run_path",
+                                            envvar="PET_RUN_PATH",
                                             help="As torchrun: run the script with runpy.run_path in a Python "
                                                  "interpreter (what the zygote does anyway); over -m/--no-python."),
-    role: Optional[str] = typer.Option(None, "--role", help="The trainers' ROLE_NAME (default)."),
+    role: Optional[str] = typer.Option(None, "--role", envvar="PET_ROLE", help="The trainers' ROLE_NAME (default)."),
     log_dir: Optional[str] = typer.Option(None, "--log-dir", "--log_dir",
+                                          envvar="PET_LOG_DIR",
                                           help="Directory for events.jsonl and, per generation and rank, "
                                                "gen<G>/rank<R>/: error.json, and stdout.log/stderr.log with "
                                                "--redirects/--tee."),
     redirects: Optional[str] = typer.Option(None, "-r", "--redirects",
+                                            envvar="PET_REDIRECTS",
                                             help="Trainer output to gen<G>/rank<R>/stdout.log, stderr.log under "
                                                  "--log-dir (a temporary one without it) instead of the console: "
                                                  "1 stdout, 2 stderr, 3 both, or per local rank 0:3,1:2."),
     tee: Optional[str] = typer.Option(None, "-t", "--tee",
+                                      envvar="PET_TEE",
                                       help="As --redirects, and to the console too, lines prefixed "
                                            "[<role><local rank>]:."),
     local_ranks_filter: Optional[str] = typer.Option(None, "--local-ranks-filter", "--local_ranks_filter",
+                                                     envvar="PET_LOCAL_RANKS_FILTER",
                                                      help="Console shows only these local ranks' output (e.g. "
                                                           "0,1); files keep everything."),
     duplicate_stdout_filters: Optional[str] = typer.Option(
         None, "--duplicate-stdout-filters", "--duplicate_stdout_filters",
+        envvar="PET_DUPLICATE_STDOUT_FILTERS",
         help="Teed stdout lines containing any of these (comma-separated; ,, is a comma) also go to "
              "gen<G>/node<N>/filtered_stdout.log."),
     duplicate_stderr_filters: Optional[str] = typer.Option(
         None, "--duplicate-stderr-filters", "--duplicate_stderr_filters",
+        envvar="PET_DUPLICATE_STDERR_FILTERS",
         help="As --duplicate-stdout-filters, for stderr (filtered_stderr.log)."),
     label_output: Optional[bool] = typer.Option(None, "--label-output",
                                                 help="Prefix every console line of a trainer with [rank N] (its "
                                                      "global rank)."),
     monitor_interval: Optional[float] = typer.Option(None, "--monitor-interval", "--monitor_interval",
+                                                     envvar="PET_MONITOR_INTERVAL",
                                                      help="Seconds between two looks of a supervisor at its "
                                                           "trainers (0.02)."),
     start_method: Optional[str] = typer.Option(None, "--start-method", "--start_method",
+                                               envvar="PET_START_METHOD",
                                                help="spawn: trainers start as new processes (--no-zygote); fork, "
                                                     "forkserver: forked by the zygote (the default)."),
     event_log_handler: Optional[str] = typer.Option(None, "--event-log-handler", "--event_log_handler",
+                                                    envvar="PET_EVENT_LOG_HANDLER",
                                                     help="null, console or dynamic_rendezvous: accepted; ftrun "
                                                          "reports its events on the console and in "
                                                          "--log-dir/events.jsonl whichever is given."),
     signals_to_handle: Optional[str] = typer.Option(None, "--signals-to-handle", "--signals_to_handle",
+                                                    envvar="PET_SIGNALS_TO_HANDLE",
                                                     help="Signals that stop the job gracefully as SIGTERM does "
                                                          "(SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGUSR1 and SIGUSR2 "
                                                          "listed here are passed on to every trainer instead."),
     virtual_local_rank: Optional[bool] = typer.Option(None, "--virtual-local-rank", "--virtual_local_rank",
+                                                      envvar="PET_VIRTUAL_LOCAL_RANK",
                                                       help="Every trainer gets LOCAL_RANK 0 and "
                                                            "CUDA_VISIBLE_DEVICES of its own device."),
     logs_specs: Optional[str] = typer.Option(None, "--logs-specs", "--logs_specs",
@@ -139,6 +165,7 @@ def run(
     node_timeout: Optional[float] = typer.Option(None, "--node-timeout",
                                                  help="Seconds without supervisor beats before a node is lost."),
     stop_grace: Optional[float] = typer.Option(None, "--stop-grace", "--shutdown-timeout", "--shutdown_timeout",
+                                               envvar="PET_SHUTDOWN_TIMEOUT",
                                                help="Seconds between SIGTERM and SIGKILL when stopping trainers "
                                                     "(3; torchrun's --shutdown-timeout)."),
     zygote: Optional[bool] = typer.Option(None, "--zygote/--no-zygote",

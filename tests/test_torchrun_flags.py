@@ -86,6 +86,32 @@ def test_every_torchrun_flag_is_known_to_ftrun(capsys):
         assert exited.value.code == 0 and "--master-port" not in capsys.readouterr().err
 
 
+def test_every_torchrun_flag_read_from_its_pet_variable_is_read_from_it_by_ftrun_too():
+    """torchrun takes each flag from ``PET_<FLAG>`` when it is not on the command line (Kubeflow's PyTorchJob and
+    TorchX start nodes that way); without them, every pod of a job trained alone as a world of its own."""
+    from torch.distributed.argparse_util import check_env, env
+    from torch.distributed.run import get_args_parser
+
+    theirs = {action.option_strings[0]: f"PET_{action.dest.upper()}" for action in get_args_parser()._actions
+              if isinstance(action, (env, check_env))}
+    assert {"--nnodes", "--node-rank", "--master-addr", "--standalone"} <= set(theirs), theirs
+    params = {name: param for param in run_command().params for name in param.opts}
+    assert {name: params[name].envvar for name in theirs} == theirs
+
+
+@pytest.mark.timeout(150)
+def test_pet_variables_alone_make_two_launchers_one_job(start_job, tmp_path):
+    port, job_id = free_port(), f"t{uuid.uuid4().hex[:10]}"
+    nodes = [start_job(HELLO, "--allreduce", job_id=job_id, log_dir=tmp_path / f"node{rank}",
+                       env={"PET_NNODES": "2", "PET_NODE_RANK": str(rank), "PET_MASTER_ADDR": "127.0.0.1",
+                            "PET_MASTER_PORT": str(port), "PET_NPROC_PER_NODE": "1", "PET_MAX_RESTARTS": "0"})
+             for rank in (0, 1)]
+    for job in nodes:
+        assert job.wait(120) == 0, job.output
+        assert "sum 3 world 2" in job.output and f"control store 127.0.0.1:{port}" in job.output
+    assert_job_left_nothing(nodes[0])
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("argv, fragment", [
     (["--redirects", "7"], "--redirects must be 0, 1 (stdout), 2 (stderr) or 3 (both)"),
