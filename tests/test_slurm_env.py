@@ -71,6 +71,17 @@ def test_a_slurm_step_sets_the_job_shape_unless_flags_say_otherwise():
     assert build_config(None, {}, {}).local_mode
 
 
+def test_standalone_inside_a_slurm_step_is_a_job_of_this_host_alone():
+    """``srun --pty bash`` then ``ftrun --standalone`` (the clusters' interactive recipe with torchrun): was
+    "--standalone cannot be combined with --node-rank", and an ``srun -n4 --pty`` shell a refusal."""
+    from ftrun.launch.config import build_config
+
+    env = {"SLURM_JOB_ID": "99", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+           "SLURM_STEP_NODELIST": "n3", "SLURM_STEP_TASKS_PER_NODE": "4"}
+    cfg = build_config(None, {"standalone": True, "nproc_per_node": "2"}, env)
+    assert cfg.local_mode and cfg.nnodes == 1 and cfg.node_rank is None and cfg.rdzv_id != "slurm-99"
+
+
 @pytest.mark.parametrize("claims, ranks", [
     ([None, None, None], [0, 1, 2]),  # a first step: SLURM node ids
     ([0, None], [0, 1]),  # node rank 1 lost, a spare takes it

@@ -482,15 +482,16 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 def build_config(yaml_path: str | None, overrides: dict[str, Any],
                  env: Mapping[str, str] = os.environ) -> JobConfig:
     """Defaults, then what a SLURM step says (:mod:`ftrun.launch.slurm`), then the YAML file, then the flags the
-    user gave (``None`` means not given)."""
+    user gave (``None`` means not given). ``--standalone`` is a job of this host alone, as under torchrun, also
+    inside a SLURM step (an interactive ``srun --pty bash``): the step is not read then."""
+    given = load_yaml(yaml_path) if yaml_path is not None else {}
+    given.update({k: v for k, v in overrides.items() if v is not None})
     values: dict[str, Any] = {}
-    step = slurm_step(env)
+    step = None if given.get("standalone") else slurm_step(env)
     if step is not None:
         values.update(nnodes=step.nnodes, node_rank=step.node_id, rdzv_id=step.run_id,
                       rdzv_endpoint=step.endpoint)
-    if yaml_path is not None:
-        values.update(load_yaml(yaml_path))
-    values.update({k: v for k, v in overrides.items() if v is not None})
+    values.update(given)
     cfg = JobConfig(**values)
     cfg.validate()
     visible = env.get("CUDA_VISIBLE_DEVICES")

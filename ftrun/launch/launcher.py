@@ -127,7 +127,7 @@ class Launcher:
         self.no_zygote_because = begun.no_zygote_because
         self.pending = pending  # supervisors forked by main(), waiting for a spec
         self.node_rank = cfg.node_rank or 0  # under srun: agreed with the other nodes once the store is up
-        step = slurm_step(os.environ)
+        step = None if cfg.local_mode else slurm_step(os.environ)
         self.slurm: SlurmStep | None = (step if step is not None and not cfg.local_mode and cfg.nnodes == step.nnodes
                                         and cfg.node_rank == step.node_id else None)
         made_log_dir = cfg.log_dir is None and cfg.output.writes_files
