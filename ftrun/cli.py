@@ -237,7 +237,8 @@ def run(
     problem = running_here(begun.job_id, nodes, cfg.local_mode)
     if problem:
         raise UsageError(f"{problem}: stop it first, or choose another --rdzv-id")
-    exec_launcher(cfg, begun, list(script_args or []))
+    args = list(script_args or [])
+    exec_launcher(cfg, begun, args[1:] if args[:1] == ["--"] else args)  # as torchrun: a first "--" is ftrun's
 
 
 @app.command()
