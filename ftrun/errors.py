@@ -5,9 +5,11 @@ Every check of user input (flags, YAML, scripts, ports, endpoints) raises :class
 """
 
 import os
+import re
 import sys
 
 USAGE_EXIT_CODE = 2
+_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
 
 
 class UsageError(Exception):
@@ -20,6 +22,12 @@ def error_text(err: BaseException) -> str:
     if isinstance(err, OSError) and err.strerror:
         return f"{err.strerror} ({err.filename})" if err.filename else err.strerror
     return str(err)
+
+
+def same_failure(signature: str, earlier: str) -> bool:
+    """Whether two failures' signatures (``Type: message``) say the same, numbers aside: a peer's port, a pid,
+    an address, a step or a loss value in the message change from one run to the next of one failure."""
+    return bool(signature.strip()) and _NUMBER.sub("#", signature.strip()) == _NUMBER.sub("#", earlier.strip())
 
 
 def stopped_while_starting(signum: int, frame: object) -> None:

@@ -180,6 +180,12 @@ def started_by(signature: str = "ValueError: bad", early: bool = True, kind: str
     (started_by(), crash(), True),
     (started_by(signature="killed by SIGABRT"), crash(signature="killed by SIGABRT"), True),
     (started_by(), crash(signature="ValueError: other"), False),  # not the same way
+    # the same way, but another peer port (gloo), pid, address or value in the message: each run differs there
+    (started_by(early=False, step=5, signature="RuntimeError: Connection closed by peer [127.0.0.1]:690"),
+     crash(early=False, step=5, signature="RuntimeError: Connection closed by peer [127.0.0.1]:48262"), True),
+    (started_by(signature="RuntimeError: loss is nan at 0x7f3a12"), crash(signature="RuntimeError: loss is nan at "
+                                                                          "0x7f9b40"), True),
+    (started_by(signature="ValueError: bad 1"), crash(signature="ValueError: bad 1 2"), False),
     (started_by(early=False), crash(), False),  # the first failure came after a heartbeat
     (started_by(), crash(early=False), False),  # this one comes after a heartbeat
     (started_by(kind="hang"), crash(), False),

@@ -67,6 +67,7 @@ from torch.distributed import DistError
 
 from ftrun.control.signed import SignedStore
 from ftrun.control.store import Store
+from ftrun.errors import same_failure
 
 RUN_STALE_AFTER = 1.5  # seconds without any beat of a run that did not end before a new launcher starts a new run
 _LIVENESS_POLL = 0.05
@@ -108,11 +109,10 @@ class Generation:
 
     def repeated_by(self, failure: Failure) -> bool:
         """Whether ``failure``, seen in this generation, is a crash loop: it and the crash that started this
-        generation happened the same way (same signature), both before the first heartbeat, or both at the same
-        reported step (a restore replays the steps bit for bit: a crash at the step it restored, or after the
-        last snapshot, comes back at every restart)."""
-        return (self.kind == failure.kind == "crash" and bool(failure.signature)
-                and failure.signature == self.signature
+        generation happened the same way (same signature, numbers aside: :func:`~ftrun.errors.same_failure`),
+        both before the first heartbeat, or both at the same reported step (a restore replays the steps bit for
+        bit: a crash at the step it restored, or after the last snapshot, comes back at every restart)."""
+        return (self.kind == failure.kind == "crash" and same_failure(failure.signature, self.signature)
                 and ((self.early and failure.early) or (self.step is not None and failure.step == self.step)))
 
 

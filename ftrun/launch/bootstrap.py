@@ -29,6 +29,7 @@ import traceback
 from types import TracebackType
 
 from ftrun.control.heartbeat import training_over
+from ftrun.errors import same_failure
 from ftrun.launch.as_main import NotRunnable, run_as_main
 
 ENV_EARLY_FAILURE = "FTRUN_EARLY_FAILURE"  # {"generation": G, "signature": "Type: message"}, set by the supervisor
@@ -85,7 +86,7 @@ def _same_as_earlier(sig: str, earlier: str | None) -> int | None:
     """The generation whose early failure ``sig`` repeats (from :data:`ENV_EARLY_FAILURE`), or None."""
     try:
         doc = json.loads(earlier or "")
-        return int(doc["generation"]) if str(doc["signature"]).strip() == sig.strip() else None
+        return int(doc["generation"]) if same_failure(sig, str(doc["signature"])) else None
     except (ValueError, TypeError, KeyError):
         return None
 
