@@ -119,6 +119,21 @@ def test_a_rank_slow_to_finish_after_its_loop_is_not_hung(start_job, how):
     assert primary_failures(job) == [], job.output
 
 
+@pytest.mark.timeout(120)
+def test_a_restart_kills_trainers_that_catch_sigterm_at_once(start_job, tmp_path):
+    """A survivor whose SIGTERM handler only sets a flag (as frameworks do) held every restart up for the whole
+    --stop-grace: it is killed at once now, its state coming back from the snapshot. A stop still waits."""
+    script = tmp_path / "flag_on_sigterm.py"
+    script.write_text("import signal, time\nimport ftrun\n"
+                      "signal.signal(signal.SIGTERM, lambda *_: None)  # a flag a later step would read\n"
+                      "for step in range(200):\n    ftrun.heartbeat(step)\n    time.sleep(0.02)\n")
+    job = start_job("--nproc-per-node", "2", "--stop-grace", "30", "--inject", "crash@rank=1,step=5,gen=0",
+                    str(script))
+    assert job.wait(90) == 0, job.output
+    stop = next(e for e in job.events() if e["event"] == "stopped")  # the restart's
+    assert stop["sigkill"] and "(killed)" in stop["message"] and stop["seconds"] < 15, stop
+
+
 @pytest.mark.timeout(240)
 def test_a_lost_local_node_is_replaced_by_the_supervisor_forked_at_start(start_job, tmp_path, gpt_baseline):
     """Local mode: the launcher keeps m supervisors (m = 1 here), forked at its start, for the first nodes lost (no

@@ -8,9 +8,11 @@ While watching, at every look (every ``--monitor-interval``, 20 ms, and at once 
 generation moves: it waits on the trainers' pidfds and the :class:`GenerationWatch` in one ``select``) it reaps
 children (a crash is seen by waitpid), reads the heartbeat table (hangs), reads the generation key when told or
 every 0.25 s (failures seen elsewhere), and four times a second the peers' beat counters (lost nodes). The
-first failure seen moves the job to the next generation; every node then stops its trainers (SIGCONT, SIGTERM,
-SIGKILL after ``stop_grace``) and meets the others at the next rendezvous. A job stopped by SIGINT stops them
-with SIGINT, as torchrun does.
+first failure seen moves the job to the next generation; every node then kills its trainers (SIGCONT, SIGKILL:
+their state is restored from the snapshot, and a handler of a polite signal, a framework's checkpoint on
+SIGTERM, would hold the restart up for nothing) and meets the others at the next rendezvous. A job that stops
+(a signal, or done) stops them with SIGTERM (with SIGINT after Ctrl-C, as torchrun), SIGKILL after
+``stop_grace``.
 
 Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
 trainer and kept across generations; if it dies it is restarted at once and the trainers keep running, and so
@@ -917,14 +919,17 @@ class Supervisor:
         os.kill(os.getpid(), signal.SIGKILL)
 
     def _trainer_stop_signal(self, outcome: bytes | str) -> signal.Signals:
-        """What stops the trainers after a generation that ended in ``outcome`` (see :meth:`_watch`): the job's
-        stop signal when it was told to stop by SIGINT (Ctrl-C), as torchrun relays it, so that scripts see
-        KeyboardInterrupt (their ``finally`` blocks, a framework's graceful shutdown); else SIGTERM."""
+        """What stops the trainers after a generation that ended in ``outcome`` (see :meth:`_watch`): SIGKILL for
+        a restart (the next generation restores their state from the snapshot); the job's stop signal when it
+        was told to stop by SIGINT (Ctrl-C), as torchrun relays it, so that scripts see KeyboardInterrupt (their
+        ``finally`` blocks, a framework's graceful shutdown); else SIGTERM."""
         if outcome == "stop":
             return signal.SIGINT if self._stop_signal == signal.SIGINT else signal.SIGTERM
         if isinstance(outcome, bytes):
             new = Generation.decode(outcome)
-            if new.kind == STOP_KIND and new.detected_by == signal.SIGINT.name:
+            if new.kind != STOP_KIND:
+                return signal.SIGKILL
+            if new.detected_by == signal.SIGINT.name:
                 return signal.SIGINT
         return signal.SIGTERM
 
@@ -938,7 +943,7 @@ class Supervisor:
             signal_group(trainer.pid, signal.SIGCONT)
             signal_group(trainer.pid, stop)
         deadline = t0 + self.spec.stop_grace
-        killed = False
+        killed = stop == signal.SIGKILL
         while any(t.exit_code is None for t in running):
             if not killed and time.monotonic() > deadline:
                 killed = True
@@ -959,9 +964,9 @@ class Supervisor:
                 signal_group(trainer.pid, signal.SIGKILL)  # (one that exited 0: see _end_descendants)
         self.output.finish()  # their last output written out, this generation's files closed
         took = time.monotonic() - t0
-        self.events.emit("stopped", f"stopped {len(running)} trainers in {took * 1000:.0f} ms"
-                         f"{' (SIGKILL after grace)' if killed else ''}", console=False, node=self.node,
-                         seconds=took, sigkill=killed)
+        how = " (killed)" if stop == signal.SIGKILL else " (SIGKILL after grace)" if killed else ""
+        self.events.emit("stopped", f"stopped {len(running)} trainers in {took * 1000:.0f} ms{how}", console=False,
+                         node=self.node, seconds=took, sigkill=killed)
         for pid in self.trainers:
             self.exits.forget(pid)  # reaped, or killed and left to the next reap
         self.trainers.clear()
