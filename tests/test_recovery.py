@@ -134,6 +134,48 @@ def test_a_restart_kills_trainers_that_catch_sigterm_at_once(start_job, tmp_path
     assert stop["sigkill"] and "(killed)" in stop["message"] and stop["seconds"] < 15, stop
 
 
+LEAVES_DAEMONS = """\
+import os, subprocess, sys, time
+import ftrun
+marker = f"{os.environ['DAEMON_TEST_MARK']}-gen{os.environ['TORCHELASTIC_RESTART_COUNT']}"
+sleeper = [sys.executable, "-c", "import time; time.sleep(300)", marker]
+subprocess.Popen(sleeper, start_new_session=True)  # a server in a session of its own
+if os.fork() == 0:  # a double-forked daemon
+    os.setsid()
+    if os.fork() == 0:
+        os.execv(sys.executable, sleeper)
+    os._exit(0)
+for step in range(30):
+    ftrun.heartbeat(step)
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_processes_the_trainers_left_outside_their_groups_do_not_outlive_a_restart(start_job, tmp_path):
+    """A trainer's server in a session of its own and a daemon escape the process-group kill: they piled up, one
+    per trainer and restart (holding ports, GPU memory). Killed at the restart now; after a success the last
+    generation's outlive the job, as under torchrun."""
+    script = tmp_path / "daemons.py"
+    script.write_text(LEAVES_DAEMONS)
+    mark = f"ftrun-test-{uuid.uuid4().hex[:8]}"
+
+    def marked(gen: int) -> list[psutil.Process]:
+        return [p for p in psutil.process_iter(["cmdline"]) if f"{mark}-gen{gen}" in (p.info["cmdline"] or [])]
+
+    try:
+        job = start_job("--nproc-per-node", "2", "--inject", "crash@rank=1,step=10,gen=0", str(script),
+                        env={"DAEMON_TEST_MARK": mark})
+        assert job.wait(90) == 0, job.output
+        assert marked(0) == [], [p.info["cmdline"] for p in marked(0)]
+        [killed] = [e for e in job.events() if e["event"] == "left_running" and e.get("generation") == 0]
+        assert len(killed["pids"]) == 4, killed  # 2 trainers x (server + daemon)
+        assert len(marked(1)) == 4  # the last generation's outlive the success
+    finally:
+        for proc in marked(0) + marked(1):
+            proc.kill()
+
+
 @pytest.mark.timeout(240)
 def test_a_lost_local_node_is_replaced_by_the_supervisor_forked_at_start(start_job, tmp_path, gpt_baseline):
     """Local mode: the launcher keeps m supervisors (m = 1 here), forked at its start, for the first nodes lost (no

@@ -138,6 +138,20 @@ def left_by_user(proc: psutil.Process) -> bool:
     return not any(arg.startswith("ftrun.") for arg in proc.cmdline())
 
 
+def kill_left_by_user() -> list[tuple[int, str]]:
+    """SIGKILL every descendant of this process that the trainers started and left running (:func:`left_by_user`:
+    re-parented here, a process in a session of its own, a daemon); returns their (pid, name). Not waited for:
+    the caller's own reaping collects them (a reap here could take the exit of a child it watches)."""
+    killed = []
+    for proc in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if left_by_user(proc):
+                name = proc.name()
+                proc.kill()
+                killed.append((proc.pid, name))
+    return killed
+
+
 class ForkedChild:
     """A forked child process, with the part of :class:`subprocess.Popen`'s interface the launcher uses."""
 

@@ -65,7 +65,8 @@ from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
 from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper, describe_exit, die_with_parent,
-                                    kill_descendants, left_by_user, reap, set_process_name, signal_group)
+                                    kill_descendants, kill_left_by_user, left_by_user, reap, set_process_name,
+                                    signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, run_dir_prefix,
                                 safe_job_id, shm_path, shm_place)
@@ -272,6 +273,16 @@ class Supervisor:
             if self.spec.log_dir is None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    def _kill_left_running(self, gen: int) -> None:
+        """Before a restart: kill what the trainers of generation ``gen`` started and left running outside their
+        process groups (a daemon, a server in a session of its own): the next generation starts them again, and
+        one left would hold its port or its GPU memory."""
+        left = kill_left_by_user()
+        if left:
+            named = ", ".join(f"{pid} ({name})" for pid, name in left[:5])
+            self.events.emit("left_running", f"killed {len(left)} process(es) the trainers of generation {gen} left "
+                             f"running: {named}", node=self.node, pids=[pid for pid, _ in left], generation=gen)
+
     def _end_descendants(self, succeeded: bool) -> None:
         """Kill what is left under this process: ftrun's own processes always; those the trainers started and
         left running (re-parented here) only if the job did not succeed. After a success they outlive the job,
@@ -444,6 +455,8 @@ class Supervisor:
             self._start_trainers(gen.gen)
             outcome = self._watch(gen, seen)
             self._stop_trainers(self._trainer_stop_signal(outcome))
+            if isinstance(outcome, bytes) and Generation.decode(outcome).kind != STOP_KIND:
+                self._kill_left_running(gen.gen)
             if outcome == "done":
                 self._publish_status("done", gen.gen, now=True)
                 self._persist_final()
