@@ -418,6 +418,16 @@ def test_the_same_failure_at_the_same_step_twice_stops_the_job(start_job, tmp_pa
     assert_job_left_nothing(job)
 
 
+@pytest.mark.timeout(120)
+def test_an_exit_with_a_message_is_reported_with_it(start_job, tmp_path):
+    """``sys.exit("message")``: Python prints the message and exits 1; the failure line said only "exited with
+    code 1"."""
+    script = write(tmp_path, "exits.py", 'import sys, ftrun\nftrun.heartbeat(3)\nsys.exit("fatal: config broken")\n')
+    job = start_job("--max-restarts", "0", str(script))
+    assert job.wait() == 3, job.output
+    assert "rank 0 exited with code 1 (SystemExit: fatal: config broken)" in job.output, job.output
+
+
 @pytest.mark.timeout(180)
 def test_the_same_signal_at_import_twice_stops_the_job(start_job, tmp_path):
     script = write(tmp_path, "abort.py", ABORT_AT_IMPORT)

@@ -132,7 +132,9 @@ def run_main(target: str, args: list[str], module: bool) -> None:
             run_as_main(target, module)
         finally:  # before Python joins the script's threads and runs its atexit handlers (a last upload)
             training_over()
-    except SystemExit:
+    except SystemExit as exc:
+        if not isinstance(exc.code, (int, type(None))):  # sys.exit("message"): Python prints it, exit code 1
+            write_error_file(exc, error_file)  # so that the failure line says it too
         raise
     except BaseException as exc:
         tb = user_traceback(exc.__traceback__)
