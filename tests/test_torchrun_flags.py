@@ -133,7 +133,6 @@ def test_pet_variables_alone_make_two_launchers_one_job(start_job, tmp_path):
     (["--hang-timeout", "nan"], "--hang-timeout must be a positive number"),
     (["--node-timeout", "inf"], "--node-timeout must be a positive number"),
     (["--rdzv-conf", "join_timeout=nan"], "--rdzv-conf join_timeout must be a positive number"),
-    (["--local-addr", "127.0.0.1"], "--local-addr is for multi-node jobs"),
 ])
 def test_bad_torchrun_values_are_one_line_errors(capsys, argv, fragment):
     assert fragment in one_line_error(capsys, [*argv, HELLO])
@@ -223,6 +222,14 @@ def test_a_directory_runs_its_main_as_python_does(start_job, tmp_path):
     for rank in (0, 1):
         assert f"hello from rank {rank} ['--flag', '1', '--', 'x'] {app}" in job.output, job.output
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_local_addr_is_taken_by_a_job_of_this_host_alone(start_job):
+    """Cluster wrappers pass --local-addr $(hostname -i) to every torchrun: refused before in local mode."""
+    job = start_job("--standalone", "--local-addr", "192.0.2.250", "--nproc-per-node", "2", HELLO, "--allreduce")
+    assert job.wait(90) == 0, job.output
+    assert "sum 3 world 2" in job.output
 
 
 @pytest.mark.timeout(150)

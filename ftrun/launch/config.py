@@ -270,8 +270,6 @@ class JobConfig:
             raise UsageError("--role must not be empty")
         _check_seconds("--monitor-interval", self.monitor_interval)
         parse_signals(self.signals_to_handle)
-        if self.local_addr is not None and self.local_mode:
-            raise UsageError("--local-addr is for multi-node jobs (--node-rank): local jobs use 127.0.0.1 only")
         self.redirects, self.tee = str(self.redirects), str(self.tee)
         if self.local_ranks_filter is not None:
             self.local_ranks_filter = str(self.local_ranks_filter)

@@ -207,8 +207,8 @@ class Launcher:
 
     def _master_addr(self, store_host: str) -> str:
         """This node's address as peers reach it: ``--local-addr``, else the bound address, else (bound to every
-        interface) the host."""
-        if self.cfg.local_addr is not None:
+        interface) the host. A job of this host alone listens on loopback only, whatever --local-addr says."""
+        if self.cfg.local_addr is not None and not self.cfg.local_mode:
             return self.cfg.local_addr
         if self.bind not in WILDCARDS:
             return self.bind
