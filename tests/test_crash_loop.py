@@ -428,6 +428,20 @@ def test_an_exit_with_a_message_is_reported_with_it(start_job, tmp_path):
     assert "rank 0 exited with code 1 (SystemExit: fatal: config broken)" in job.output, job.output
 
 
+@pytest.mark.timeout(120)
+def test_a_failed_job_leaves_its_cause_in_the_error_file_ftrun_was_given(start_job, tmp_path):
+    """As torchrun copies its root-cause child's error file to its own TORCHELASTIC_ERROR_FILE (TorchX reads it):
+    the file of the rank whose failure ended the job."""
+    script = write(tmp_path, "fails.py", 'import os, ftrun\nftrun.heartbeat(3)\n'
+                   'if os.environ["RANK"] == "1":\n    raise ValueError("boom from rank 1")\n')
+    job = start_job("--nproc-per-node", "2", "--max-restarts", "0", str(script),
+                    env={"TORCHELASTIC_ERROR_FILE": str(tmp_path / "launcher-error.json")})
+    assert job.wait() == 3, job.output
+    record = json.loads((tmp_path / "launcher-error.json").read_text())
+    assert record["message"]["message"] == "ValueError: boom from rank 1"
+    assert 'raise ValueError("boom from rank 1")' in record["message"]["extraInfo"]["py_callstack"]
+
+
 @pytest.mark.timeout(180)
 def test_the_same_signal_at_import_twice_stops_the_job(start_job, tmp_path):
     script = write(tmp_path, "abort.py", ABORT_AT_IMPORT)

@@ -31,6 +31,7 @@ from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
 
 ENV_JOB_ID = "FTRUN_JOB_ID"
 ENV_NODE_RANK = "FTRUN_NODE_RANK"
+ENV_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"  # a trainer's error file; ftrun's own: a failed job's cause
 TRAINER_FTRUN_VARIABLES = (ENV_JOB_ID, ENV_NODE_RANK, ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT, ENV_KEEPER_SOCKET,
                            ENV_TRAINER_FAULTS, ENV_DCP_ROOT)
 USER_FTRUN_VARIABLES = (ENV_SHM_DIR,)
@@ -115,7 +116,7 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
         "TORCHELASTIC_MAX_RESTARTS": str(place.max_restarts),
         "TORCHELASTIC_RUN_ID": place.job_id,
         "TORCHELASTIC_USE_AGENT_STORE": "True",
-        "TORCHELASTIC_ERROR_FILE": error_file,
+        ENV_ERROR_FILE: error_file,
         ENV_JOB_ID: place.job_id,
         ENV_NODE_RANK: str(place.node_rank),
         ENV_HEARTBEAT_FILE: heartbeat_file,

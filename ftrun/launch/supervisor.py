@@ -60,7 +60,7 @@ from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, owner, take
-from ftrun.launch.env import TrainerPlace, trainer_env, trainer_threads
+from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_env, trainer_threads
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
@@ -437,11 +437,10 @@ class Supervisor:
             if gen.kind == STOP_KIND:
                 self._publish_status("stopped", gen.gen, now=True)
                 return self._stopped()
-            if gen.gen > self.spec.max_restarts:
-                raise JobFailed(f"restart limit reached ({self.spec.max_restarts} restarts); last failure: "
-                                f"{gen.reason}")
-            if gen.kind == "fatal":
-                raise JobFailed(gen.reason)
+            if gen.gen > self.spec.max_restarts or gen.kind == "fatal":
+                self._record_root_cause(gen)
+                raise JobFailed(gen.reason if gen.kind == "fatal" else f"restart limit reached "
+                                f"({self.spec.max_restarts} restarts); last failure: {gen.reason}")
             changed = self._rendezvous(gen.gen, seen)
             if changed is not None:
                 seen = changed
@@ -843,6 +842,28 @@ class Supervisor:
     def _wait_for_other_failure(self, seen: bytes) -> bytes | None:
         """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""
         return _within_grace(lambda: raw if (raw := self.coord.current_raw()) != seen else None)
+
+    def _record_root_cause(self, last: Generation) -> None:
+        """A failed job's cause, in torchelastic's error-file format, at the ``TORCHELASTIC_ERROR_FILE`` ftrun was
+        started with (as torchrun copies its root-cause child's there, for TorchX and other schedulers): the
+        error file of the trainer whose failure ended the job, by the supervisor of its node (of node 0 when no
+        node's failure did), else the failure's reason."""
+        target = os.environ.get(ENV_ERROR_FILE)
+        if not target or (last.node if last.node is not None else 0) != self.node:
+            return
+        path = os.path.join(self.run_dir, f"gen{last.gen - 1}", f"rank{last.rank}", "error.json")
+        try:
+            with open(path) as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            record = {"message": {"message": last.reason, "extraInfo": {"py_callstack": "",
+                                                                         "timestamp": str(int(time.time()))}}}
+        try:
+            with open(target, "w") as f:
+                json.dump(record, f)
+        except OSError as err:
+            self.events.emit("error_file", f"cannot write the job's error file {target}: {error_text(err)}",
+                             node=self.node)
 
     def _error_message(self, gen: int, trainer: Trainer) -> str:
         """The message of the trainer's torchelastic error file ("Type: message", written by ftrun's bootstrap or
