@@ -417,6 +417,20 @@ def test_each_run_of_a_job_id_has_its_own_keys(server, signed):
     assert open_run(store, "job", None) == 6
 
 
+def test_a_node_with_another_secret_is_told_so_at_once(server, signed):
+    """Two hosts without a shared home directory each made their own ~/.ftrun/secret: the second node ignored
+    the first's values, started a run of its own, and both waited --rdzv-timeout (600 s) for the other."""
+    store, _ = signed()
+    run = open_run(store, "job", None)
+    Coordinator(store, "job", 0, 2, run=run).init_job({"nnodes": 2})
+    other, warnings = signed("another secret")
+    with pytest.raises(UsageError, match="signed with another secret: every node of a job needs the same secret "
+                                         r"file \(--secret-file"):
+        open_run(other, "job", None)
+    assert warnings == []  # the one line above, not a warning first
+    assert open_run(store, "job", None) == run  # nothing changed for the job
+
+
 def test_a_run_whose_supervisors_stopped_beating_is_not_joined(server, signed):
     store, _ = signed()
     run = open_run(store, "job", None)

@@ -67,7 +67,7 @@ from torch.distributed import DistError
 
 from ftrun.control.signed import SignedStore
 from ftrun.control.store import Store
-from ftrun.errors import same_failure
+from ftrun.errors import UsageError, same_failure
 
 RUN_STALE_AFTER = 1.5  # seconds without any beat of a run that did not end before a new launcher starts a new run
 _LIVENESS_POLL = 0.05
@@ -203,6 +203,11 @@ def open_run(store: SignedStore, job_id: str, token: str | None, stale_after: fl
     key = incarnation_key(job_id)
     for _ in range(_CAS_TRIES):
         raw = store.get_raw(key) or b""
+        if store.signed_otherwise(key, raw) and _newest_run(store, job_id, 0):
+            raise UsageError(f"the control store holds runs of job {job_id} signed with another secret: every node "
+                             "of a job needs the same secret file (--secret-file, default ~/.ftrun/secret: copy "
+                             "one node's to the others), and a job id run before with another one needs a new "
+                             "--rdzv-id")
         doc = _run_doc(store, raw, job_id)
         newest = _newest_run(store, job_id, doc[0] if doc else 0)
         if doc is not None and newest > doc[0]:

@@ -83,9 +83,17 @@ class SignedStore:
             return None
         payload = raw[:-TAG_LEN]
         if not hmac.compare_digest(raw[-_MAC_HEX:], self._mac(key, payload)):
-            self.warn_once(key, "bad signature (forged, tampered with, or copied from another key)")
+            self.warn_once(key, "bad signature (forged, tampered with, copied from another key, or written by a "
+                           "node whose secret differs)")
             return None
         return payload
+
+    def signed_otherwise(self, key: str, raw: bytes) -> bool:
+        """Whether ``raw`` is sealed as ftrun seals values, but not for ``key`` with this secret (another node's
+        secret, or a value copied from another key)."""
+        raw = bytes(raw)
+        return (len(raw) >= TAG_LEN and raw[-TAG_LEN:-_MAC_HEX] == TAG_MARK
+                and not hmac.compare_digest(raw[-_MAC_HEX:], self._mac(key, raw[:-TAG_LEN])))
 
     def warn_once(self, key: str, why: str) -> None:
         """Report a value of ``key`` that was ignored, once per key."""
