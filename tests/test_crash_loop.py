@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -440,6 +441,56 @@ def test_a_failed_job_leaves_its_cause_in_the_error_file_ftrun_was_given(start_j
     record = json.loads((tmp_path / "launcher-error.json").read_text())
     assert record["message"]["message"] == "ValueError: boom from rank 1"
     assert 'raise ValueError("boom from rank 1")' in record["message"]["extraInfo"]["py_callstack"]
+
+
+def memory_cgroup(limit: int) -> tuple[Path, str] | None:
+    """A new memory cgroup limited to ``limit`` bytes, as (directory, the file a process joins it by); None
+    where none can be made here (not root, no writable memory controller)."""
+    name = f"ftrun-test-{os.getpid()}"
+    for parent, limit_file in ((Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes"),
+                               (Path("/sys/fs/cgroup"), "memory.max")):
+        try:
+            (parent / name).mkdir()
+        except OSError:
+            continue
+        try:
+            (parent / name / limit_file).write_text(str(limit))
+            return parent / name, "cgroup.procs"
+        except OSError:
+            (parent / name).rmdir()
+    return None
+
+
+OUT_OF_MEMORY = """\
+import os, sys, ftrun
+ftrun.heartbeat(1)
+with open(os.path.join(sys.argv[1], "cgroup.procs"), "w") as f:
+    f.write(str(os.getpid()))
+hog = [bytearray(16 << 20) for _ in range(64)]  # 1 GiB against 256 MiB: the OOM killer's SIGKILL
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_trainer_the_oom_killer_killed_is_reported_as_out_of_memory(start_job, tmp_path):
+    """A SIGKILL says nothing of who sent it: 'killed by SIGKILL' was all a user learned of running out of
+    memory."""
+    cgroup = memory_cgroup(256 << 20)
+    if cgroup is None:
+        pytest.skip("no memory cgroup can be made here (needs root and a writable memory controller)")
+    try:
+        script = write(tmp_path, "hog.py", OUT_OF_MEMORY)
+        job = start_job("--max-restarts", "0", str(script), str(cgroup[0]))
+        assert job.wait() == 3, job.output
+        assert ("rank 0 killed by SIGKILL (out of memory? the kernel's OOM killer ran since the trainers started)"
+                in job.output), job.output
+    finally:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                cgroup[0].rmdir()
+                break
+            except OSError:  # its process not reaped yet
+                time.sleep(0.1)
 
 
 @pytest.mark.timeout(180)

@@ -103,6 +103,16 @@ def describe_exit(code: int) -> str:
     return f"exited with code {code}"
 
 
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed on this host since boot (``oom_kill`` of
+    /proc/vmstat, a cgroup's memory limit included); None where the kernel does not count them."""
+    try:
+        with open("/proc/vmstat") as f:
+            return next((int(line.split()[1]) for line in f if line.startswith("oom_kill ")), None)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def kill_descendants(timeout: float = 5.0, spare: Callable[[psutil.Process], bool] | None = None
                      ) -> list[tuple[int, str]]:
     """SIGKILL every descendant of this process, then reap them, bounded by ``timeout``; but a descendant for

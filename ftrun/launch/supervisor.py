@@ -65,8 +65,8 @@ from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
 from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper, describe_exit, die_with_parent,
-                                    kill_descendants, kill_left_by_user, left_by_user, reap, set_process_name,
-                                    signal_group)
+                                    kill_descendants, kill_left_by_user, left_by_user, oom_kills, reap,
+                                    set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, run_dir_prefix,
                                 safe_job_id, shm_path, shm_place)
@@ -205,6 +205,7 @@ class Supervisor:
         self._stopping = False
         self._stop_signal = signal.SIGTERM
         self._trainers_started = 0.0  # time.monotonic() when this generation's trainers were started
+        self._oom_kills: int | None = None  # the host's count of OOM kills then (None: not counted)
         self._replaced_here = False  # a supervisor with this process's /dev/shm took this node's rank
         self._suspects_sent = -1  # the generation whose silent trainers this node reported
         self.output = Output(OutputSettings(  # where the trainers' stdout/stderr go
@@ -562,6 +563,7 @@ class Supervisor:
     def _start_trainers(self, gen: int) -> None:
         assert self.heartbeats is not None
         t0 = time.monotonic()
+        self._oom_kills = oom_kills()
         master = self.coord.master(gen)
         if master is None:
             raise JobFailed(f"the trainer store of generation {gen} is missing from the control store")
@@ -661,7 +663,7 @@ class Supervisor:
                         if moved is not None:
                             return moved
                     return self._fail(seen, Failure(
-                        "crash", f"rank {trainer.rank} {describe_exit(code)}{_detail(message)}",
+                        "crash", f"rank {trainer.rank} {describe_exit(code)}{self._oom_note(code)}{_detail(message)}",
                         self.node, trainer.rank, "waitpid", self._step_of(trainer),
                         signature=message or describe_exit(code), early=self._before_first_beat(g)))
             if not done and all(t.exit_code == 0 for t in self.trainers.values()):
@@ -842,6 +844,13 @@ class Supervisor:
     def _wait_for_other_failure(self, seen: bytes) -> bytes | None:
         """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""
         return _within_grace(lambda: raw if (raw := self.coord.current_raw()) != seen else None)
+
+    def _oom_note(self, code: int) -> str:
+        """For a trainer killed by SIGKILL: that the kernel's OOM killer ran since the trainers started (a
+        SIGKILL says nothing else of who sent it)."""
+        if code != -signal.SIGKILL or self._oom_kills is None or (oom_kills() or 0) <= self._oom_kills:
+            return ""
+        return " (out of memory? the kernel's OOM killer ran since the trainers started)"
 
     def _record_root_cause(self, last: Generation) -> None:
         """A failed job's cause, in torchelastic's error-file format, at the ``TORCHELASTIC_ERROR_FILE`` ftrun was
