@@ -203,12 +203,25 @@ def test_unsupported_values_name_their_path() -> None:
 
 def test_restore_rejects_mismatched_state(trained: dict) -> None:
     layout, skeleton, stored = store(capture(trained, rng=False))
-    with pytest.raises(ValueError, match="missing \\['arr'\\]"):
-        restore({k: v for k, v in trained.items() if k != "arr"}, layout, skeleton, stored)
+    with pytest.raises(ValueError, match="state keys not in the snapshot: \\['extra'\\]"):
+        restore({**trained, "extra": 1}, layout, skeleton, stored)
     with pytest.raises(ValueError, match="cannot restore ema: the snapshot holds bfloat16 \\[3, 4\\]"):
         restore({**trained, "ema": torch.zeros(4, 3)}, layout, skeleton, stored)
     with pytest.raises(ValueError, match="cannot restore data: the snapshot holds a state_dict"):
         restore({**trained, "data": 3}, layout, skeleton, stored)
+
+
+def test_entries_added_after_the_state_was_built_come_back(trained: dict) -> None:
+    """A restarted script builds its state as at step 0: an entry it adds later (an EMA copy from step N on, a
+    best metric), or a placeholder it fills later, was refused ("missing"), and every restart failed the same."""
+    later = {**trained, "ema": trained["ema"].clone(), "best": {"loss": 0.5, "at": torch.arange(3)},
+             "filled": torch.ones(2)}
+    layout, skeleton, stored = store(capture(later, rng=False))
+    fresh = {k: v for k, v in trained.items() if k not in ("ema", "best")} | {"filled": None}
+    restore(fresh, layout, skeleton, stored)
+    assert torch.equal(fresh["ema"], later["ema"]) and fresh["best"]["loss"] == 0.5
+    assert torch.equal(fresh["best"]["at"], torch.arange(3)) and torch.equal(fresh["filled"], torch.ones(2))
+    assert fresh["ema"] is not later["ema"]
 
 
 def test_layout_digest_alignment_and_json() -> None:

@@ -176,6 +176,42 @@ def test_processes_the_trainers_left_outside_their_groups_do_not_outlive_a_resta
             proc.kill()
 
 
+ADDS_AN_ENTRY = """\
+import hashlib, time, torch, ftrun
+weights = torch.nn.Parameter(torch.linspace(0, 1, 8))
+optimizer = torch.optim.SGD([weights], lr=0.1)
+state = {"weights": weights, "optimizer": optimizer}
+snap = ftrun.Snapshotter(state, every=1)
+for step in range(snap.restore(), 30):
+    optimizer.zero_grad()
+    (weights * weights).sum().backward()
+    optimizer.step()
+    if step == 10:
+        state["ema"] = weights.detach().clone()  # from step 10 on: not in the state a restarted script builds
+    elif step > 10:
+        state["ema"].mul_(0.9).add_(weights.detach(), alpha=0.1)
+    time.sleep(0.02)
+    snap.save(step + 1)
+snap.wait()
+print("HASH", hashlib.sha256(weights.detach().numpy().tobytes() + state["ema"].numpy().tobytes()).hexdigest())
+"""
+
+
+@pytest.mark.timeout(120)
+def test_an_entry_added_to_the_state_after_the_start_is_restored_bitwise(start_job, tmp_path):
+    """Before, the restore refused the snapshot ("state keys do not match: missing ['ema']") and every restart
+    failed the same way: the job ended as a crash loop with its progress lost."""
+    script = tmp_path / "adds.py"
+    script.write_text(ADDS_AN_ENTRY)
+    hashes = []
+    for inject in ((), ("--inject", "crash@rank=0,step=20,gen=0")):
+        job = start_job(*inject, str(script))
+        assert job.wait(90) == 0, job.output
+        hashes.append(re.search(r"HASH (\w+)", job.output)[1])
+    assert hashes[0] == hashes[1]
+    assert [f["kind"] for f in primary_failures(job)] == ["crash"]
+
+
 @pytest.mark.timeout(240)
 def test_a_lost_local_node_is_replaced_by_the_supervisor_forked_at_start(start_job, tmp_path, gpt_baseline):
     """Local mode: the launcher keeps m supervisors (m = 1 here), forked at its start, for the first nodes lost (no

@@ -495,24 +495,28 @@ class _Builder:
 
 def restore(state: Mapping[str, Any], layout: Layout, skeleton: dict,
             stored: Callable[[Entry], torch.Tensor]) -> None:
-    """Put the snapshot back into the live objects of ``state`` (the keys given to :func:`capture`)."""
+    """Put the snapshot back into the live objects of ``state`` (the keys given to :func:`capture`).
+
+    A key the snapshot has and ``state`` lacks (added to the state after the script built it: an EMA copy from
+    step N on), or whose live value is a plain one (a ``None`` placeholder), gets the snapshot's value. A live
+    tensor of another dtype or shape at the top level is refused, as a key the snapshot lacks: the script may
+    hold that tensor elsewhere, and a new one in its place would leave that reference behind, silently."""
     if skeleton.get("format") != FORMAT:
         raise ValueError(f"snapshot skeleton format {skeleton.get('format')!r}, expected {FORMAT}")
     nodes = skeleton["state"]
-    if set(state) != set(nodes):
-        raise ValueError(f"state keys do not match the snapshot: missing {sorted(set(nodes) - set(state))}, "
-                         f"not in the snapshot {sorted(map(repr, set(state) - set(nodes)))}")
+    if set(state) - set(nodes):
+        raise ValueError(f"state keys not in the snapshot: {sorted(set(state) - set(nodes), key=str)} (it holds "
+                         f"{sorted(nodes, key=str)})")
     builder = _Builder(layout, stored, state=state)
     for key, node in nodes.items():
-        live, path = state[key], _join("", key)
-        if type(node) is dict and "T" in node:
+        live, path = state.get(key), _join("", key)
+        if type(node) is dict and "T" in node and isinstance(live, torch.Tensor):
             e = layout.entries[node["T"]]
-            if not (isinstance(live, torch.Tensor) and str(live.dtype) == f"torch.{e.dtype}" and live.shape == e.shape):
-                what = f"{live.dtype} {list(live.shape)}" if isinstance(live, torch.Tensor) else type(live).__qualname__
+            if str(live.dtype) != f"torch.{e.dtype}" or live.shape != e.shape:
                 raise ValueError(f"cannot restore {path}: the snapshot holds {e.dtype} {list(e.shape)}, the live "
-                                 f"value is {what}")
+                                 f"value is {live.dtype} {list(live.shape)}")
         value = builder.value(node, live, path, True)
-        if value is not live:
+        if value is not live or key not in state:
             state[key] = value  # type: ignore[index]  # documented: plain values need a mutable mapping
     if "rng" in skeleton:
         rngs = builder.value(skeleton["rng"], None, RNG_KEY, False)
