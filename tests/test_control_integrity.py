@@ -382,10 +382,10 @@ def test_a_store_frozen_for_a_while_is_one_pause_line_and_one_line_when_it_answe
                           on_recovered=lambda seconds: said.append(f"back after {seconds:.0f}s"))
         store.set("key", b"value")
         os.kill(host.pid, signal.SIGSTOP)
-        threading.Timer(3.5, os.kill, (host.pid, signal.SIGCONT)).start()
-        assert store.get_many(["key"]) == [b"value"]
-        assert len(said) == 2 and re.search(r"has not answered for [23]s; ftrun waits up to 30s", said[0]), said
-        assert said[1] in ("back after 3s", "back after 4s"), said
+        threading.Timer(5.5, os.kill, (host.pid, signal.SIGCONT)).start()  # several looks of the watchdog: one
+        assert store.get_many(["key"]) == [b"value"]  # late under load still leaves another
+        assert len(said) == 2 and re.search(r"has not answered for [2-5]s; ftrun waits up to 30s", said[0]), said
+        assert said[1] in ("back after 5s", "back after 6s"), said
         store.set("key", b"again")  # answered at once: nothing more said
         assert len(said) == 2
     finally:

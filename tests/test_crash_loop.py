@@ -50,7 +50,9 @@ outer()
 SYNTAX = "x = (\n"
 MISSING_IMPORT = "import os\nimport no_such_module_ftrun_test\n"
 SAME_AT_IMPORT = 'raise ValueError("device_ids can only be used with a CUDA module")\n'
-DIFFERENT_AT_IMPORT = 'import os\nraise ValueError(f"broken in restart {os.environ[\'TORCHELASTIC_RESTART_COUNT\']}")\n'
+# another word each time (another number alone would be the same failure: a crash loop)
+DIFFERENT_AT_IMPORT = ('import os\nraise ValueError("broken in restart " + "abcdef"[int(os.environ['
+                       '"TORCHELASTIC_RESTART_COUNT"])])\n')
 AFTER_FIRST_BEAT = ('import os, ftrun\nftrun.heartbeat(int(os.environ["TORCHELASTIC_RESTART_COUNT"]))\n'
                     'raise ValueError("broken after the first heartbeat")\n')  # at another step each time
 ABORT_AT_IMPORT = "import os\nos.abort()\n"

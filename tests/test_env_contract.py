@@ -151,6 +151,7 @@ def test_trainers_print_torch_s_cpp_warnings_as_under_torchrun(start_job, tmp_pa
     env = {k: v for k, v in os.environ.items() if k != "TORCH_CPP_LOG_LEVEL"}
     job = start_job(*flags, str(script), env=env)
     assert job.wait(90) == 0, job.output
-    assert "raised DistNetworkError" in job.output and "failed to connect/validate to host 127.0.0.1:9 - retrying" \
+    # "- retrying", or under load "- timed out (try=0, ...)": a C++ warning either way
+    assert "raised DistNetworkError" in job.output and "failed to connect/validate to host 127.0.0.1:9 - " \
         in job.output, job.output
     assert_job_left_nothing(job)

@@ -168,7 +168,7 @@ def test_processes_the_trainers_left_outside_their_groups_do_not_outlive_a_resta
                         env={"DAEMON_TEST_MARK": mark})
         assert job.wait(90) == 0, job.output
         assert marked(0) == [], [p.info["cmdline"] for p in marked(0)]
-        [killed] = [e for e in job.events() if e["event"] == "left_running" and e.get("generation") == 0]
+        [killed] = [e for e in job.events() if e["event"] == "left_killed" and e.get("generation") == 0]
         assert len(killed["pids"]) == 4, killed  # 2 trainers x (server + daemon)
         assert len(marked(1)) == 4  # the last generation's outlive the success
     finally:

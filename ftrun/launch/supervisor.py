@@ -281,7 +281,7 @@ class Supervisor:
         left = kill_left_by_user()
         if left:
             named = ", ".join(f"{pid} ({name})" for pid, name in left[:5])
-            self.events.emit("left_running", f"killed {len(left)} process(es) the trainers of generation {gen} left "
+            self.events.emit("left_killed", f"killed {len(left)} process(es) the trainers of generation {gen} left "
                              f"running: {named}", node=self.node, pids=[pid for pid, _ in left], generation=gen)
 
     def _end_descendants(self, succeeded: bool) -> None:
