@@ -542,8 +542,10 @@ class Supervisor:
                 if lost is not None:
                     return lost
             if time.monotonic() > deadline:
+                never = (" (started with this job's --rdzv-id and endpoint, and the same secret file? one that "
+                         "differs is told so as it starts)" if gen == 0 else "")
                 raise JobFailed(f"node(s) {self._not_ready(gen)} did not join generation {gen} within "
-                                f"{self.spec.rdzv_timeout:g}s")
+                                f"{self.spec.rdzv_timeout:g}s{never}")
             time.sleep(max(pause, self.coord.store.poll_interval))
             pause = min(2 * pause, POLL_INTERVAL)
         return None
