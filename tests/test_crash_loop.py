@@ -421,6 +421,32 @@ def test_the_same_failure_at_the_same_step_twice_stops_the_job(start_job, tmp_pa
     assert_job_left_nothing(job)
 
 
+LEAVES_EARLY = """\
+import sys, time, torch, torch.distributed as dist, ftrun
+dist.init_process_group("gloo")
+total = torch.zeros(4)
+for step in range(20):
+    ftrun.heartbeat(step)
+    if dist.get_rank() == 1 and step == 5:
+        sys.exit(0)  # its data ran out
+    dist.all_reduce(total)
+    time.sleep(0.02)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_that_left_early_is_named_and_its_loop_stops_the_job(start_job, tmp_path):
+    """A rank whose data ran out exits 0 while the others wait in a collective: they failed with gloo's
+    "Connection closed by peer [127.0.0.1]:PORT", which named no rank, with another port at every restart, so
+    it was never a crash loop: all 10 restarts were spent."""
+    script = write(tmp_path, "leaves.py", LEAVES_EARLY)
+    job = start_job("--nproc-per-node", "2", str(script))
+    assert job.wait() == 3, job.output
+    assert "rank 0 exited with code 1 after rank 1 had exited 0 at step 5 (RuntimeError: " in job.output, job.output
+    assert generations_started(job) == [0, 1] and "failed the same way twice at step 5" in job.output
+    assert_job_left_nothing(job)
+
+
 @pytest.mark.timeout(120)
 def test_an_exit_with_a_message_is_reported_with_it(start_job, tmp_path):
     """``sys.exit("message")``: Python prints the message and exits 1; the failure line said only "exited with

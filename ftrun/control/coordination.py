@@ -357,6 +357,20 @@ class Coordinator:
         return gens
 
     # -- membership and barriers ----------------------------------------------------------------------------
+    def note_exit(self, gen: int, rank: int, step: int | None) -> None:
+        """Record that ``rank`` exited 0 at ``step`` in generation ``gen``, unless a trainer did before: a rank
+        that leaves early (its data ran out) makes its peers fail with a connection error that names no rank."""
+        self.store.compare_set(self.key("gen", gen, "first_exit"), b"", json.dumps({"rank": rank, "step": step}))
+
+    def first_exit(self, gen: int) -> tuple[int, int | None] | None:
+        """(rank, step) of the first trainer of generation ``gen`` that exited 0 (None: none did)."""
+        raw = self.store.get(self.key("gen", gen, "first_exit"))
+        try:
+            doc = json.loads(raw) if raw is not None else None
+            return (int(doc["rank"]), None if doc["step"] is None else int(doc["step"])) if doc else None
+        except (ValueError, TypeError, KeyError):
+            return None
+
     def mark(self, gen: int, what: str, value: object = 1) -> None:
         self.store.set(self.key("gen", gen, what, self.node_rank), str(value))
 

@@ -637,7 +637,7 @@ class Supervisor:
         node_faults = [f for f in self.faults if f.kind == "node-loss" and f.where == self.node and f.gen == g]
         peers = self._peer_watch()
         next_peer_check = next_gen_check = 0.0
-        up = done = False
+        up = done = exited_0 = False
         leader = _LeaderLog(self.coord, self.events, gen) if self.node == 0 else None
         while True:
             if self._stopping:
@@ -656,16 +656,22 @@ class Supervisor:
                 # SLURM signals every process of a step at once: the trainer heard it first
                 if code == -signal.SIGTERM and self._stop_signal_follows():
                     return self._ask_stop(seen)
+                if code == 0 and not exited_0:
+                    exited_0 = True  # the node's first: a peer's connection error may come of it
+                    self.coord.note_exit(g, trainer.rank, self._step_of(trainer))
                 if code != 0:
                     message = self._error_message(g, trainer)
+                    left = ""
                     if code > 0:
                         moved = self._wait_for_other_failure(seen)
                         if moved is None and _peer_error(message):
                             moved = self._wait_for_lost_node(seen, peers)
+                            left = self._left_early(g, trainer.rank)
                         if moved is not None:
                             return moved
                     return self._fail(seen, Failure(
-                        "crash", f"rank {trainer.rank} {describe_exit(code)}{self._oom_note(code)}{_detail(message)}",
+                        "crash", f"rank {trainer.rank} {describe_exit(code)}{left}{self._oom_note(code)}"
+                        f"{_detail(message)}",
                         self.node, trainer.rank, "waitpid", self._step_of(trainer),
                         signature=message or describe_exit(code), early=self._before_first_beat(g)))
             if not done and all(t.exit_code == 0 for t in self.trainers.values()):
@@ -846,6 +852,15 @@ class Supervisor:
     def _wait_for_other_failure(self, seen: bytes) -> bytes | None:
         """Give a root cause seen elsewhere :data:`SECONDARY_GRACE` to move the generation first."""
         return _within_grace(lambda: raw if (raw := self.coord.current_raw()) != seen else None)
+
+    def _left_early(self, gen: int, rank: int) -> str:
+        """For a trainer whose peer's end of a connection failed: that another rank had exited 0 before (a rank
+        whose data ran out leaves its peers waiting in a collective), or ""."""
+        first = self.coord.first_exit(gen)
+        if first is None or first[0] == rank:
+            return ""
+        at = f" at step {first[1]}" if first[1] is not None else ""
+        return f" after rank {first[0]} had exited 0{at}"
 
     def _oom_note(self, code: int) -> str:
         """For a trainer killed by SIGKILL: that the kernel's OOM killer ran since the trainers started (a
