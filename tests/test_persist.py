@@ -136,6 +136,18 @@ def test_write_and_finalize(dirs, states):
     assert persist.verify_step(str(root), 30) == {0: None, 1: None}
 
 
+def test_a_file_where_a_step_goes_is_named_and_left_alone(dirs, states):
+    """A file (or a dangling link) named as the step being persisted: the failure named ".step-N.partial" ("Not a
+    directory"), not the file in the way."""
+    root, shm = dirs
+    write_step(root, shm, 10, states)
+    (root / "step-00000020").write_text("someone's notes")
+    with pytest.raises(OSError, match="not a step directory, in the way") as raised:
+        write_step(root, shm, 20, states)
+    assert raised.value.filename == str(root / "step-00000020")
+    assert (root / "step-00000020").read_text() == "someone's notes" and persist.complete_steps(str(root)) == [10]
+
+
 def test_a_step_persisted_again_keeps_a_complete_copy_when_the_disk_fails(dirs, states, monkeypatch):
     """A run that resumed from an older step persists step N again: the earlier step N was moved aside before the
     new manifest was written, so a full or read-only disk left only ``step-N.replaced``, which resume ignores."""

@@ -174,6 +174,8 @@ def finalize(root: str, step: int, job: str, nnodes: int, nproc_per_node: int, e
         f.flush()
         os.fsync(f.fileno())
     _fsync(partial)
+    if os.path.lexists(final) and not os.path.isdir(final):  # ftrun's own steps are directories: never touched
+        raise OSError(errno.EEXIST, "not a step directory, in the way (move it away)", final)
     if os.path.isdir(final):
         shutil.rmtree(replaced_dir(root, step), ignore_errors=True)  # a stale one, left beside a complete step
         os.rename(final, replaced_dir(root, step))
