@@ -9,7 +9,8 @@ import re
 import sys
 
 USAGE_EXIT_CODE = 2
-_NUMBER = re.compile(r"0x[0-9a-fA-F]+|\d+")
+# numbers in a failure's message, but not an IPv4 address (another peer is another failure; its port is not)
+_NUMBER = re.compile(r"(\d{1,3}(?:\.\d{1,3}){3})|0x[0-9a-fA-F]+|\d+")
 
 
 class UsageError(Exception):
@@ -25,9 +26,14 @@ def error_text(err: BaseException) -> str:
 
 
 def same_failure(signature: str, earlier: str) -> bool:
-    """Whether two failures' signatures (``Type: message``) say the same, numbers aside: a peer's port, a pid,
-    an address, a step or a loss value in the message change from one run to the next of one failure."""
-    return bool(signature.strip()) and _NUMBER.sub("#", signature.strip()) == _NUMBER.sub("#", earlier.strip())
+    """Whether two failures' signatures (``Type: message``) say the same, numbers aside: a peer's port, a pid, a
+    memory address, a step or a loss value in the message change from one run to the next of one failure (an
+    IPv4 address counts: the same failure with another peer may be a transient one)."""
+    return bool(signature.strip()) and _masked(signature) == _masked(earlier)
+
+
+def _masked(text: str) -> str:
+    return _NUMBER.sub(lambda found: found[1] or "#", text.strip())
 
 
 def stopped_while_starting(signum: int, frame: object) -> None:

@@ -222,6 +222,11 @@ def test_entries_added_after_the_state_was_built_come_back(trained: dict) -> Non
     assert torch.equal(fresh["ema"], later["ema"]) and fresh["best"]["loss"] == 0.5
     assert torch.equal(fresh["best"]["at"], torch.arange(3)) and torch.equal(fresh["filled"], torch.ones(2))
     assert fresh["ema"] is not later["ema"]
+    with_module = {**trained, "swa": nn.Linear(2, 2)}
+    layout, skeleton, stored = store(capture(with_module, rng=False))
+    with pytest.raises(ValueError, match="cannot restore swa: the snapshot holds a state_dict\\(\\) \\(a module's, an "
+                                         "optimizer's\\) and the state has no object there: put one of its kind"):
+        restore(dict(trained), layout, skeleton, stored)
 
 
 def test_layout_digest_alignment_and_json() -> None:

@@ -480,10 +480,15 @@ def test_an_export_to_a_full_disk_is_one_line_and_leaves_no_file(dirs, small_tmp
     Before: DCP's CheckpointException (a BaseException) and safetensors' SafetensorError were tracebacks, and DCP
     left a file cut short."""
     root, shm = dirs
-    write_step(root, shm, 10, [{"w": torch.arange(1 << 20, dtype=torch.float32)}])
+    ranks = [{"w": torch.zeros(1)}, {"w": torch.arange(1 << 20, dtype=torch.float32)}]  # rank 0 written, 1 fails
+    write_step(root, shm, 10, ranks[::-1] if fmt == "dcp" else ranks)  # dcp: rank 0's values (not sharded)
     out = small_tmpfs(2) / "out"
     assert_one_line_error(ftrun("export", str(root), "--format", fmt, str(out)), "cannot write", "MiB free there")
-    assert os.listdir(out) == []
+    assert not out.exists()  # nor the directory it made
+    out.mkdir()
+    (out / "notes").write_text("")  # what was there stays
+    assert ftrun("export", str(root), "--format", fmt, str(out)).returncode == 2
+    assert os.listdir(out) == ["notes"]
 
 
 @pytest.mark.timeout(120)

@@ -119,19 +119,48 @@ def test_a_rank_slow_to_finish_after_its_loop_is_not_hung(start_job, how):
     assert primary_failures(job) == [], job.output
 
 
+CATCHES_SIGTERM = """\
+import os, signal, sys, time
+import torch, ftrun
+rank, gen, out = os.environ["RANK"], os.environ["TORCHELASTIC_RESTART_COUNT"], sys.argv[1]
+
+def on_sigterm(*_):  # a script's own last checkpoint
+    open(os.path.join(out, f"term-gen{gen}-rank{rank}"), "w").close()
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, on_sigterm if sys.argv[2] == "checkpoint" else lambda *_: None)  # or a flag
+weights = torch.zeros(4)
+snap = ftrun.Snapshotter({"weights": weights}, every=1) if sys.argv[2] == "flag" else None
+for step in range(snap.restore() if snap else 0, 200):
+    weights += 1
+    time.sleep(0.02)
+    snap.save(step + 1) if snap else ftrun.heartbeat(step)
+"""
+
+
 @pytest.mark.timeout(120)
-def test_a_restart_kills_trainers_that_catch_sigterm_at_once(start_job, tmp_path):
+def test_a_restart_kills_trainers_at_once_once_the_job_has_a_snapshot(start_job, tmp_path):
     """A survivor whose SIGTERM handler only sets a flag (as frameworks do) held every restart up for the whole
-    --stop-grace: it is killed at once now, its state coming back from the snapshot. A stop still waits."""
-    script = tmp_path / "flag_on_sigterm.py"
-    script.write_text("import signal, time\nimport ftrun\n"
-                      "signal.signal(signal.SIGTERM, lambda *_: None)  # a flag a later step would read\n"
-                      "for step in range(200):\n    ftrun.heartbeat(step)\n    time.sleep(0.02)\n")
-    job = start_job("--nproc-per-node", "2", "--stop-grace", "30", "--inject", "crash@rank=1,step=5,gen=0",
-                    str(script))
+    --stop-grace: once the job has a committed snapshot, its state comes back from it, and it is killed at once."""
+    script = tmp_path / "catches.py"
+    script.write_text(CATCHES_SIGTERM)
+    job = start_job("--nproc-per-node", "2", "--stop-grace", "30", "--inject", "crash@rank=1,step=15,gen=0",
+                    str(script), str(tmp_path), "flag")
     assert job.wait(90) == 0, job.output
     stop = next(e for e in job.events() if e["event"] == "stopped")  # the restart's
     assert stop["sigkill"] and "(killed)" in stop["message"] and stop["seconds"] < 15, stop
+
+
+@pytest.mark.timeout(120)
+def test_without_a_snapshot_or_when_the_job_fails_for_good_trainers_get_sigterm(start_job, tmp_path):
+    """A script without the Snapshotter may resume from nothing but its own checkpoint on SIGTERM, and a job that
+    fails for good ends with the survivors' finally blocks and handlers run: neither is killed at once."""
+    script = tmp_path / "catches.py"
+    script.write_text(CATCHES_SIGTERM)
+    job = start_job("--nproc-per-node", "2", "--max-restarts", "1", "--inject", "crash@rank=1,step=5,gen=0",
+                    "--inject", "crash@rank=1,step=5,gen=1", str(script), str(tmp_path), "checkpoint")
+    assert job.wait(90) == 3, job.output
+    assert (tmp_path / "term-gen0-rank0").exists() and (tmp_path / "term-gen1-rank0").exists(), job.output
 
 
 LEAVES_DAEMONS = """\

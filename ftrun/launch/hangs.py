@@ -83,8 +83,8 @@ class HangDetector:
 
     def describe(self, now: float) -> str:
         """How long the trainer has been silent, against its timeout."""
-        what = ("still exiting" if self.exiting else "no heartbeat" if self._seen_this_trainer
-                else "no first heartbeat")
+        what = ("no heartbeat since its training was over (its script returned, or a Snapshotter's wait())"
+                if self.exiting else "no heartbeat" if self._seen_this_trainer else "no first heartbeat")
         return f"{what} for {now - self._since:.1f}s (timeout {self.timeout:.1f}s, last step {self._step})"
 
 

@@ -8,10 +8,10 @@ While watching, at every look (every ``--monitor-interval``, 20 ms, and at once 
 generation moves: it waits on the trainers' pidfds and the :class:`GenerationWatch` in one ``select``) it reaps
 children (a crash is seen by waitpid), reads the heartbeat table (hangs), reads the generation key when told or
 every 0.25 s (failures seen elsewhere), and four times a second the peers' beat counters (lost nodes). The
-first failure seen moves the job to the next generation; every node then kills its trainers (SIGCONT, SIGKILL:
-their state is restored from the snapshot, and a handler of a polite signal, a framework's checkpoint on
-SIGTERM, would hold the restart up for nothing) and meets the others at the next rendezvous. A job that stops
-(a signal, or done) stops them with SIGTERM (with SIGINT after Ctrl-C, as torchrun), SIGKILL after
+first failure seen moves the job to the next generation; every node then stops its trainers and meets the
+others at the next rendezvous: once the job has a committed snapshot with SIGCONT and SIGKILL (their state is
+restored from it, and a handler of a polite signal would hold the restart up for nothing); else, and when the
+job stops or fails for good, with SIGCONT, SIGTERM (SIGINT after Ctrl-C, as torchrun) and SIGKILL after
 ``stop_grace``.
 
 Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
@@ -980,17 +980,20 @@ class Supervisor:
 
     def _trainer_stop_signal(self, outcome: bytes | str) -> signal.Signals:
         """What stops the trainers after a generation that ended in ``outcome`` (see :meth:`_watch`): SIGKILL for
-        a restart (the next generation restores their state from the snapshot); the job's stop signal when it
-        was told to stop by SIGINT (Ctrl-C), as torchrun relays it, so that scripts see KeyboardInterrupt (their
-        ``finally`` blocks, a framework's graceful shutdown); else SIGTERM."""
+        a restart once the job has a committed snapshot (the next generation restores their state from it: a
+        handler of a polite signal would only hold the restart up); the job's stop signal when it was told to stop
+        by SIGINT (Ctrl-C), as torchrun relays it, so that scripts see KeyboardInterrupt (their ``finally``
+        blocks, a framework's graceful shutdown); else SIGTERM: at the end of a failed job, and at a restart
+        before any snapshot (a script's own checkpoint on SIGTERM may be all it resumes from)."""
         if outcome == "stop":
             return signal.SIGINT if self._stop_signal == signal.SIGINT else signal.SIGTERM
         if isinstance(outcome, bytes):
             new = Generation.decode(outcome)
-            if new.kind != STOP_KIND:
+            if new.kind == STOP_KIND:
+                return signal.SIGINT if new.detected_by == signal.SIGINT.name else signal.SIGTERM
+            restarts = new.kind != "fatal" and new.gen <= self.spec.max_restarts
+            if restarts and self.link is not None and self.link.progress.known.committed > 0:
                 return signal.SIGKILL
-            if new.detected_by == signal.SIGINT.name:
-                return signal.SIGINT
         return signal.SIGTERM
 
     def _stop_trainers(self, stop: signal.Signals = signal.SIGTERM) -> None:

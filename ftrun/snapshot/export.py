@@ -181,10 +181,21 @@ def export_step(ckpt_dir: str, out: str, fmt: str, step: int | None = None, job:
         ranks = "; ".join(f"rank {r}: {p}" for r, p in sorted(corrupt.items()))
         raise UsageError(f"step {step} is corrupt ({ranks}); export another with --step")
     doc = persist.manifest(root, step)
+    made = not os.path.lexists(out)
     try:
         persist.mkdir_private(out)
     except OSError as err:
         raise UsageError(f"cannot create {out}: {err.strerror or err}") from None
+    try:
+        yield from _write_step(out, fmt, root, step, doc)
+    except UsageError:
+        if made:  # an export that failed leaves no directory it made (an earlier one's files stay)
+            with contextlib.suppress(OSError):
+                os.rmdir(out)
+        raise
+
+
+def _write_step(out: str, fmt: str, root: str, step: int, doc: dict) -> Iterator[str]:
     sources = [os.path.join(root, persist.step_name(step), doc["ranks"][str(rank)]["file"])
                for rank in range(doc["world"])]
     targets = [".metadata"] if fmt == "dcp" else [f"rank-{rank:05d}.{FORMATS[fmt]}" for rank in range(doc["world"])]
@@ -195,6 +206,7 @@ def export_step(ckpt_dir: str, out: str, fmt: str, step: int | None = None, job:
     if fmt == "dcp":
         yield from _write_dcp(out, sources)
         return
+    written: list[str] = []
     for rank, source in enumerate(sources):
         target = os.path.join(out, f"rank-{rank:05d}.{FORMATS[fmt]}")
         try:
@@ -205,7 +217,12 @@ def export_step(ckpt_dir: str, out: str, fmt: str, step: int | None = None, job:
                     _write_safetensors(target, layout, skeleton, stored, {"ftrun_job": doc["job"],
                                        "ftrun_step": str(step), "ftrun_rank": str(rank)})
         except OSError as err:
-            raise UsageError(f"cannot write {target}: {err.strerror or err} ({_free_space(out)})") from None
+            free = _free_space(out)
+            for path in written:  # a step exported in part is no export
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+            raise UsageError(f"cannot write {target}: {_write_error(err)} ({free})") from None
+        written.append(target)
         yield target
 
 
@@ -330,7 +347,8 @@ def _write_error(err: BaseException) -> str:
     if isinstance(failures, dict) and failures:
         err = next(iter(failures.values()))[0]
     text = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-    return (text.strip().splitlines() or [type(err).__name__])[-1]
+    line = (text.strip().splitlines() or [type(err).__name__])[-1]
+    return "a write came up short (a full disk?)" if "unexpected pos" in line else line  # torch's zip writer
 
 
 def _free_space(path: str) -> str:

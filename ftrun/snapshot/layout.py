@@ -481,6 +481,10 @@ class _Builder:
         return out
 
     def load(self, node: Any, obj: Any, path: str) -> Any:
+        if obj is None:  # added to the state after the start (a module, an optimizer): nothing to load it into
+            raise ValueError(f"cannot restore {path}: the snapshot holds a state_dict() (a module's, an "
+                             "optimizer's) and the state has no object there: put one of its kind there before "
+                             "restore()")
         if not _is_stateful(obj):
             raise ValueError(f"cannot restore {path}: the snapshot holds a state_dict(), the live value is a "
                              f"{type(obj).__qualname__}")
@@ -498,7 +502,8 @@ def restore(state: Mapping[str, Any], layout: Layout, skeleton: dict,
     """Put the snapshot back into the live objects of ``state`` (the keys given to :func:`capture`).
 
     A key the snapshot has and ``state`` lacks (added to the state after the script built it: an EMA copy from
-    step N on), or whose live value is a plain one (a ``None`` placeholder), gets the snapshot's value. A live
+    step N on), or whose live value is a plain one (a ``None`` placeholder), gets the snapshot's value (not a
+    module's or an optimizer's state: there is no object to load it into). A live
     tensor of another dtype or shape at the top level is refused, as a key the snapshot lacks: the script may
     hold that tensor elsewhere, and a new one in its place would leave that reference behind, silently."""
     if skeleton.get("format") != FORMAT:
