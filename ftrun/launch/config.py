@@ -331,7 +331,7 @@ def resolve_nproc(value: int | str) -> int:
         return torch.xpu.device_count()
     if text == "auto" and torch.accelerator.is_available():
         return torch.accelerator.device_count()
-    return torch._utils.cpu_count()  # type: ignore[attr-defined]  # torchrun's count (the usable cores)
+    return len(os.sched_getaffinity(0))  # torchrun's count: the cores this process may run on
 
 
 def parse_signals(text: str) -> list[signal.Signals]:
