@@ -455,7 +455,7 @@ class Supervisor:
             self._start_trainers(gen.gen)
             outcome = self._watch(gen, seen)
             self._stop_trainers(self._trainer_stop_signal(outcome))
-            if isinstance(outcome, bytes) and Generation.decode(outcome).kind != STOP_KIND:
+            if self._restarts(outcome):
                 self._kill_left_running(gen.gen)
             if outcome == "done":
                 self._publish_status("done", gen.gen, now=True)
@@ -573,14 +573,14 @@ class Supervisor:
         for local in range(self.spec.nproc_per_node):
             place = TrainerPlace(self.spec.job_id, self.node, self.spec.nnodes, local, self.spec.nproc_per_node,
                                  gen, self.spec.max_restarts, addr, port)
-            error_dir = os.path.join(self.run_dir, f"gen{gen}", f"rank{place.rank}")
-            os.makedirs(error_dir, exist_ok=True)
+            error_file = self._error_file(gen, place.rank)
+            os.makedirs(os.path.dirname(error_file), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):  # an earlier run's (the trainer may write none)
-                os.unlink(os.path.join(error_dir, "error.json"))
+                os.unlink(error_file)
             env = trainer_env(dict(os.environ), place, omp_threads=self.spec.omp_threads,
                               heartbeat_file=self.heartbeats.path,
                               keeper_socket=socket_name(safe_job_id(self.spec.job_id), self.node),
-                              error_file=os.path.join(error_dir, "error.json"),
+                              error_file=error_file,
                               faults=trainer_faults_env(self.faults, place.rank, gen), role=self.spec.role,
                               signals_to_handle=self.spec.signals_to_handle,
                               virtual_local_rank=self.spec.virtual_local_rank,
@@ -877,9 +877,8 @@ class Supervisor:
         target = os.environ.get(ENV_ERROR_FILE)
         if not target or (last.node if last.node is not None else 0) != self.node:
             return
-        path = os.path.join(self.run_dir, f"gen{last.gen - 1}", f"rank{last.rank}", "error.json")
         try:
-            with open(path) as f:
+            with open(self._error_file(last.gen - 1, last.rank)) as f:
                 record = json.load(f)
         except (OSError, ValueError):
             record = {"message": {"message": last.reason, "extraInfo": {"py_callstack": "",
@@ -891,12 +890,15 @@ class Supervisor:
             self.events.emit("error_file", f"cannot write the job's error file {target}: {error_text(err)}",
                              node=self.node)
 
+    def _error_file(self, gen: int, rank: int) -> str:
+        """The torchelastic error file of global rank ``rank`` in generation ``gen``."""
+        return os.path.join(self.run_dir, f"gen{gen}", f"rank{rank}", "error.json")
+
     def _error_message(self, gen: int, trainer: Trainer) -> str:
         """The message of the trainer's torchelastic error file ("Type: message", written by ftrun's bootstrap or
         the script's ``@record``); "" when it wrote none."""
-        path = os.path.join(self.run_dir, f"gen{gen}", f"rank{trainer.rank}", "error.json")
         try:
-            with open(path) as f:
+            with open(self._error_file(gen, trainer.rank)) as f:
                 message = json.load(f)["message"]
             text = message["message"] if isinstance(message, dict) else message
             return str(text).strip()[:MAX_SIGNATURE]
@@ -987,14 +989,22 @@ class Supervisor:
         before any snapshot (a script's own checkpoint on SIGTERM may be all it resumes from)."""
         if outcome == "stop":
             return signal.SIGINT if self._stop_signal == signal.SIGINT else signal.SIGTERM
+        if self._restarts(outcome):
+            snapshot = self.link is not None and self.link.progress.known.committed > 0
+            return signal.SIGKILL if snapshot else signal.SIGTERM
         if isinstance(outcome, bytes):
             new = Generation.decode(outcome)
-            if new.kind == STOP_KIND:
-                return signal.SIGINT if new.detected_by == signal.SIGINT.name else signal.SIGTERM
-            restarts = new.kind != "fatal" and new.gen <= self.spec.max_restarts
-            if restarts and self.link is not None and self.link.progress.known.committed > 0:
-                return signal.SIGKILL
+            if new.kind == STOP_KIND and new.detected_by == signal.SIGINT.name:
+                return signal.SIGINT
         return signal.SIGTERM
+
+    def _restarts(self, outcome: bytes | str) -> bool:
+        """Whether a generation that ended in ``outcome`` (see :meth:`_watch`) is followed by another of this
+        job: a failure's, neither fatal nor past --max-restarts (not a stop, not the job's end)."""
+        if not isinstance(outcome, bytes):
+            return False
+        new = Generation.decode(outcome)
+        return new.kind not in (STOP_KIND, "fatal") and new.gen <= self.spec.max_restarts
 
     def _stop_trainers(self, stop: signal.Signals = signal.SIGTERM) -> None:
         """Stop every trainer of this node: SIGCONT and ``stop``, then SIGKILL after the grace; reap them all."""
