@@ -8,6 +8,7 @@ stderr and exit code 2; nothing is started then.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 from typing import Optional
@@ -414,6 +415,22 @@ def clean(
         raise typer.Exit(1)
 
 
+def from_environment(message: str, args: list[str]) -> str:
+    """`` (--flag from PET_FLAG=value)`` for each ``run`` flag the error names that came from its torchrun
+    variable (Kubeflow and TorchX set them; the command line shows nothing), else ``""``."""
+    if args[:1] != ["run"] or "env var:" in message:
+        return ""
+    given = {arg.partition("=")[0] for arg in args}
+    named = {flag.replace("_", "-") for flag in re.findall(r"--[a-z][a-z0-9_-]*", message)}
+    sources = []
+    for param in typer.main.get_command(app).commands["run"].params:  # type: ignore[attr-defined]
+        flag = next((opt for opt in param.opts if opt.startswith("--")), "")
+        variable = param.envvar if isinstance(param.envvar, str) else None
+        if flag in named and variable is not None and variable in os.environ and given.isdisjoint(param.opts):
+            sources.append(f"{flag} from {variable}={os.environ[variable]!r}")
+    return f" ({'; '.join(sources)})" if sources else ""
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``ftrun`` console script: runs the app with one-line errors."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -429,11 +446,9 @@ def main(argv: list[str] | None = None) -> None:
         code = done.exit_code
     except typer.Abort:
         code = 130
-    except TyperException as err:
-        print(f"ftrun: error: {err.format_message()}", file=sys.stderr)
-        sys.exit(USAGE_EXIT_CODE)
-    except UsageError as err:
-        print(f"ftrun: error: {err}", file=sys.stderr)
+    except (TyperException, UsageError) as err:
+        message = err.format_message() if isinstance(err, TyperException) else str(err)
+        print(f"ftrun: error: {message}{from_environment(message, args)}", file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
     finally:
         if previous is not None:

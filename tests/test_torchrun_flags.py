@@ -350,3 +350,18 @@ def test_a_rerun_with_the_same_log_dir_keeps_the_earlier_run_s_logs_apart(start_
     assert len(earlier) == 1 and (earlier[0] / "stdout.log").read_text() == "first run\n"
     assert "from the first run" in (earlier[0] / "error.json").read_text()
     assert_job_left_nothing(second)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("variable, value, fragment", [
+    ("PET_NNODES", "abc", "'abc' is not N or MIN:MAX (--nnodes from PET_NNODES='abc')"),
+    ("PET_MAX_RESTARTS", "-1", "got -1 (--max-restarts from PET_MAX_RESTARTS='-1')"),
+    ("PET_NODE_RANK", "3", "(--node-rank from PET_NODE_RANK='3')"),
+])
+def test_a_bad_value_from_a_pet_variable_names_the_variable(capsys, monkeypatch, variable, value, fragment):
+    """Kubeflow and TorchX pass flags as PET_* variables: the command line shows no such value, so the error
+    names where it came from; a flag on the command line wins and is named alone."""
+    monkeypatch.setenv(variable, value)
+    assert fragment in one_line_error(capsys, [HELLO])
+    flag = "--" + variable[4:].lower().replace("_", "-")
+    assert "PET_" not in one_line_error(capsys, [flag, "-2", HELLO])
