@@ -174,6 +174,10 @@ def crash(signature: str = "ValueError: bad", early: bool = True, step: int | No
                    signature=signature, early=early)
 
 
+def hang(rank: int, step: int | None) -> Failure:
+    return Failure("hang", f"rank {rank} hung: no heartbeat for 31.0s", 0, rank, "heartbeat", step)
+
+
 def started_by(signature: str = "ValueError: bad", early: bool = True, kind: str = "crash", gen: int = 1,
                step: int | None = None):
     return Generation(gen, kind, "rank 1 exited with code 1", 0, 1, "waitpid", 1.0, step, None, signature, early)
@@ -199,6 +203,12 @@ def started_by(signature: str = "ValueError: bad", early: bool = True, kind: str
     (started_by(early=False, step=16), crash(early=False, step=17), False),  # later: the restore got further
     (started_by(early=False, step=16), crash(early=False, signature="ValueError: other", step=16), False),
     (started_by(early=False, kind="hang", step=16), crash(early=False, step=16), False),
+    # a hang of the same rank at the same step: a deadlock there, or a step slower than the hang timeout
+    (started_by(early=False, kind="hang", step=16), hang(rank=1, step=16), True),
+    (started_by(early=False, kind="hang", step=16), hang(rank=0, step=16), False),  # another rank
+    (started_by(early=False, kind="hang", step=16), hang(rank=1, step=17), False),  # the restore got further
+    (started_by(early=False, kind="hang"), hang(rank=1, step=None), False),  # before a heartbeat: no step
+    (started_by(early=False, step=16), hang(rank=1, step=16), False),  # a crash, then a hang
 ])
 def test_crash_loop_rule(cause, failure, loop):
     assert cause.repeated_by(failure) is loop
@@ -217,6 +227,9 @@ def test_crash_loop_becomes_a_fatal_failure_with_one_clear_reason_unless_the_lim
     again = reported(started_by(early=False, step=16), crash(early=False, step=16))
     assert again.kind == "fatal" and again.reason == "failed the same way twice at step 16; not restarting: " \
         "ValueError: bad"
+    hung = reported(started_by(early=False, kind="hang", step=16), hang(rank=1, step=16))
+    assert hung.kind == "fatal" and hung.reason == "hung twice at step 16; not restarting (a step that " \
+        "legitimately takes this long needs a larger --hang-timeout): rank 1 hung: no heartbeat for 31.0s"
     assert reported(started_by(gen=1), crash(), max_restarts=1) == crash()  # the restart limit ends it anyway
     assert reported(started_by(gen=1), crash(), max_restarts=2).kind == "fatal"
 
@@ -418,6 +431,28 @@ def test_the_same_failure_at_the_same_step_twice_stops_the_job(start_job, tmp_pa
     assert job.wait() == 3, job.output
     assert generations_started(job) == [0, 1]
     assert "job failed: failed the same way twice at step 3; not restarting: ValueError: broken at 3" in job.output
+    assert_job_left_nothing(job)
+
+
+HANGS_AT_3 = """\
+import os, time, ftrun
+for step in range(1000):
+    ftrun.heartbeat(step)
+    if step == 3 and os.environ["RANK"] == "1":
+        time.sleep(3600)  # a deadlock at step 3; rank 0 goes on beating
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_hang_of_the_same_rank_at_the_same_step_twice_stops_the_job(start_job, tmp_path):
+    """A deadlock at step N (or a step slower than the hang timeout) comes back after every restore: it hung
+    and restarted up to --max-restarts, each time after the hang timeout."""
+    job = start_job("--nproc-per-node", "2", "--hang-timeout", "1", str(write(tmp_path, "hangs.py", HANGS_AT_3)))
+    assert job.wait(100) == 3, job.output
+    assert generations_started(job) == [0, 1]
+    assert "job failed: hung twice at step 3; not restarting (a step that legitimately takes this long needs a " \
+        "larger --hang-timeout): rank 1 hung" in job.output
     assert_job_left_nothing(job)
 
 

@@ -111,7 +111,11 @@ class Generation:
         """Whether ``failure``, seen in this generation, is a crash loop: it and the crash that started this
         generation happened the same way (same signature, numbers aside: :func:`~ftrun.errors.same_failure`),
         both before the first heartbeat, or both at the same reported step (a restore replays the steps bit for
-        bit: a crash at the step it restored, or after the last snapshot, comes back at every restart)."""
+        bit: a crash at the step it restored, or after the last snapshot, comes back at every restart). A hang
+        repeats one when the same rank hung at the same reported step (a deadlock at step N, or a step slower than
+        the hang timeout, comes back at every restart; a hang before the first heartbeat has no step to compare)."""
+        if self.kind == failure.kind == "hang":
+            return self.step is not None and (failure.rank, failure.step) == (self.rank, self.step)
         return (self.kind == failure.kind == "crash" and same_failure(failure.signature, self.signature)
                 and ((self.early and failure.early) or (self.step is not None and failure.step == self.step)))
 

@@ -920,11 +920,15 @@ class Supervisor:
 
     def _crash_loop(self, seen: bytes, failure: Failure) -> Failure:
         """``failure`` as it is reported: a crash that repeats the one that started this generation, before the
-        first heartbeat or at the same step (:meth:`Generation.repeated_by`), ends the job with one clear reason
+        first heartbeat or at the same step, or a hang of the same rank at the same step
+        (:meth:`Generation.repeated_by`), ends the job with one clear reason
         instead of restarting; when the restart limit ends it anyway, it is reported as usual."""
         cause = Generation.decode(seen)
         if not cause.repeated_by(failure) or cause.gen + 1 > self.spec.max_restarts:
             return failure
+        if failure.kind == "hang":
+            return replace(failure, kind="fatal", reason=f"hung twice at step {failure.step}; not restarting (a step "
+                           f"that legitimately takes this long needs a larger --hang-timeout): {failure.reason}")
         how = CRASH_LOOP if failure.early else f"failed the same way twice at step {failure.step}; not restarting"
         return replace(failure, kind="fatal", reason=f"{how}: {_first_line(failure.signature)}")
 
