@@ -48,7 +48,7 @@ from ftrun.launch.clean import claim_nodes
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads, trainer_threads
 from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, kill_descendants,
-                                    left_by_user, set_process_name)
+                                    left_by_user, reap_orphans, set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.launch.zygote import preload, size_blas
 from ftrun.control.secret import local_secret, secret_path, shared_secret, write_secret_file
@@ -646,6 +646,8 @@ class Launcher:
                 results[node] = code
             if self.pool is not None and self.signalled is None:
                 self.pool.fill()
+            reap_orphans([*self.procs.values(), *(self.pool.processes() if self.pool is not None else ()),
+                          *(pending.proc for pending in self.pending)])
             if self.view is not None:
                 self._refresh(coord)
             time.sleep(_POLL_INTERVAL)

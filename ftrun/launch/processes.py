@@ -15,7 +15,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import psutil
 
@@ -68,6 +68,28 @@ def reap() -> dict[int, int]:
         if pid == 0:
             return done
         done[pid] = os.waitstatus_to_exitcode(status)
+
+
+def reap_orphans(children: Iterable[subprocess.Popen[bytes] | ForkedChild]) -> None:
+    """Collect every exited child of this process, a child subreaper, without blocking. One of ``children`` is
+    collected by its own ``poll()``, which keeps its exit code for its owner; any other child is a descendant
+    orphaned when its parent died (a lost supervisor's zygote, keeper and trainers, killed with it), re-parented
+    here: it is reaped and forgotten. Invariant: no exited child stays a zombie, so a long job that loses nodes
+    again and again holds no more processes than a young one."""
+    known = {child.pid: child for child in children}
+    while True:
+        try:  # the next exited child, left waitable (WNOWAIT): its owner's poll() may still reap it
+            exited = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:
+            return
+        if exited is None:
+            return
+        child = known.pop(exited.si_pid, None)
+        if child is None:  # an orphan, or seen again: a poll() that returned a code without reaping
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(exited.si_pid, 0)
+        elif child.poll() is None:  # its owner's wait holds it now (another thread): the next call takes it
+            return
 
 
 class ExitWatch:

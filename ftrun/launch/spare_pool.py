@@ -43,6 +43,10 @@ class SparePool:
         """The process of spare ``name`` (it took a node rank), no longer counted as a spare."""
         return self._procs.pop(name, None)
 
+    def processes(self) -> list[subprocess.Popen[bytes]]:
+        """The spares' processes (those that took a rank are no longer here)."""
+        return list(self._procs.values())
+
     def signal(self, signum: int) -> None:
         for proc in self._procs.values():
             if proc.poll() is None:
