@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import secrets
 import time
+import uuid
 
 import psutil
 import pytest
 
 from conftest import assert_job_left_nothing, gpt_args
+from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
+from ftrun.control.store import C10dStore, host_store
+from ftrun.ui.status import gather
+from ftrun.ui.summary import recoveries
 
 
 def zombie_children(pid: int) -> int:
@@ -36,3 +42,57 @@ def test_lost_nodes_leave_no_zombies_in_the_launcher(start_job, tmp_path, gpt_ba
     assert min(zombies) == 0, f"zombies in the launcher after {losses} lost nodes: {zombies}"
     assert out.read_text().strip() == gpt_baselines(2, 1)
     assert_job_left_nothing(job)
+
+
+class CountingStore:
+    """A store that counts the operations made on it."""
+
+    def __init__(self, store: object) -> None:
+        self.store = store
+        self.ops = 0
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self.store, name)
+        if not callable(attr):
+            return attr
+
+        def counted(*args: object, **kwargs: object) -> object:
+            self.ops += 1
+            return attr(*args, **kwargs)
+
+        return counted
+
+
+@pytest.mark.timeout(60)
+def test_a_live_status_view_reads_the_same_keys_after_40_restarts_as_after_10():
+    """`ftrun status` and --tui gather the job's status twice a second: each refresh reads the generations made
+    since the last, not every generation of the job again (5 reads per generation with 3 nodes, growing without
+    bound over a long job), and shows the same recoveries as a fresh reading."""
+    job = f"t{uuid.uuid4().hex[:10]}"
+    use_job(job, secrets.token_hex(16))
+    server = host_store(0)
+    counting = CountingStore(C10dStore(server))
+    nodes = [Coordinator(counting, job, node, 3) for node in range(3)]
+    viewer, settled = Coordinator(counting, job, -1, 3), {}
+
+    def restart(times: int) -> None:
+        for _ in range(times):
+            raw, _ = nodes[0].bump(nodes[0].current_raw(), Failure("crash", "rank 1 failed", 0, 1, "waitpid"))
+            gen = Generation.decode(raw).gen
+            nodes[0].publish_restore(gen, gen * 10, "RAM")
+            for node in nodes:
+                node.mark(gen, "up", time.time())
+
+    def reads_per_refresh() -> int:
+        gather(viewer, settled=settled)  # reads what is new since the last refresh
+        before = counting.ops
+        gather(viewer, settled=settled)
+        return counting.ops - before
+
+    restart(10)
+    after_10 = reads_per_refresh()
+    restart(30)
+    after_40 = reads_per_refresh()
+    assert after_40 == after_10, (after_10, after_40)
+    assert gather(viewer, settled=settled).events == recoveries(Coordinator(counting, job, -1, 3))
+    assert len(settled) == 38  # every restart but the last 2

@@ -267,6 +267,8 @@ class Coordinator:
         self._newest: tuple[Generation, bytes] | None = None  # the newest authentic generation read
         self._beats: list[int] = [0] * nnodes  # the last authentic beat count read of each node
         self._beat: int | None = None  # this node's last beat count written
+        self._history: list[Generation] = []  # history() read so far: the documents of generations < _history_next
+        self._history_next = 0
 
     def key(self, *parts: object) -> str:
         return self._prefix + "/".join(str(p) for p in parts)
@@ -353,12 +355,19 @@ class Coordinator:
         raise DistError(f"the control store's {key} keeps changing; giving up")
 
     def history(self) -> list[Generation]:
-        gens = []
-        for g in range(self.current().gen + 1):
+        """Every generation's document, oldest first (one whose ``history/<g>`` is not authentic left out). Each
+        is written once, by the bump that made it, so those read before are kept: a call reads only the
+        generations made since the last (a live view of a job that restarted a thousand times reads one or
+        two keys per refresh, not a thousand)."""
+        current = self.current().gen
+        for g in range(self._history_next, current + 1):
             found = self._generation(self.key("history", g), self.get("history", g))
             if found is not None:
-                gens.append(found[0])
-        return gens
+                self._history.append(found[0])
+            elif g == current:  # the bump that made it writes it next: read it again next time
+                break
+            self._history_next = g + 1
+        return list(self._history)
 
     # -- membership and barriers ----------------------------------------------------------------------------
     def note_exit(self, gen: int, rank: int, step: int | None) -> None:

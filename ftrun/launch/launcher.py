@@ -59,7 +59,7 @@ from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_
                                 unlink_node_files, write_shm_file)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
-from ftrun.ui.summary import print_summary
+from ftrun.ui.summary import Recovery, print_summary
 from ftrun.snapshot.dcp_copy import newest_dcp
 from ftrun.snapshot.dir_owner import DirOwner, check as check_dir_owner
 from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, remove_partial,
@@ -140,6 +140,7 @@ class Launcher:
             self.events.emit("log_dir", f"trainer output files (--redirects/--tee) in {cfg.log_dir}: no --log-dir "
                              "given", path=cfg.log_dir)
         self.view: LiveView | None = None
+        self._settled: dict[int, Recovery] = {}  # the --tui view's recoveries read before (ftrun.ui.summary)
         self._next_view = 0.0
         self.store_server: TCPStore | None = None
         self.address: StoreAddress | None = None  # where the control store is (set by _open_store)
@@ -393,7 +394,7 @@ class Launcher:
             # job does not end it: its replacement joins the run)
             coord.store.set(coord.key("state"), state)
         if self.view is not None:
-            self.view.update(gather(coord))
+            self.view.update(gather(coord, settled=self._settled))
             self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
         print_summary(coord, code, self.job_id, verdict=(
             f"goes on without node {coord.node_rank}, which a spare replaced (exit code {code})"
@@ -713,7 +714,7 @@ class Launcher:
         if now >= self._next_view:
             self._next_view = now + PUBLISH_INTERVAL
             assert self.view is not None
-            self.view.update(gather(coord))
+            self.view.update(gather(coord, settled=self._settled))
 
     def _leave_as_spare(self, store: SignedStore, name: str, nnodes: int) -> None:
         """:meth:`_leave` of a spare that hosts the store: as the node whose rank it took, if it took one."""

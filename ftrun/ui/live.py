@@ -29,6 +29,7 @@ from ftrun.control.spec import shm_dir, split_endpoint
 from ftrun.control.backend import StoreAddress, open_store
 from ftrun.control.store import C10dStore
 from ftrun.ui.status import PUBLISH_INTERVAL, JobStatus, gather
+from ftrun.ui.summary import Recovery
 from ftrun.ui.view import ENDED, render
 
 POLL_INTERVAL = PUBLISH_INTERVAL  # how often a live view gathers the job's status
@@ -224,9 +225,10 @@ def follow(coord: Coordinator, view: View) -> None:
 
 def _follow(coord: Coordinator, view: View) -> str:
     coord.store.set(coord.key(WATCHED), "1")  # the launcher keeps the store up long enough to show the end
+    settled: dict[int, Recovery] = {}
     while True:
         try:
-            status = gather(coord)
+            status = gather(coord, settled=settled)
         except RuntimeError:  # torch's DistError family: the store closed or stopped answering
             return "control store gone"
         view.update(status)

@@ -101,8 +101,10 @@ def publish(coord: Coordinator, status: NodeStatus) -> None:
     coord.store.set(coord.key("status", "node", status.node), status.encode())
 
 
-def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
-    """The job's status from the control store (``coord`` needs the job's id and node count)."""
+def gather(coord: Coordinator, now: float | None = None, settled: dict[int, Recovery] | None = None) -> JobStatus:
+    """The job's status from the control store (``coord`` needs the job's id and node count). A view that
+    gathers again and again passes the same ``coord`` and ``settled`` (see :func:`~ftrun.ui.summary.recoveries`):
+    each call then reads the store O(1) times however many generations the job has had."""
     now = time.time() if now is None else now
     job = coord.job_doc() or {}
     history = coord.history()
@@ -118,7 +120,7 @@ def gather(coord: Coordinator, now: float | None = None) -> JobStatus:
     for group in {s.group for s in nodes.values() if s.group is not None}:
         raw = coord.get(f"group/{group}/protected")
         protected[group] = int(raw) if raw else 0
-    events = recoveries(coord, history)  # the same reading of the history as the generation's
+    events = recoveries(coord, history, settled)  # the same reading of the history as the generation's
     ended = coord.get("state")
     if ended:
         state = ended.decode()

@@ -25,16 +25,29 @@ class Recovery:
     failed_step: int | None = None  # the failed rank's last reported step
 
 
-def recoveries(coord: Coordinator, history: list[Generation] | None = None) -> list[Recovery]:
-    """One row per restart of the job (of ``history``, read from the store when not given)."""
+SETTLED = 2  # a generation this many before the current one has its recovery row final (see recoveries())
+
+
+def recoveries(coord: Coordinator, history: list[Generation] | None = None,
+               settled: dict[int, Recovery] | None = None) -> list[Recovery]:
+    """One row per restart of the job (of ``history``, read from the store when not given). ``settled``: rows
+    a live view read before, of generations :data:`SETTLED` or more before the current one, whose marks and
+    restore step no node writes any more: they are taken from it, and new ones added, so each refresh reads the
+    store for the last generations only."""
     result = []
-    for gen in coord.history() if history is None else history:
+    gens = coord.history() if history is None else history
+    for gen in gens:
         if gen.gen == 0 or gen.kind == STOP_KIND:  # a stop (a supervisor told to stop) is not a failure
             continue
-        ups = coord.marks(gen.gen, "up")
-        took = max(float(v) for v in ups.values()) - gen.time if len(ups) == coord.nnodes else None
-        result.append(Recovery(gen.gen, gen.kind, gen.reason, gen.detected_by, took,
-                               coord.restore_step(gen.gen), gen.step))
+        row = settled.get(gen.gen) if settled is not None else None
+        if row is None:
+            ups = coord.marks(gen.gen, "up")
+            took = max(float(v) for v in ups.values()) - gen.time if len(ups) == coord.nnodes else None
+            row = Recovery(gen.gen, gen.kind, gen.reason, gen.detected_by, took, coord.restore_step(gen.gen),
+                           gen.step)
+            if settled is not None and gens and gen.gen <= gens[-1].gen - SETTLED:
+                settled[gen.gen] = row
+        result.append(row)
     return result
 
 
