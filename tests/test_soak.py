@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 import secrets
 import time
 import uuid
@@ -12,6 +14,7 @@ import pytest
 from conftest import assert_job_left_nothing, gpt_args
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.store import C10dStore, host_store
+from ftrun.snapshot.dcp_copy import dcp_path
 from ftrun.ui.status import gather
 from ftrun.ui.summary import recoveries
 
@@ -96,3 +99,41 @@ def test_a_live_status_view_reads_the_same_keys_after_40_restarts_as_after_10():
     assert after_40 == after_10, (after_10, after_40)
     assert gather(viewer, settled=settled).events == recoveries(Coordinator(counting, job, -1, 3))
     assert len(settled) == 38  # every restart but the last 2
+
+
+def dcp_copy_of(ckpt: str) -> psutil.Process | None:
+    """The running DCP copy (``python -m ftrun.snapshot.dcp_copy``) of the job directory under ``ckpt``."""
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error):
+            argv = proc.cmdline()
+            if "ftrun.snapshot.dcp_copy" in argv and argv[argv.index("ftrun.snapshot.dcp_copy") + 1].startswith(ckpt):
+                return proc
+    return None
+
+
+@pytest.mark.timeout(120)
+def test_a_dcp_copy_ends_with_a_launcher_killed_by_sigkill(start_job, tmp_path):
+    """A launcher killed by SIGKILL takes every process of its job along; the DCP copy of a step (a child of
+    node 0's supervisor, which dies with the launcher) too: it was re-parented to init and went on writing to
+    the job's directory, renaming its copy into place, after the job was gone."""
+    ckpt = str(tmp_path / "ckpt")
+    args, _ = gpt_args(tmp_path, "copy", "--step-time", "0.05")
+    job = start_job("--nnodes", "2", "--nproc-per-node", "1", "--ckpt-dir", ckpt, "--ckpt-format", "dcp",
+                    "--persist-every", "1", *args)
+    copy = None
+    try:
+        while copy is None and job.proc.poll() is None:
+            copy = dcp_copy_of(ckpt)
+        assert copy is not None, job.output
+        copy.suspend()  # it copies no further until the launcher is gone
+        argv = copy.cmdline()
+        step = int(argv[argv.index("ftrun.snapshot.dcp_copy") + 2])
+        job.proc.kill()
+        job.proc.wait()
+        copy.resume()
+        copy.wait(60)
+        assert not os.path.exists(dcp_path(os.path.join(ckpt, job.job_id), step))
+    finally:
+        if copy is not None:
+            with contextlib.suppress(psutil.Error):
+                copy.kill()

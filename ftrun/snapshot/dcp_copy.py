@@ -15,7 +15,9 @@ Invariants:
 * One copy runs at a time, of the newest complete step asked for; a step finished meanwhile replaces an older
   one still waiting. A copy of a step pruned while it ran fails silently; any other failure is one warning line
   (the ``ftrun`` format step stays complete and usable).
-* The copy runs in this process's process group, so it ends with the supervisor.
+* The copy ends with the process that started it (the supervisor): it watches its parent, and exits, leaving its
+  partial directory, once it has another (the supervisor was killed: its node was lost, or the launcher was
+  killed and took it along), so nothing of a killed job goes on writing to its directory.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 
 from ftrun.events import EventLog
@@ -31,6 +34,7 @@ from ftrun.snapshot.persist import complete_steps, step_name
 from ftrun.snapshot.priority import spawn_lowered
 
 DCP_DIR = "dcp"
+PARENT_POLL = 0.1  # seconds between two looks of a copy at its parent
 ENV_DCP_ROOT = "FTRUN_DCP_ROOT"  # a trainer's: its job's durable directory (--ckpt-dir)
 
 
@@ -87,7 +91,8 @@ class DcpCopies:
             step, self._wanted = self._wanted, 0
             partial = dcp_path(self.root, step) + ".partial"
             shutil.rmtree(partial, ignore_errors=True)
-            child = spawn_lowered([sys.executable, "-m", __name__, self.root, str(step)], stdin=subprocess.DEVNULL,
+            child = spawn_lowered([sys.executable, "-m", __name__, self.root, str(step), str(os.getpid())],
+                                  stdin=subprocess.DEVNULL,
                                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                   text=True)  # as the keeper's persister thread
             self._running = step, child, time.monotonic()
@@ -117,9 +122,20 @@ class DcpCopies:
             shutil.rmtree(dcp_path(self.root, step) + ".partial", ignore_errors=True)
 
 
+def _exit_without(parent: int) -> None:
+    """Exit this process (code 1) as soon as ``parent`` is no longer its parent: PR_SET_PDEATHSIG cannot say
+    it, since a thread that ends, not the process, counts as the parent there (spawn_lowered's thread ends at
+    once)."""
+    while os.getppid() == parent:
+        time.sleep(PARENT_POLL)
+    os._exit(1)
+
+
 def main(argv: list[str]) -> int:
-    """``python -m ftrun.snapshot.dcp_copy ROOT STEP``: export step STEP of the job directory ROOT to
-    ``step-N/dcp.partial`` and rename that to ``step-N/dcp``; 0 when the copy is in place, else 1 and one line."""
+    """``python -m ftrun.snapshot.dcp_copy ROOT STEP PARENT``: export step STEP of the job directory ROOT to
+    ``step-N/dcp.partial`` and rename that to ``step-N/dcp``; 0 when the copy is in place, else 1 and one line.
+    Stops, without renaming, once its parent is no longer process PARENT."""
+    threading.Thread(target=_exit_without, args=(int(argv[2]),), daemon=True).start()
     from ftrun.errors import UsageError
     from ftrun.snapshot.export import export_step
 
