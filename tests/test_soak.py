@@ -11,7 +11,7 @@ import uuid
 import psutil
 import pytest
 
-from conftest import assert_job_left_nothing, gpt_args
+from conftest import assert_job_left_nothing, gpt_args, job_segments, kill_job
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.store import C10dStore, host_store
 from ftrun.snapshot.dcp_copy import dcp_path
@@ -137,3 +137,24 @@ def test_a_dcp_copy_ends_with_a_launcher_killed_by_sigkill(start_job, tmp_path):
         if copy is not None:
             with contextlib.suppress(psutil.Error):
                 copy.kill()
+
+
+@pytest.mark.timeout(240)
+def test_a_rerun_of_another_shape_after_a_sigkill_does_not_restore_the_killed_run_s_ram(start_job, tmp_path,
+                                                                                         gpt_baselines):
+    """A launcher killed by SIGKILL leaves its nodes' snapshots in /dev/shm, which a rerun of the job adopts. A
+    rerun with fewer nodes restored the killed run's world-size-3 states into world size 2 (the durable tier
+    refuses that), and left node 2's files behind for good; a rerun of the same shape still restores them."""
+    args, out = gpt_args(tmp_path, "shape", "--step-time", "0.03")
+    first = start_job("--nnodes", "3", "--nproc-per-node", "1", *args)
+    first.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 20, timeout=120)
+    kill_job(first)  # every process at once: the RAM snapshots stay
+    assert any(path.endswith("-node2-shape") for path in job_segments(first.job_id))
+    again = start_job("--nnodes", "2", "--nproc-per-node", "1", *args, job_id=first.job_id,
+                      log_dir=tmp_path / "logs-again")
+    assert again.wait(180) == 0, again.output
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    removed = [e for e in again.events() if e["event"] == "keeper_adopted" and "not restoring them" in e["message"]]
+    assert sorted(e["node"] for e in removed) == [0, 1], again.output
+    assert "an earlier run of 3 node(s) x 1 trainer(s)" in removed[0]["message"]
+    assert_job_left_nothing(again)  # node 2's files too

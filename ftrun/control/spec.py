@@ -184,6 +184,13 @@ def run_dir_prefix(job_id: str, node_rank: int) -> str:
     return f"ftrun-{safe_job_id(job_id)}-node{node_rank}-"
 
 
+def nodes_with_files(job_id: str) -> set[int]:
+    """The node ranks of this job that have shared-memory files on this host."""
+    prefix = f"ftrun-{safe_job_id(job_id)}-node"
+    found = (re.match(r"(\d+)-", name[len(prefix):]) for name in os.listdir(shm_dir()) if name.startswith(prefix))
+    return {int(match.group(1)) for match in found if match}
+
+
 def unlink_node_files(job_id: str, node_rank: int) -> None:
     """Unlink every shared-memory file and run directory of this job and node (what a killed supervisor or
     keeper left)."""

@@ -55,7 +55,7 @@ from ftrun.control.secret import local_secret, secret_path, shared_secret, write
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED,
-                                FORWARDED_SIGNALS, NodeSpec, STOP_KIND, announce_path, split_endpoint,
+                                FORWARDED_SIGNALS, NodeSpec, STOP_KIND, announce_path, nodes_with_files, split_endpoint,
                                 unlink_node_files, write_shm_file)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
@@ -376,8 +376,10 @@ class Launcher:
                 self.dir_owner.close()
             self.remove_files()
             kill_descendants(spare=left_by_user if code == 0 else None)  # what the supervisors let outlive a success
-            for node in nodes:  # what supervisors killed before they could clean up left behind (one replaced
-                # while the job goes on left its files, same names, to a replacement that may be on this host)
+            # what supervisors killed before they could clean up left behind (one replaced while the job goes on
+            # left its files, same names, to a replacement that may be on this host); in local mode also what a
+            # killed earlier run of the job with more nodes left (every node of the job is on this host)
+            for node in sorted(set(nodes) | nodes_with_files(self.job_id)) if self.cfg.local_mode else nodes:
                 if self.cfg.local_mode or node not in self.procs or self.procs[node].poll() != EXIT_REPLACED:
                     unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve

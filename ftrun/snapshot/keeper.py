@@ -50,6 +50,7 @@ newest step every rank can restore.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import glob
 import hashlib
@@ -68,7 +69,7 @@ from typing import Any
 from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.control.faults import Fault, parse_faults
-from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir
+from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir, write_shm_file
 from ftrun.snapshot.heap import reuse_large_blocks
 from ftrun.snapshot.priority import lower_priority, lower_to_background
 from ftrun.snapshot.protocol import (PEER_LOST, POLL_WAIT, LineSocket, listen, receive_handoff, same_user,
@@ -242,8 +243,11 @@ class Keeper:
 
     def adopt(self, earlier_run: bool) -> None:
         """Take over the slot files a previous keeper of this node left: keep the valid committed ones.
-        ``earlier_run``: they come from an earlier run of the job (a previous SLURM step), whose generation
-        numbers mean nothing now, so they count as older than any generation (like restored slots)."""
+        ``earlier_run``: they come from an earlier run of the job (a previous SLURM step, a rerun after the
+        launcher was killed), whose generation numbers mean nothing now, so they count as older than any
+        generation (like restored slots); of a run of another shape, they are removed (:meth:`_drop_other_shape`)."""
+        if earlier_run:
+            self._drop_other_shape()
         kept, dropped = [], []
         for path, local, index in find_segments(self.job, self.node):
             if local >= len(self.ranks) or index > SPARE_SLOT:
@@ -273,6 +277,28 @@ class Keeper:
                              f"{': ' + ', '.join(kept) if kept else ''}"
                              f"{'; dropped ' + '; '.join(dropped) if dropped else ''}",
                              node=self.node, kept=kept, dropped=dropped)
+
+    def _drop_other_shape(self) -> None:
+        """Remove this node's slot and parity files if an earlier run of the job of another shape (nodes, trainers
+        per node, EC groups) left them, then record this run's shape beside them. A snapshot is one global rank's
+        state in a world of that shape: a rerun with ``--nnodes 2`` after a killed ``--nnodes 3`` run would
+        otherwise restore a world-size-3 state into world size 2, and one with fewer trainers per node other
+        ranks' states (the durable tier refuses the same). Files without a recorded shape are adopted as before."""
+        path = os.path.join(self.dir, shape_name(self.job, self.node))
+        spec = self.spec
+        shape = (f"{spec.nnodes} node(s) x {spec.nproc_per_node} trainer(s), EC groups of {spec.ec_group} with "
+                 f"{spec.ec_parity} parity")
+        try:
+            with open(path) as f:
+                earlier = f.read()
+        except OSError:
+            earlier = shape
+        if earlier != shape:
+            removed = unlink_segments(self.job, self.node)
+            self.events.emit("keeper_adopted", f"removed {len(removed)} snapshot file(s) of an earlier run of "
+                             f"{earlier}, not of this run's shape ({shape}): not restoring them", node=self.node,
+                             kept=[], dropped=[os.path.basename(p) for p in removed])
+        write_shm_file(path, shape)
 
     def ensure_slot(self, local: int, index: int, payload: int, allocate: bool = True) -> SlotFile:
         """The slot file with room for ``payload`` bytes: as it is if it has the room, else made anew with
@@ -909,8 +935,17 @@ def peer_timeout(node_timeout: float) -> float:
     return max(MIN_PEER_TIMEOUT, node_timeout)
 
 
+def shape_name(job: str, node: int | str) -> str:
+    """The file recording the shape of the run whose keeper of ``node`` made the node's slot files."""
+    return f"ftrun-{job}-node{node}-shape"
+
+
 def unlink_segments(job: str, node: int | str = "*") -> list[str]:
-    """Unlink every slot and parity file of ``job`` (of one node, or of all); returns the paths removed."""
+    """Unlink every slot and parity file of ``job`` (of one node, or of all), and its shape file; returns the
+    paths of the slot and parity files removed."""
+    for path in glob.glob(os.path.join(shm_dir(), shape_name(safe_job_id(job), node))):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
     removed = []
     parity = glob.glob(os.path.join(shm_dir(), parity_name(safe_job_id(job), node, "*")))
     for path in [p for p, _, _ in find_segments(job, node)] + sorted(parity):
