@@ -15,6 +15,7 @@ import random
 import socket
 import stat
 import struct
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -24,7 +25,7 @@ import pytest
 
 from torch.distributed import TCPStore
 
-from conftest import assert_job_left_nothing, gpt_args, primary_failures
+from conftest import assert_job_left_nothing, gpt_args, primary_failures, restores
 from ftrun.launch.handoff import SUPERVISOR_MODULE
 from ftrun.launch.processes import SUPERVISOR_NAME
 from ftrun.control.coordination import Generation
@@ -167,4 +168,63 @@ def test_job_survives_forged_control_values_and_hostile_traffic_on_every_listeni
     assert any(f"{prefix}gen:" in e["message"] for e in rejected), rejected
     lines = [line for line in job.output.splitlines() if f"ignored the control-store value of {prefix}gen: " in line]
     assert lines and len(lines) == len({line.split("]")[0].split("[")[-1] for line in lines}), lines  # 1/process
+    assert_job_left_nothing(job)
+
+
+def hold_silent_connections(launcher: int, stop: threading.Event, per_port: int = 100) -> dict[str, int]:
+    """Keep ``per_port`` silent connections (no handshake, nothing sent) open to each keeper port of the job,
+    opening new ones as the keepers drop old ones, until ``stop``; returns counts of what was done."""
+    held: dict[int, list[socket.socket]] = {}
+    counts = {"opened": 0, "dropped": 0}
+    try:
+        while not stop.is_set():
+            for port in [p for p, kind in job_ports(launcher).items() if kind == "keeper"]:
+                alive = []
+                for sock in held.get(port, []):
+                    try:
+                        if sock.recv(4096, socket.MSG_DONTWAIT) == b"":
+                            raise ConnectionResetError
+                        alive.append(sock)  # the keeper's hello: the connection stays open
+                    except BlockingIOError:
+                        alive.append(sock)
+                    except OSError:
+                        sock.close()
+                        counts["dropped"] += 1
+                while len(alive) < per_port and not stop.is_set():
+                    try:
+                        alive.append(socket.create_connection(("127.0.0.1", port), timeout=0.5))
+                        counts["opened"] += 1
+                    except OSError:
+                        break
+                held[port] = alive
+            stop.wait(0.1)
+    except psutil.Error:  # the job ended
+        pass
+    finally:
+        for sock in [s for socks in held.values() for s in socks]:
+            sock.close()
+    return counts
+
+
+@pytest.mark.timeout(300)
+def test_silent_connections_to_the_keepers_do_not_stop_a_rebuild_from_parity(start_job, tmp_path, gpt_baseline):
+    """Whoever reaches the keepers' port without the secret holds a hundred silent connections open to each of
+    them for the whole run (more than a keeper's connection limit), opening new ones as the keepers drop old ones.
+    The keepers still reach each other: parity is encoded, and node 1, lost at step 30, is rebuilt from it."""
+    args, out = gpt_args(tmp_path, "silent", "--step-time", "0.2")
+    job = start_job("--nnodes", "2", "--nproc-per-node", "2", "--inject", "node-loss@node=1,step=30", *args)
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat", 120)
+    stop = threading.Event()
+    counts: dict[str, int] = {}
+    holder = threading.Thread(target=lambda: counts.update(hold_silent_connections(job.proc.pid, stop)))
+    holder.start()
+    try:
+        assert job.wait(240) == 0, job.output
+    finally:
+        stop.set()
+        holder.join()
+    assert counts["opened"] > 200 and counts["dropped"] > 0, counts  # both keepers were flooded and dropped some
+    assert out.read_text().strip() == gpt_baseline, job.output
+    plan = restores(job)[1]
+    assert plan["restored_from"] == "parity", (plan, job.output)
     assert_job_left_nothing(job)

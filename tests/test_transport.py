@@ -344,6 +344,27 @@ def test_connections_beyond_the_limit_are_closed_at_once(make_server, make_clien
     assert_serves(make_client, server)
 
 
+def test_unauthenticated_connections_cannot_lock_peers_out(make_server, make_client) -> None:
+    """Anyone who reaches the port (no secret) holds many silent connections open, opening new ones as fast as the
+    server drops them: a peer with the secret is still served at once. Connections still in their handshake are
+    bounded on their own; the newest evicts the oldest, so only authenticated ones count against the limit."""
+    server, events = make_server(max_connections=4, handshake_timeout=60.0)
+    silent = [raw_connection(server, authenticate=False) for _ in range(20)]
+    try:
+        client = make_client(server, timeout=1.0)
+        assert client.request("echo", text="served")[1] == b"served"
+        events.wait_for("127.0.0.1:", "evicted")
+        assert_closed_by_server(silent[0])  # the oldest went first
+        held = [make_client(server, timeout=1.0) for _ in range(3)]  # authenticated ones fill up to the limit
+        for other in held:
+            assert other.request("echo", text="kept")[1] == b"kept"
+        with pytest.raises(PeerBusy):
+            make_client(server, timeout=0.3).request("echo", text="one too many")
+    finally:
+        for sock in silent:
+            sock.close()
+
+
 def test_a_client_refused_at_the_limit_connects_again_until_its_timeout(make_server, make_client) -> None:
     """A keeper at its connection limit is busy, not lost: the request waits for a connection to end (within the
     client's timeout); a server that stays full is :class:`PeerBusy` after about that timeout."""

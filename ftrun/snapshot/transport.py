@@ -255,10 +255,13 @@ class PeerServer:
 
     A handler exception becomes an error reply and the connection stays open. A connection that fails the
     handshake, breaks the framing or exceeds a limit is closed and reported through ``on_event`` (one line
-    naming the peer); other and later connections are unaffected. Beyond ``max_connections`` open connections a
-    new one is closed at once; one that has not completed the handshake after ``handshake_timeout`` seconds is
-    dropped. The socket is bound at construction (``address``), served from :meth:`start`. ``on_event`` runs on
-    server threads; an exception from it is ignored.
+    naming the peer); other and later connections are unaffected. Beyond ``max_connections`` authenticated
+    connections a new one is closed at once (before its greeting). Connections still in their handshake are
+    bounded on their own: beyond ``max_connections`` of them a new one evicts the oldest, and one that has not
+    completed the handshake after ``handshake_timeout`` seconds is dropped; so whoever reaches the port without
+    the secret (silent or slow connections, opened as fast as they are dropped) never locks the peers out, whose
+    handshakes take one round trip. The socket is bound at construction (``address``), served from
+    :meth:`start`. ``on_event`` runs on server threads; an exception from it is ignored.
 
     ``sink(fields, length)`` gives the memory a request's payload is received into and a ``done`` callback,
     called once the payload is in (True) or the connection failed during it (False); ``done`` is called
@@ -290,7 +293,9 @@ class PeerServer:
         self._listener = listener or socket.create_server((host, port), backlog=LISTEN_BACKLOG)
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._lock = threading.Lock()
-        self._connections: set[socket.socket] = set()
+        self._connections: set[socket.socket] = set()  # every open one (closed by close())
+        self._pending: dict[socket.socket, None] = {}  # those in their handshake, oldest first
+        self._serving: set[socket.socket] = set()  # those authenticated
         self._closed = False
         self._thread = threading.Thread(target=self._accept_loop, name="ftrun-peer-server", daemon=True)
 
@@ -331,12 +336,22 @@ class PeerServer:
                 time.sleep(0.1)  # e.g. out of file descriptors: let some connections end
                 continue
             peer = f"{addr[0]}:{addr[1]}"
+            evicted = None
             with self._lock:
-                if len(self._connections) >= self.max_connections:
+                if len(self._serving) >= self.max_connections:
                     self._forget_closed()
-                admitted = not self._closed and len(self._connections) < self.max_connections
+                admitted = not self._closed and len(self._serving) < self.max_connections
                 if admitted:
+                    if len(self._pending) >= self.max_connections:
+                        evicted = next(iter(self._pending))
+                        del self._pending[evicted]
                     self._connections.add(conn)
+                    self._pending[conn] = None
+            if evicted is not None:  # its thread sees the connection end, says so and closes it
+                try:
+                    evicted.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
             if not admitted:
                 conn.close()
                 if not self._closed:
@@ -347,21 +362,29 @@ class PeerServer:
     def _forget_closed(self) -> None:
         """Forget the connections their peers have closed, whose threads have not yet seen it (under the lock): a
         pool that just replaced some of its connections is not refused for ones already gone."""
-        for conn in list(self._connections):
-            if conn.gettimeout() is not None:  # in its handshake: a recv would wait for up to its timeout
-                continue
+        for conn in list(self._serving):
             try:
                 if conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
-                    self._connections.discard(conn)
+                    self._serving.discard(conn)
             except (BlockingIOError, InterruptedError):  # open, nothing to read
                 pass
             except OSError:  # reset, or closed by its thread meanwhile
-                self._connections.discard(conn)
+                self._serving.discard(conn)
 
     def _serve(self, conn: socket.socket, peer: str) -> None:
         try:
-            self._handshake(conn)
+            try:
+                self._handshake(conn)
+            except (_Violation, OSError):
+                with self._lock:
+                    evicted = not self._closed and conn not in self._pending
+                if evicted:
+                    raise _Violation(f"evicted in its handshake by {self.max_connections} newer ones") from None
+                raise
             conn.settimeout(None)
+            with self._lock:  # evicted just now: shut down, so its next read ends it
+                self._pending.pop(conn, None)
+                self._serving.add(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             for option, value in KEEPALIVE.items():
@@ -378,6 +401,8 @@ class PeerServer:
         finally:
             with self._lock:
                 self._connections.discard(conn)
+                self._pending.pop(conn, None)
+                self._serving.discard(conn)
             conn.close()
 
     def _handshake(self, conn: socket.socket) -> None:
