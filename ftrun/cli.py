@@ -229,7 +229,7 @@ def run(
         "ckpt_format": ckpt_format,
         "resume": resume, "persist_grace": persist_grace, "inject": inject or None,
     })
-    from ftrun.launch.clean import running_here
+    from ftrun.launch.clean import planted_files, running_here
     from ftrun.launch.handoff import begin, exec_launcher
 
     # checks what needs no torch, then this process becomes the launcher (see ftrun.launch.handoff)
@@ -238,6 +238,9 @@ def run(
     problem = running_here(begun.job_id, nodes, cfg.local_mode)
     if problem:
         raise UsageError(f"{problem}: stop it first, or choose another --rdzv-id")
+    problem = planted_files(begun.job_id)
+    if problem:
+        raise UsageError(problem)
     args = list(script_args or [])
     exec_launcher(cfg, begun, args[1:] if args[:1] == ["--"] else args)  # as torchrun: a first "--" is ftrun's
 

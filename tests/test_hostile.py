@@ -15,8 +15,11 @@ import random
 import socket
 import stat
 import struct
+import subprocess
+import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 
@@ -31,7 +34,10 @@ from ftrun.launch.processes import SUPERVISOR_NAME
 from ftrun.control.coordination import Generation
 from ftrun.control.secret import secret_path
 from ftrun.control.signed import TAG_MARK
-from ftrun.control.spec import shm_dir
+from ftrun.control.heartbeat import HeartbeatTable
+from ftrun.control.spec import ENV_SHM_DIR, shm_dir, write_shm_file
+from ftrun.errors import UsageError
+from ftrun.snapshot.slot import SlotFile
 from ftrun.snapshot.transport import FRAME, FRAME_MAGIC, HELLO, MAC_LEN, NONCE_LEN
 
 FUZZ_SECONDS = 10.0
@@ -228,3 +234,69 @@ def test_silent_connections_to_the_keepers_do_not_stop_a_rebuild_from_parity(sta
     plan = restores(job)[1]
     assert plan["restored_from"] == "parity", (plan, job.output)
     assert_job_left_nothing(job)
+
+
+def plant(path: Path, kind: str, victim: Path) -> None:
+    """What another user may leave at a name ftrun will use in the (world-writable) shm dir."""
+    if kind == "symlink":
+        path.symlink_to(victim)
+    elif kind == "fifo":
+        os.mkfifo(path, 0o666)
+    else:  # a file of another user, writable by everyone (a root test run plays that user)
+        path.write_bytes(victim.read_bytes())
+        path.chmod(0o666)
+        os.chown(path, 65534, 65534)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("kind", ["symlink", "fifo", "file of another user"])
+def test_ftrun_never_writes_through_nor_loads_what_another_user_planted_in_the_shm_dir(tmp_path, kind):
+    """A slot, parity or heartbeat file and the temporary file of the job secret, each with something planted at
+    its name: each is refused (nothing written to the link's target, no wait on the FIFO, nothing read from the
+    other user's file), and a secret is written to a file of its own."""
+    if kind == "file of another user" and os.geteuid() != 0:
+        pytest.skip("needs root to make a file of another user")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious " * 1000)
+    victim.chmod(0o644)
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o1777)
+    for name, make in (("slot", lambda p: SlotFile(str(p), 1 << 16)), ("slot-adopted", lambda p: SlotFile(str(p))),
+                       ("heartbeat", lambda p: HeartbeatTable(str(p), 4))):
+        path = shm / f"ftrun-job-node0-{name}"
+        plant(path, kind, victim)
+        with pytest.raises(PermissionError, match="not a file of ftrun's"):
+            make(path)
+    secret = shm / "ftrun-job-secret"
+    plant(Path(f"{secret}.{os.getpid()}"), kind, victim)
+    try:
+        write_shm_file(str(secret), "s3cret")
+    except UsageError as err:  # not root: another user's file cannot be removed from a sticky directory
+        assert kind == "file of another user" and "cannot write" in str(err)
+    else:
+        info = os.lstat(secret)
+        assert stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) == 0o600
+        assert secret.read_text() == "s3cret"
+    assert victim.read_bytes() == b"precious " * 1000 and stat.S_IMODE(victim.stat().st_mode) == 0o644
+
+
+@pytest.mark.timeout(60)
+def test_a_job_whose_file_names_hold_someone_elses_link_refuses_to_start_in_one_line(tmp_path):
+    """Before it starts, a job looks at the names of its files in the shm dir: a symbolic link there (say, to a
+    file of the user's, planted by another user who guessed the --rdzv-id) is one line and exit 2, and the
+    link's target is left as it was."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    shm = tmp_path / "shm"
+    shm.mkdir(mode=0o1777)
+    job = f"t{uuid.uuid4().hex[:10]}"
+    link = shm / f"ftrun-{job}-node0-rank0-slot1"
+    link.symlink_to(victim)
+    args, _ = gpt_args(tmp_path, "planted")
+    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, "--nnodes", "2", *args],
+                            capture_output=True, text=True, timeout=50, env={**os.environ, ENV_SHM_DIR: str(shm)})
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        f"ftrun: error: {link} is a symbolic link, not a file of this user's ftrun (planted by someone else?): "
+        "ftrun will not write through it nor load it; remove it, or choose another --rdzv-id"], result.stderr
+    assert victim.read_text() == "precious" and sorted(os.listdir(shm)) == [link.name]

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
+from ftrun.control.spec import open_shm_file
 
 ENV_HEARTBEAT_FILE = "FTRUN_HEARTBEAT_FILE"
 ENV_HEARTBEAT_SLOT = "FTRUN_HEARTBEAT_SLOT"
@@ -66,7 +67,7 @@ class HeartbeatTable:
         self.path = path
         self.slots = slots
         size = _HEADER_SIZE + slots * _SLOT_SIZE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = open_shm_file(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
         try:
             os.fchmod(fd, 0o600)
             os.ftruncate(fd, size)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -10,6 +11,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 
@@ -130,12 +132,36 @@ def shm_dir() -> str:
     return os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
 
 
+def open_shm_file(path: str, flags: int) -> int:
+    """``os.open(path, flags)`` for a file of ftrun's in the shared-memory directory, which every user may write
+    (/dev/shm): never through a symbolic link, and only a regular file of this user (a new one gets mode 0600).
+    So nobody else can plant a link there that makes ftrun overwrite or truncate another file, nor a file of theirs
+    (or a FIFO) that ftrun would fill with training state, load as a snapshot, or block on. Anything else at
+    ``path`` is a :class:`PermissionError` naming it and its owner."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+    except OSError as err:
+        if err.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO with no reader (O_WRONLY)
+            raise PermissionError(err.errno, "a symbolic link or FIFO, not a file of ftrun's: left alone", path)
+        raise
+    found = os.fstat(fd)
+    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+        os.close(fd)
+        what = "a regular file" if stat.S_ISREG(found.st_mode) else "not a regular file"
+        raise PermissionError(errno.EPERM, f"{what} of user {found.st_uid}, not of this user ({os.geteuid()}): "
+                              "not a file of ftrun's, left alone", path)
+    return fd
+
+
 def write_shm_file(path: str, text: str) -> None:
-    """Write ``text`` to ``path`` in the shared-memory directory, mode 0600, atomically (through a file of this
-    process's own, removed when it fails). A full or unwritable directory is a :class:`UsageError` saying so."""
+    """Write ``text`` to ``path`` in the shared-memory directory, mode 0600, atomically (through a new file of this
+    process's own, removed when it fails: see :func:`open_shm_file`). A full or unwritable directory, or a file of
+    another user in the way, is a :class:`UsageError` saying so."""
     temporary = f"{path}.{os.getpid()}"
     try:
-        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)  # one this pid left in an earlier life (another user's: PermissionError)
+        fd = open_shm_file(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.replace(temporary, path)

@@ -129,6 +129,32 @@ def running_here(job: str, nodes: Iterable[int], local: bool) -> str | None:
     return f"job {job} already runs on this host (launcher pid {launcher})" if launcher else None
 
 
+def planted_files(job: str) -> str | None:
+    """Why ``job`` must not start on this host for what lies at the names of its files in the shm dir, or None:
+    anything there but a regular file of this user (a symbolic link, a FIFO, another user's file). The shm dir is
+    every user's, so someone else may have put it there for ftrun to write through, fill or load; ftrun never
+    opens such a thing (:func:`~ftrun.control.spec.open_shm_file`), and says so here, before it starts."""
+    try:
+        names = sorted(os.listdir(shm_dir()))
+    except OSError:
+        return None
+    for name in names:
+        path = os.path.join(shm_dir(), name)
+        if job_of(name) != safe_job_id(job):
+            continue
+        try:
+            info = os.lstat(path)
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+            continue
+        what = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
+                if not stat.S_ISREG(info.st_mode) else f"a file of user {info.st_uid}")
+        return (f"{path} is {what}, not a file of this user's ftrun (planted by someone else?): ftrun will not "
+                "write through it nor load it; remove it, or choose another --rdzv-id")
+    return None
+
+
 def claim_nodes(job: str, nodes: Iterable[int]) -> tuple[list[socket.socket], str | None]:
     """This host's claim on ``job``'s ``nodes``, held while the returned sockets are open (abstract Unix sockets,
     released when the process ends, whatever ends it): a second launcher of the job for one of those nodes on this

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ftrun.errors import UsageError
-from ftrun.control.spec import safe_job_id, shm_dir
+from ftrun.control.spec import open_shm_file, safe_job_id, shm_dir
 
 if TYPE_CHECKING:
     from ftrun.control.signed import SignedStore
@@ -162,7 +162,7 @@ def read_claim(job_id: str, node_name: str) -> int | None:
 
 
 def write_claim(job_id: str, node_name: str, node_rank: int) -> None:
-    fd = os.open(claim_path(job_id, node_name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_shm_file(claim_path(job_id, node_name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     with os.fdopen(fd, "w") as f:
         f.write(f"{node_rank}\n")
 

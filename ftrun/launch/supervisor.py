@@ -238,8 +238,11 @@ class Supervisor:
             beater = _Beater(self.spec, self.report)
             beater.start()
             self.gen_watch = self._generation_watch()
-            self.heartbeats = HeartbeatTable(shm_path(self.spec.job_id, self.node, "heartbeat"),
-                                             self.spec.nproc_per_node)
+            try:
+                self.heartbeats = HeartbeatTable(shm_path(self.spec.job_id, self.node, "heartbeat"),
+                                                 self.spec.nproc_per_node)
+            except PermissionError as err:  # something not ftrun's at its name (see open_shm_file)
+                raise JobFailed(f"cannot make the heartbeat table {err.filename}: {err.strerror}") from None
             self._start_keeper()
             what = (f"spare {self.spec.spare}, now the supervisor of node {self.node}," if self.spec.spare
                     else "replacement supervisor" if self.incarnation > 1 else "supervisor")

@@ -339,6 +339,8 @@ class Keeper:
             slot.close()
         try:
             slot = SlotFile(self.path(local, index), size, allocate=allocate)
+        except PermissionError as err:  # something not ftrun's at its name (see open_shm_file)
+            raise MemoryError(f"cannot make the slot file {err.filename}: {err.strerror}") from err
         except OSError as err:
             raise MemoryError(capacity_problem(self.node, local, len(self.ranks), size, missing_both, 0,
                                                self.dir) + f" ({err.strerror})") from err
@@ -778,10 +780,14 @@ class Keeper:
                     self.redundancy.encode(step, generation, protected, lambda: self._fire_parity_fault(step))
                 failed = None
             except Exception as err:  # noqa: BLE001 - the encoder must outlive anything one step does
-                if isinstance(err, OSError) and err.errno == errno.ENOSPC:  # as no room for slots: the job ends
-                    with self.cond:  # (the trainers would wait for protection that never comes)
-                        self.fatal = self.fatal or parity_room_problem(self.node, self.redundancy.wanted,
-                                                                       free_bytes(self.dir), self.dir)
+                if isinstance(err, OSError) and err.errno == errno.ENOSPC or isinstance(err, PermissionError):
+                    # as no room for slots, or something not ftrun's at a slot's name: the job ends (the
+                    # trainers would wait for protection that never comes)
+                    problem = (f"cannot make the parity file {err.filename}: {err.strerror}"
+                               if isinstance(err, PermissionError) else
+                               parity_room_problem(self.node, self.redundancy.wanted, free_bytes(self.dir), self.dir))
+                    with self.cond:
+                        self.fatal = self.fatal or problem
                         self.cond.notify_all()
                     return
                 if self._stopping:  # the keeper closes its files as it stops: not a failure of the parity

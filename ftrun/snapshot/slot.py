@@ -32,6 +32,8 @@ from dataclasses import dataclass, replace
 
 from isal.isal_zlib import crc32
 
+from ftrun.control.spec import open_shm_file
+
 MAGIC = b"FTRUNSN1"
 VERSION = 1
 HEADER_SIZE = 4096
@@ -118,8 +120,7 @@ class SlotFile:
         ``allocate=False`` only the header page is allocated: the caller allocates the rest with
         :meth:`allocate` before it touches it, and :attr:`allocated` says whether every page is.
         """
-        flags = os.O_RDWR | (os.O_CREAT if size is not None else 0)
-        fd = os.open(path, flags, 0o600)
+        fd = open_shm_file(path, os.O_RDWR | (os.O_CREAT if size is not None else 0))
         try:
             fresh = False
             if size is not None:
@@ -146,7 +147,7 @@ class SlotFile:
     def allocate(self, offset: int, length: int) -> None:
         """Allocate the pages of bytes ``[offset, offset + length)`` (``offset`` a multiple of the page size) and
         map them into this mapping: ``OSError(ENOSPC)`` when the shared-memory directory is full, never a SIGBUS."""
-        fd = os.open(self.path, os.O_RDWR)
+        fd = open_shm_file(self.path, os.O_RDWR)
         try:
             os.posix_fallocate(fd, offset, length)
             self.allocated = _allocated(fd)
