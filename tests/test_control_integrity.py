@@ -33,6 +33,7 @@ from ftrun.errors import UsageError
 from ftrun.events import EventLog, read_events
 from ftrun.launch.peers import PeerWatch
 from ftrun.launch.slurm import SlurmStep, agree_node_rank
+from ftrun.snapshot import link as link_module
 from ftrun.snapshot.link import Commits, Progress, ProgressTracker
 
 SECRET = "0123456789abcdef" * 4
@@ -310,6 +311,25 @@ def test_node_0_computes_the_progress_and_the_others_read_one_key(server, tmp_pa
     publish("commit", {n: [30, 40] if n != 4 else [20, 40] for n in range(6)})
     publish("parity", {n: [20, 40] for n in range(6)})
     assert trackers[0].look(1) == Progress(40, 40) == trackers[2].look(1)
+
+
+def test_a_progress_document_deleted_from_the_store_is_written_again(server, tmp_path, monkeypatch):
+    """Anyone who reaches the store may delete node 0's ``progress``: while the step is still pending, node 0's
+    next look after :data:`~ftrun.snapshot.link.REPUBLISH` writes it again though it did not change, so the
+    other nodes learn it (before: never, and their trainers waited for ever)."""
+    coords = [Coordinator(SignedStore(C10dStore(server), SECRET), "job", n, 2, run=1) for n in range(2)]
+    coords[0].init_job({"nnodes": 2})
+    trackers = [ProgressTracker(coord, 2, 2, 1, EventLog("test", str(tmp_path))) for coord in coords]
+    for node, coord in enumerate(coords):
+        coord.store.set(coord.key("gen", 1, "commit", node), Commits(frozenset({10, 20})).encode())
+        coord.store.set(coord.key("gen", 1, "parity", node), json.dumps([10]))
+    monkeypatch.setattr(link_module, "REPUBLISH", 3600.0)
+    assert trackers[0].look(1) == Progress(20, 10)
+    server.delete_key(coords[0].key("gen", 1, "progress"))
+    assert trackers[0].look(1) == Progress(20, 10) and trackers[1].look(1) == Progress(0, 0)  # not yet
+    monkeypatch.setattr(link_module, "REPUBLISH", 0.0)
+    assert trackers[0].look(1) == Progress(20, 10)
+    assert trackers[1].look(1) == Progress(20, 10)
 
 
 def test_a_generation_watch_tells_every_move_at_once_a_forged_one_changes_nothing_and_a_lost_store(monkeypatch):

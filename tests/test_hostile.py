@@ -300,3 +300,30 @@ def test_a_job_whose_file_names_hold_someone_elses_link_refuses_to_start_in_one_
         f"ftrun: error: {link} is a symbolic link, not a file of this user's ftrun (planted by someone else?): "
         "ftrun will not write through it nor load it; remove it, or choose another --rdzv-id"], result.stderr
     assert victim.read_text() == "precious" and sorted(os.listdir(shm)) == [link.name]
+
+
+@pytest.mark.timeout(300)
+def test_documents_deleted_from_the_control_store_are_written_again(start_job, tmp_path, gpt_baseline):
+    """An intruder at the control store deletes the documents through which the nodes secure their snapshots
+    (each node's ``commit`` and ``parity``, node 0's ``progress``) over and over until the trainers have taken
+    their last snapshot, then stops. The job finishes with the failure-free state: the nodes write them again
+    (before, the last snapshot waited forever for documents nobody wrote again)."""
+    args, out = gpt_args(tmp_path, "deleted", "--step-time", "0.2")
+    job = start_job("--nnodes", "2", "--nproc-per-node", "2", *args)
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat", 120)
+    endpoint = json.loads(Path(shm_dir(), f"ftrun-{job.job_id}-launcher").read_text())["endpoint"]
+    host, port = endpoint.rsplit(":", 1)
+    intruder = TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=10))
+    prefix = f"ftrun/{job.job_id}/1/gen/0/"
+    keys = [prefix + "progress", *(f"{prefix}{what}/{node}" for what in ("commit", "parity") for node in (0, 1))]
+    last = None
+    while job.proc.poll() is None and (last is None or time.monotonic() < last + 2):
+        for key in keys:
+            intruder.delete_key(key)
+        if last is None and "step 60 loss" in job.output:  # the trainers' last step: its snapshot is being secured
+            last = time.monotonic()
+        time.sleep(0.02)
+    assert job.wait(60) == 0, job.output
+    assert out.read_text().strip() == gpt_baseline, job.output
+    assert not primary_failures(job), job.output
+    assert_job_left_nothing(job)

@@ -41,6 +41,9 @@ link polls its keeper and the store every :data:`LINK_INTERVAL` (or the store's 
 poll waits in the keeper, which answers at a change (a commit, a skip, parity, a persist, a fatal error) or after
 ``POLL_WAIT``; the supervisor nudges it at a new generation, a stop and the final persist. So an idle node costs
 a few wakeups a second, not 200 (two processes at 100 a second: 5% of a core on this project's machine).
+While it follows the store, a link writes its ``commit`` and ``parity`` documents (node 0 also ``progress``) again
+every :data:`REPUBLISH` seconds though they did not change: one deleted from the store (anyone who reaches the
+store can) is back within that time, where the job would otherwise wait for it forever.
 """
 
 from __future__ import annotations
@@ -61,6 +64,7 @@ from ftrun.snapshot.durability import Durability
 from ftrun.snapshot.protocol import PEER_LOST, POLL_WAIT, KeeperClient, KeeperError, KeeperUnavailable, socket_name
 
 LINK_INTERVAL = 0.01  # seconds between two polls while the link follows the store (see Pace)
+REPUBLISH = 1.0  # seconds: while a step is pending, a document unchanged since is written again this often
 NUDGE_TIMEOUT = 2.0  # seconds the supervisor waits for its keeper's answer to a nudge
 PEER_LOST_TRIES = 4  # rebuilds of a parity step that a survivor left unanswered, yet lived: then it is bad
 PREPARE_LOOKBACK = 8  # generations looked back for the group's documents when the link starts (prepare)
@@ -151,6 +155,7 @@ class ProgressTracker:
         self.events = events
         self.known = Progress(0, 0)
         self._groups: dict[int, int] = {}  # node 0: the protected step published per group
+        self._written = 0.0  # node 0: when it last wrote ``progress`` (monotonic)
 
     def start(self, step: int) -> None:
         """A new generation restores ``step`` on every rank: it is committed and protected."""
@@ -188,8 +193,9 @@ class ProgressTracker:
                 self._group_protected(first // self.group, newest_common([covered[n] for n in
                                                                            group_of(first, self.group)]))
         found = Progress(committed, protected, frozenset(s for s in dead if s > protected))
-        if found != self.known:
+        if found != self.known or time.monotonic() - self._written > REPUBLISH:  # deleted meanwhile? (Pace)
             self.coord.store.set(self.coord.key("gen", gen, "progress"), found.encode())
+            self._written = time.monotonic()
         return found
 
     def _group_protected(self, group: int, step: int) -> None:
@@ -282,6 +288,7 @@ class KeeperLink(threading.Thread):
         self.progress = ProgressTracker(self.coord, self.nnodes, self.group, self.parity, events)
         self._peers: dict[str, str] = {}
         self._published: dict[str, str] = {}  # commit and parity: the document last published
+        self._published_at: dict[str, float] = {}  # and when (monotonic)
         self._passes = 0  # how many snapshot steps every local rank took or skipped (durability counts them)
         self.durability = Durability(spec, self.coord, events) if spec.ckpt_dir else None
         self._finish_by: float | None = None  # set by finish(): the deadline of the final persist
@@ -524,10 +531,12 @@ class KeeperLink(threading.Thread):
         self.keeper_status = {"ranks": reply["ranks"], "shm_bytes": reply["shm_bytes"], "committed": known.committed}
         commits = Commits(frozenset(int(s) for s in reply["local"]), frozenset(int(s) for s in reply["some"]),
                           int(reply["decided"]))
+        now = time.monotonic()
         for what, doc in (("commit", commits.encode()), ("parity", json.dumps([int(s) for s in reply["parity"]]))):
-            if self._published.get(what) != doc:
+            stale = self._pending and now - self._published_at.get(what, 0.0) > REPUBLISH  # deleted? (Pace)
+            if self._published.get(what) != doc or stale:
                 self.coord.store.set(self.coord.key("gen", gen, what, self.node), doc)
-                self._published[what] = doc
+                self._published[what], self._published_at[what] = doc, now
         if int(reply["passes"]) > self._passes:
             if self.durability is not None:
                 self.durability.snapshot_passed(int(reply["passes"]) - self._passes)
