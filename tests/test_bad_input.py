@@ -104,6 +104,23 @@ def test_a_directory_without_main_and_a_file_as_directory(tmp_path):
                               f"{flag} {tmp_path / 'file'} is not a directory")
 
 
+def test_a_log_or_checkpoint_directory_every_user_may_write_is_refused_before_anything_is_written(tmp_path):
+    """In a directory such as /tmp another user could plant a link at ``events.jsonl`` or at the job's checkpoint
+    directory: ftrun would append its events to the link's target, or write checkpoints where that user reads and
+    changes them before a resume loads them. A directory of one's own inside it is fine."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (shared / "events.jsonl").symlink_to(victim)
+    for flag in ("--log-dir", "--ckpt-dir"):
+        code, stderr, _ = run_ftrun(flag, str(shared), str(TRAIN_PLAIN))
+        assert_one_line_error(code, stderr, f"{flag} {shared} is writable by every user (mode 1777)",
+                              "give a directory of your own in it")
+    assert victim.read_text() == "precious" and sorted(os.listdir(shared)) == ["events.jsonl"]
+
+
 @pytest.mark.parametrize("text, fragments", [
     ("nnodez: 2\n", ["unknown key 'nnodez'"]),
     ("nnodes: two\n", ["key 'nnodes' must be int", "'two'"]),

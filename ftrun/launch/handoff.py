@@ -27,6 +27,7 @@ import os
 import pickle
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import uuid
@@ -205,12 +206,19 @@ def resolve_target(cfg: JobConfig, target: str) -> str:
 
 
 def check_directories(cfg: JobConfig) -> None:
-    """--log-dir and --ckpt-dir are directories this process can write to (created, mode 0700, if missing)."""
+    """--log-dir and --ckpt-dir are directories this process can write to (created, mode 0700, if missing), and no
+    directory that every user may write (/tmp, say): there anyone could put a link at the name of a file or
+    directory ftrun makes (``events.jsonl``, a rank's log, the job's checkpoint directory), and ftrun would write
+    its logs through it, or its checkpoints where they could read and change them before a resume loads them."""
     for flag, path in (("--log-dir", cfg.log_dir), ("--ckpt-dir", cfg.ckpt_dir)):
         if path is None:
             continue
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"{flag} {path} is not a directory")
+        if os.path.isdir(path) and os.stat(path).st_mode & stat.S_IWOTH:
+            raise UsageError(f"{flag} {path} is writable by every user (mode {stat.S_IMODE(os.stat(path).st_mode):o}): "
+                             "others could plant links there that ftrun would write through; give a directory of "
+                             "your own in it (ftrun makes it, mode 0700)")
         try:
             os.makedirs(path, mode=0o700, exist_ok=True)
         except OSError as err:
