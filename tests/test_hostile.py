@@ -37,6 +37,7 @@ from ftrun.control.signed import TAG_MARK
 from ftrun.control.heartbeat import HeartbeatTable
 from ftrun.control.spec import ENV_SHM_DIR, shm_dir, write_shm_file
 from ftrun.errors import UsageError
+from ftrun.snapshot.redundancy import REJECT_LOGGED, REJECT_NOTICE
 from ftrun.snapshot.slot import SlotFile
 from ftrun.snapshot.transport import FRAME, FRAME_MAGIC, HELLO, MAC_LEN, NONCE_LEN
 
@@ -233,6 +234,10 @@ def test_silent_connections_to_the_keepers_do_not_stop_a_rebuild_from_parity(sta
     assert out.read_text().strip() == gpt_baseline, job.output
     plan = restores(job)[1]
     assert plan["restored_from"] == "parity", (plan, job.output)
+    # the flood is counted, not logged connection by connection (the log would grow without bound)
+    rejected = [e for e in job.events() if e["event"] == "peer_rejected"]
+    minutes = (rejected[-1]["time"] - rejected[0]["time"]) / REJECT_NOTICE + 1 if rejected else 0
+    assert rejected and len(rejected) <= 3 * minutes * (REJECT_LOGGED + 1) < counts["dropped"], (len(rejected), counts)
     assert_job_left_nothing(job)
 
 

@@ -132,6 +132,7 @@ RELAY_PART_NIC = 256 << 10  # XOR chains with a survivor on another host
 REBUILD_IDLE_CONNECTIONS = 2  # idle connections per peer kept after a rebuild (rare; an encoder's pool keeps 4)
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
 REJECT_NOTICE = 60.0  # seconds between two console lines about refused peer connections
+REJECT_LOGGED = 100  # refused peer connections written to the event log per REJECT_NOTICE seconds, at most
 
 
 class RedundancyError(RuntimeError):
@@ -210,6 +211,7 @@ class Redundancy:
         self.wanted = 0  # bytes of the parity file made last (or tried: see _ensure)
         self._rejected_shown = -REJECT_NOTICE  # when the last refused connection was printed (see _rejected)
         self._rejected_quiet = 0  # refused connections not printed since
+        self._rejected_logged = 0  # refused connections in the event log since
         self.peers: dict[int, str] = {}  # node -> "host:port"
         self._connections = PeerPool(secret, peer_timeout)
         # a rebuild's requests on connections of their own: a peer's thread that served an encoder runs in
@@ -284,14 +286,18 @@ class Redundancy:
     # -- serving peers ----------------------------------------------------------------------------------------
     def _rejected(self, message: str) -> None:
         """One console line per :data:`REJECT_NOTICE` seconds (a scan or a flood of stalled connections would
-        print one per connection); every one in the event log."""
+        print one per connection), which counts the others; the first :data:`REJECT_LOGGED` of those seconds in the
+        event log (a flood would grow it without bound)."""
         now = time.monotonic()
         shown = now - self._rejected_shown >= REJECT_NOTICE
         more = f" ({self._rejected_quiet} more since the last such line)" if shown and self._rejected_quiet else ""
         if shown:
-            self._rejected_shown, self._rejected_quiet = now, 0
+            self._rejected_shown, self._rejected_quiet, self._rejected_logged = now, 0, 0
         else:
             self._rejected_quiet += 1
+        if self._rejected_logged >= REJECT_LOGGED:
+            return
+        self._rejected_logged += 1
         self.keeper.events.emit("peer_rejected", f"refused a peer connection: {message}{more}", console=shown,
                                 node=self.place.node)
 
