@@ -18,7 +18,7 @@ from ftrun.events import read_events
 from ftrun.snapshot import keeper as keeper_module
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot import pinning
-from ftrun.snapshot.protocol import KeeperClient, LineSocket, listen
+from ftrun.snapshot.protocol import KeeperClient, KeeperUnavailable, LineSocket, listen
 from ftrun.snapshot.link import newest_common
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header,
                                  SlotFile, checksum)
@@ -500,3 +500,36 @@ def test_a_mapping_is_page_locked_once_in_a_thread_of_its_own_and_unlocked_when_
     pins.forget(slot.map)
     assert calls[-1] == ("unregister", 0) and len(calls) == 2
     slot.close()
+
+
+@pytest.mark.timeout(30)
+def test_a_trainer_never_talks_to_a_keeper_socket_that_another_user_holds():
+    """The keeper's socket is an abstract Unix socket, a name any local user may bind (while the keeper restarts,
+    say): a client asks only a keeper of its own user, so another user's process that answers at that name is
+    never told a request nor believed (it could name a slot file of its own to restore from)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    name = f"ftrun-keeper-impostor{os.getpid()}-node0"
+    ready, go = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # another user, answering every request as a keeper would
+        try:
+            os.setgid(65534)
+            os.setuid(65534)
+            server = listen(name)
+            os.write(go, b"1")
+            while True:
+                conn = LineSocket(server.accept()[0])
+                while conn.receive() is not None:
+                    conn.send({"step": 60, "slot": 0, "path": "/tmp/impostor-slot"})
+        finally:
+            os._exit(0)
+    try:
+        assert os.read(ready, 1) == b"1"
+        client = KeeperClient(name, patience=0.5, timeout=1.0)
+        with pytest.raises(KeeperUnavailable):
+            client.request("restore", rank=0, generation=0)
+        assert client.try_request("ping") is None
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)

@@ -1,8 +1,10 @@
 """The keeper's local socket: JSON lines over an abstract Unix socket, one request and one reply at a time.
 
 The socket is ``\\0ftrun-keeper-<job>-node<N>`` (abstract: no file to leave behind); the keeper accepts only
-peers of its own user (``SO_PEERCRED``). Each message is one JSON object on one line; requests carry ``op``,
-replies carry ``error`` when the request failed. Nothing is unpickled. Requests, by sender:
+peers of its own user (``SO_PEERCRED``), and a client talks only to a keeper of its own user (any user may bind an
+abstract name, a keeper's while it restarts say, and answer in its place). Each message is one JSON object on one
+line; requests carry ``op``, replies carry ``error`` when the request failed. Nothing is unpickled. Requests, by
+sender:
 
 trainer     ``restore {rank, generation}`` -> ``{step, slot, path}`` (step 0 and no slot: start from scratch);
             waits until the supervisor has told the keeper the generation's agreed step.
@@ -152,6 +154,8 @@ class KeeperClient:
         sock.settimeout(self.timeout)
         try:
             sock.connect(_address(self.name))
+            if not same_user(sock):
+                raise PermissionError(f"{self.name} is held by a process of another user, not a keeper")
         except OSError:
             sock.close()
             raise
