@@ -555,3 +555,23 @@ def test_a_ckpt_dir_shared_by_jobs(dirs, states, tmp_path):
     assert result.returncode == 0, result.stderr
     assert [(row["path"], row["step"]) for row in json.loads(result.stdout)["steps"]] == [
         (str(root / "step-00000010"), 10), (str(other / "step-00000020"), 20)]
+
+
+def test_steps_of_another_world_size_are_set_aside_not_pruned(dirs, states):
+    """A job resumed at another world size (from a DCP copy, or from scratch with the Snapshotter) persists steps
+    of its own: pruning deleted the steps of the earlier world, its newest state included, which a run back at
+    that world size resumes from. They are moved to previous-<time>/ (the spared ones, a DCP copy's, stay), and
+    never count toward --keep."""
+    root, shm = dirs
+    for step in (10, 14):
+        write_step(root, shm, step, states)  # world size 2
+    write_step(root, shm, 9, states)
+    for step in (5, 12):
+        write_step(root, shm, step, states[:1])  # this run: world size 1
+    aside, moved = persist.set_aside_other_worlds(str(root), 12, JOB, 1, spare=frozenset({9}))
+    assert moved == [10] and os.path.basename(aside).startswith("previous-")
+    assert sorted(os.listdir(aside)) == ["step-00000010"]
+    assert persist.complete_steps(aside) == [10]  # whole: a run at world size 2 loads it once moved back
+    assert persist.prune(str(root), 1, 12, spare=frozenset({9})) == [5]
+    assert persist.complete_steps(str(root)) == [9, 12, 14]  # 14: newer than the step persisted, not this run's
+    assert persist.set_aside_other_worlds(str(root), 12, JOB, 1, spare=frozenset({9})) == ("", [])

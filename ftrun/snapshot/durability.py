@@ -52,7 +52,8 @@ from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.snapshot.dcp_copy import DcpCopies
 from ftrun.snapshot.persist import (MANIFEST, MAX_MANIFEST_BYTES, complete_steps, finalize, manifest, move_aside,
-                                    open_regular, prune, remove_partial, replaced_dir, step_name, steps_text)
+                                    open_regular, prune, remove_partial, replaced_dir, set_aside_other_worlds,
+                                    step_name, steps_text)
 from ftrun.snapshot.protocol import POLL_WAIT
 
 STEP_NUMBER = re.compile(r"step-\d+")
@@ -265,8 +266,14 @@ class Durability:
             return
         self._drop_replaced(replaced)
         try:  # the step is on disk: failing to delete older ones does not undo that
-            pruned = prune(self.root, self.spec.keep, step, self.spec.job_id,
-                           self.copies.spare() if self.copies is not None else frozenset())
+            spare = self.copies.spare() if self.copies is not None else frozenset()
+            aside, moved = set_aside_other_worlds(self.root, step, self.spec.job_id,
+                                                  self.spec.nnodes * self.spec.nproc_per_node, spare)
+            if moved:
+                self.events.emit("durability", f"moved {steps_text(moved)} of another world size to {aside} (kept, "
+                                 "not counted toward --keep: a run at that world size resumes from them once "
+                                 "moved back)", step=step, moved=moved, path=aside)
+            pruned = prune(self.root, self.spec.keep, step, self.spec.job_id, spare)
         except OSError as err:
             pruned = []
             self.events.emit("durability", f"WARNING could not remove old steps after persisting step {step}: "

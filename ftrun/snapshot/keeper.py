@@ -69,7 +69,7 @@ from typing import Any
 from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.control.faults import Fault, parse_faults
-from ftrun.control.spec import NodeSpec, safe_job_id, shm_dir, write_shm_file
+from ftrun.control.spec import NodeSpec, open_shm_file, safe_job_id, shm_dir, write_shm_file
 from ftrun.snapshot.heap import reuse_large_blocks
 from ftrun.snapshot.priority import lower_priority, lower_to_background
 from ftrun.snapshot.protocol import (PEER_LOST, POLL_WAIT, LineSocket, listen, receive_handoff, same_user,
@@ -289,9 +289,9 @@ class Keeper:
         shape = (f"{spec.nnodes} node(s) x {spec.nproc_per_node} trainer(s), EC groups of {spec.ec_group} with "
                  f"{spec.ec_parity} parity")
         try:
-            with open(path) as f:
+            with os.fdopen(open_shm_file(path, os.O_RDONLY)) as f:
                 earlier = f.read()
-        except OSError:
+        except OSError:  # none (files of an older ftrun), or not a file of this user's ftrun
             earlier = shape
         if earlier != shape:
             removed = unlink_segments(self.job, self.node)

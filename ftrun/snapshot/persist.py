@@ -306,6 +306,23 @@ def put_back_replaced(root: str) -> list[int]:
     return sorted(restored)
 
 
+def set_aside_other_worlds(root: str, persisted: int, job: str, world: int,
+                           spare: frozenset[int] = frozenset()) -> tuple[str, list[int]]:
+    """Move the complete steps of ``job`` up to ``persisted`` that an earlier run wrote at another world size (but
+    those in ``spare``) into ``<root>/previous-<time>/``: this run cannot resume from them, and pruning would
+    delete the other world's newest state, which a run at that world size resumes from (move it back). So they
+    never count toward ``--keep``. Returns that directory ("" when none) and the steps moved."""
+    other = []
+    for step in complete_steps(root, job):
+        if step <= persisted and step not in spare:
+            with contextlib.suppress(OSError, ValueError):
+                if manifest(root, step)["world"] != world:
+                    other.append(step)
+    if not other:
+        return "", []
+    return move_aside(root, [os.path.join(root, step_name(step)) for step in other]), other
+
+
 def prune(root: str, keep: int, persisted: int, job: str | None = None,
           spare: frozenset[int] = frozenset()) -> list[int]:
     """After step ``persisted`` was finalized: delete the complete steps (of ``job`` when given) up to it beyond
