@@ -73,6 +73,11 @@ __all__ = ["MemoryReader", "MemoryWriter", "NoSnapshot", "ReshardRequired", "res
 
 _RESHARD = ("resharding goes through a durable checkpoint in DCP format (ftrun --ckpt-dir DIR --ckpt-format dcp: "
             "MemoryReader then loads it)")
+# at the same world size: MemoryReader reads a durable copy only where the world size changed
+_SAME_WORLD = ("the world size is the same, so the sharding changed (another device mesh or parallelism): a RAM "
+               "snapshot, and a step persisted in ftrun's format, load only into the sharding that saved them; load "
+               "a DCP copy of the job (--ckpt-format dcp: <ckpt-dir>/<job id>/step-N/dcp) with dcp.load and "
+               "FileSystemReader, or start over (--no-resume)")
 
 
 class NoSnapshot(FileNotFoundError):
@@ -354,7 +359,7 @@ class MemoryReader(StorageReader):
 
     def _refuse(self, item: ReadItem, stored: dict[str, Any], live: str) -> None:
         raise ReshardRequired(f"ftrun.dcp.MemoryReader: {stored['fqn']}: this rank's RAM snapshot of step {self.step} "
-                              f"holds the chunk {stored['sizes']} at {stored['at']}, the live state {live}; {_RESHARD}")
+                              f"holds the chunk {stored['sizes']} at {stored['at']}, the live state {live}; {_SAME_WORLD}")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:

@@ -162,7 +162,9 @@ def test_another_sharding_or_world_size_is_refused_in_one_line(keeper, monkeypat
         error = err.value.failures[0][0]
         assert isinstance(error, ftrun.dcp.ReshardRequired) and "\n" not in str(error)
         assert str(error).startswith(f"ftrun.dcp.MemoryReader: w: this rank's RAM snapshot of step 9 holds the chunk "
-                                     f"[2, 3] at {at}, the live state {live}; resharding goes through")
+                                     f"[2, 3] at {at}, the live state {live}; the world size is the same, so "
+                                     "the sharding changed (another device mesh or parallelism)")
+        assert "start over (--no-resume)" in str(error)
     monkeypatch.setattr(ftrun.dcp, "_loaded", {"format": ftrun.dcp.FORMAT, "world": 4, "planner": None, "items": {}})
     with pytest.raises(ftrun.dcp.ReshardRequired, match="saved at world size 4, this job runs 1; resharding"):
         ftrun.dcp.MemoryReader()
