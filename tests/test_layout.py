@@ -190,6 +190,43 @@ def test_parameters_and_optimizer_state_by_reference_others_cloned(trained: dict
     assert torch.equal(got["model/bn.running_mean"], before)
 
 
+class AppState:
+    """As DCP's recipes (torchtitan) write it: one Stateful whose state dict holds the model's and optimizer's."""
+
+    def __init__(self, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+        self.model, self.opt = model, opt
+
+    def state_dict(self) -> dict:
+        return {"model": self.model.state_dict(), "optim": self.opt.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.model.load_state_dict(state["model"])
+        self.opt.load_state_dict(state["optim"])
+
+
+def test_parameters_and_optimizer_state_in_another_object_s_state_dict_by_reference(trained: dict) -> None:
+    """A Stateful app state (DCP's recipe) returns the parameters and optimizer states in a state dict of its own:
+    they were cloned at every save, on the training thread (3-5 % of a step instead of under 2 %)."""
+    model, opt = trained["model"], trained["optim"]
+    tensors = [*model.parameters(), *(t for s in opt.state.values() for t in s.values() if torch.is_tensor(t))]
+    stepped = {t.untyped_storage().data_ptr() for t in tensors}
+    asked = []
+    cap = capture({"app": AppState(model, opt)}, rng=False, stepped=lambda: asked.append(1) or stepped)
+    got = {e.path: t for e, t in zip(cap.layout.entries, cap.tensors, strict=True)}
+    assert asked == [1]  # once per capture
+    for name, p in model.named_parameters():
+        assert got[f"app/model/{name}"].data_ptr() == p.data_ptr()
+    exp_avg = opt.state[opt.param_groups[0]["params"][0]]["exp_avg"]
+    assert got["app/optim/state/0/exp_avg"].data_ptr() == exp_avg.data_ptr()
+    assert got["app/model/bn.running_mean"].data_ptr() != model.bn.running_mean.data_ptr()  # a buffer: cloned
+    cloned = capture({"app": AppState(model, opt)}, rng=False)  # nothing stepped: cloned, as before
+    assert not cloned.by_reference
+    assert not capture({"app": AppState(model, opt)}, rng=False, live=False, stepped=lambda: stepped).by_reference
+    fresh_state = fresh()
+    restore({"app": AppState(fresh_state["model"], fresh_state["optim"])}, *store(cap))
+    assert same(fresh_state["model"].state_dict(), model.state_dict())
+
+
 def test_unsupported_values_name_their_path() -> None:
     with pytest.raises(UnsupportedState, match=r"cannot snapshot function at fn: give it state_dict"):
         capture({"fn": lambda: 0})

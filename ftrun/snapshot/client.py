@@ -224,7 +224,7 @@ class Snapshotter:
             return
         self._join()
         self._drop_pending()
-        taken = capture(self.state, rng=self.rng, live=len(_STEPPED) > 0)
+        taken = capture(self.state, rng=self.rng, live=len(_STEPPED) > 0, stepped=stepped_memory)
         if taken.uncaptured and not self._told_uncaptured:
             self._told_uncaptured = True
             if os.environ.get("RANK", "0") == "0":

@@ -34,9 +34,11 @@ Invariants:
 * Parameters of an ``nn.Module`` (the memory of one of ``module.parameters()``) and the tensors under ``state``
   of a ``torch.optim.Optimizer`` are returned by reference when ``live`` (the caller has seen an optimizer step,
   and every step waits for the engine's copy: parameters change in steps, or after them like an EMA's, or never
-  like frozen ones), as are those in a :class:`Borrowed` dict. Every other tensor (buffers, raw tensors, numpy
-  arrays, tensors in plain values or in other objects' state dicts, RNG state; parameters too when not ``live``:
-  a loop without an optimizer updates them by hand) is cloned at capture. ``Capture.by_reference`` says whether
+  like frozen ones), as are those in a :class:`Borrowed` dict, and, in the state dict of another object (DCP's
+  ``Stateful`` app state of ``get_state_dict``), those whose memory is a parameter's or an optimizer state's of an
+  optimizer seen stepping (``stepped``). Every other tensor (buffers, raw tensors, numpy arrays, tensors in plain
+  values, other tensors of other objects' state dicts, RNG state; parameters too when not ``live``: a loop
+  without an optimizer updates them by hand) is cloned at capture. ``Capture.by_reference`` says whether
   any tensor was not.
 * RNG, under the reserved top-level key ``__rng__``: ``{"python": random.getstate(), "numpy":
   np.random.get_state(), "torch": torch.get_rng_state(), "cuda": [...] (if CUDA is initialized)}``. Python's
@@ -168,15 +170,17 @@ def _always(t: torch.Tensor, path: str) -> bool:
     return True
 
 
-def _live_tensors(obj: Any, path: str) -> _Live:
-    """Which tensors of ``obj.state_dict()`` may be returned by reference (see the module docstring)."""
+def _live_tensors(obj: Any, path: str, stepped: Callable[[], set[int]]) -> _Live:
+    """Which tensors of ``obj.state_dict()`` may be returned by reference (see the module docstring); of another
+    object (DCP's ``Stateful`` app state, whose ``get_state_dict`` returns the parameters and optimizer states),
+    those whose memory is in ``stepped()``."""
     if isinstance(obj, torch.nn.Module):
         params = {_identity(local_shard(p)) for p in obj.parameters()}
         return lambda t, _: _identity(t) in params
     if isinstance(obj, torch.optim.Optimizer):
         prefix = _join(path, "state") + "/"
         return lambda _, p: p.startswith(prefix)
-    return _never
+    return lambda t, _: t.untyped_storage().data_ptr() in stepped()
 
 
 def _uncaptured(v: Any) -> bool:
@@ -252,11 +256,13 @@ def _describe(place: dict[str, Any], local: tuple[int, ...]) -> str:
 
 
 class _Walker:
-    def __init__(self, live: bool) -> None:
+    def __init__(self, live: bool, stepped: Callable[[], set[int]]) -> None:
         self.entries: list[Entry] = []
         self.tensors: list[torch.Tensor] = []
         self.uncaptured: list[str] = []
         self.live = live
+        self._stepped_of = stepped
+        self._stepped: set[int] | None = None  # stepped(), asked once per capture, when first needed
         self.by_reference = False
         self.end = 0  # where the last entry ends
 
@@ -314,11 +320,16 @@ class _Walker:
         if kind is Borrowed:
             return self.node(dict(v), path, _always)
         if _is_stateful(v):
-            return {"S": self.node(v.state_dict(), path, _live_tensors(v, path) if self.live else _never)}
+            return {"S": self.node(v.state_dict(), path, _live_tensors(v, path, self.stepped) if self.live else _never)}
         if _uncaptured(v):
             self.uncaptured.append(path)
             return {"X": kind.__qualname__}
         raise UnsupportedState(f"cannot snapshot {kind.__qualname__} at {path}: {_HINT}")
+
+    def stepped(self) -> set[int]:
+        if self._stepped is None:
+            self._stepped = self._stepped_of()
+        return self._stepped
 
     def key(self, k: Any, path: str) -> Any:
         kind = type(k)
@@ -329,10 +340,13 @@ class _Walker:
         return self.node(k, path, _never)
 
 
-def capture(state: Mapping[str, Any], *, rng: bool = True, live: bool = True) -> Capture:
+def capture(state: Mapping[str, Any], *, rng: bool = True, live: bool = True,
+            stepped: Callable[[], set[int]] = set) -> Capture:
     """Flatten ``state`` (and the RNG states when ``rng``) into a layout, its tensors and a skeleton. ``live``:
-    parameters and optimizer state are taken by reference (see the module docstring)."""
-    walker = _Walker(live)
+    parameters and optimizer state are taken by reference (see the module docstring), also in the state dict of
+    another object where their memory is in ``stepped()`` (storage addresses of every parameter and optimizer
+    state tensor: ``ftrun.snapshot.client.stepped_memory``)."""
+    walker = _Walker(live, stepped)
     nodes: dict[str, Any] = {}
     for key, value in state.items():
         if type(key) is not str or key == RNG_KEY:
