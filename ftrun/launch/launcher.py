@@ -24,6 +24,7 @@ import ipaddress
 import json
 import os
 import secrets
+import select
 import signal
 import socket
 import subprocess
@@ -47,8 +48,8 @@ from ftrun.control.signed import SignedStore
 from ftrun.launch.clean import claim_nodes
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads, trainer_threads
-from ftrun.launch.processes import (LAUNCHER_NAME, ForkedChild, become_subreaper, describe_exit, kill_descendants,
-                                    left_by_user, reap_orphans, set_process_name)
+from ftrun.launch.processes import (LAUNCHER_NAME, ExitWatch, ForkedChild, become_subreaper, describe_exit,
+                                    kill_descendants, left_by_user, reap_orphans, set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.launch.zygote import preload, size_blas
 from ftrun.control.secret import local_secret, secret_path, shared_secret, write_secret_file
@@ -79,6 +80,9 @@ REPEAT_GAP = 1.0
 _ACK_TIMEOUT = 10.0
 END_STORE_TIMEOUT = 5.0  # seconds a failed job's summary waits for a store operation (a frozen store host)
 _POLL_INTERVAL = 0.02
+# seconds between two looks of a launcher whose supervisors' exits wake it (pidfds) and that has nothing else to
+# look after (no spares, no vacant node rank, no --tui view)
+IDLE_LOOK = 1.0
 DIR_OWNER_LOOK = 2.0  # seconds between a standby's looks for whether it took node rank 0 (then it holds --ckpt-dir)
 FENCE_INTERVAL = 0.1  # seconds between two looks for a supervisor whose rank a spare took (local mode, --spares)
 
@@ -147,6 +151,7 @@ class Launcher:
         self.procs: dict[int, subprocess.Popen[bytes] | ForkedChild] = {}
         self.pool: SparePool | None = None  # --spares
         self._next_fence = 0.0  # see _fence
+        self._exits = ExitWatch()  # see _pause
         self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
         self.signalled: int | None = None
         self.files: list[str] = []  # what this launcher wrote in the shm dir (removed by remove_files())
@@ -458,7 +463,7 @@ class Launcher:
         try:
             proc = self.procs[-1] = self._spawn(spec)
             while proc.poll() is None:
-                time.sleep(_POLL_INTERVAL)
+                self._pause(IDLE_LOOK)
                 if spec.ckpt_dir and self.dir_owner is None and time.monotonic() > next_look:
                     next_look = time.monotonic() + DIR_OWNER_LOOK
                     self._hold_if_node_0(coord, name, spec.ckpt_dir, str(doc.get("run_id")))
@@ -653,7 +658,8 @@ class Launcher:
                           *(pending.proc for pending in self.pending)])
             if self.view is not None:
                 self._refresh(coord)
-            time.sleep(_POLL_INTERVAL)
+            if len(results) < len(self.procs):  # (the last exit needs no wait)
+                self._pause(_POLL_INTERVAL if vacant or self.pool is not None or self.view is not None else IDLE_LOOK)
         if self.signalled is None and {EXIT_STOPPED, EXIT_STOPPED_UNSAVED} & set(results.values()):
             self.signalled = _stop_signal(coord)  # a supervisor was told to stop, and the job stopped with it
         if self.signalled is not None:
@@ -669,6 +675,12 @@ class Launcher:
         if EXIT_JOB_FAILED in results.values():
             return EXIT_FAILED
         return EXIT_LEFT if EXIT_REPLACED in results.values() else 1
+
+    def _pause(self, timeout: float) -> None:
+        """Until a supervisor of this launcher exits, or ``timeout`` seconds (:data:`_POLL_INTERVAL` where the
+        kernel has no pidfds to wait on)."""
+        watched = self._exits.watch_only({proc.pid for proc in self.procs.values() if proc.returncode is None})
+        select.select(self._exits.fds(), [], [], timeout if watched else min(timeout, _POLL_INTERVAL))
 
     def _fence(self, coord: Coordinator, skip: set[int]) -> set[int]:
         """SIGKILL the supervisor of each node (but ``skip``) whose rank a spare took while it still runs (stalled,

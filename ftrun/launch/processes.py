@@ -115,6 +115,14 @@ class ExitWatch:
     def fds(self) -> list[int]:
         return list(self._fds.values())
 
+    def watch_only(self, pids: set[int]) -> bool:
+        """Watch exactly ``pids`` (the others forgotten); whether every one of them is watched (it has a pidfd)."""
+        for pid in set(self._fds) - pids:
+            self.forget(pid)
+        for pid in pids - set(self._fds):
+            self.watch(pid)
+        return pids <= set(self._fds)
+
 
 def describe_exit(code: int) -> str:
     if code < 0:

@@ -1,0 +1,52 @@
+"""What ftrun's own processes cost while nothing fails: they wait for events, they do not poll many times a second.
+
+Each test counts how often a process's main thread went to sleep (its voluntary context switches) while the
+trainers run, against the looks a poll every ``interval`` would take over the same window: a ratio, not a time.
+"""
+
+from __future__ import annotations
+
+import time
+
+import psutil
+import pytest
+
+from conftest import SCRIPTS, assert_job_left_nothing
+from ftrun.launch.launcher import _POLL_INTERVAL, IDLE_LOOK
+from ftrun.launch.processes import SUPERVISOR_NAME
+
+WINDOW = 3.0  # seconds of steady running over which the wake-ups are counted
+
+
+def main_thread_wakes(pid: int) -> int:
+    """The voluntary context switches of ``pid``'s main thread so far."""
+    with open(f"/proc/{pid}/task/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt_switches"))
+
+
+def polls_per_look(pid: int, interval: float) -> float:
+    """How many times ``pid``'s main thread slept over :data:`WINDOW`, per look of a poll every ``interval``."""
+    before, t0 = main_thread_wakes(pid), time.monotonic()
+    time.sleep(WINDOW)
+    return (main_thread_wakes(pid) - before) / ((time.monotonic() - t0) / interval)
+
+
+def supervisor_of(job) -> psutil.Process:
+    return next(p for p in psutil.Process(job.proc.pid).children(recursive=True) if p.name() == SUPERVISOR_NAME)
+
+
+@pytest.mark.timeout(120)
+def test_the_launcher_waits_for_its_supervisors_exits(start_job):
+    """The launcher's main thread sleeps until a supervisor exits (pidfds), not for 20 ms at a time; and once
+    its last supervisor has exited it ends without a wait (a fraction of :data:`IDLE_LOOK`)."""
+    job = start_job("--nproc-per-node", "1", str(SCRIPTS / "sleeper.py"), "--seconds", "12")
+    supervisor = psutil.Process(job.wait_for_event(lambda e: e["event"] == "node_start")["pid"])
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat")
+    ratio = polls_per_look(job.proc.pid, _POLL_INTERVAL)
+    supervisor.wait(timeout=60)
+    gone = time.monotonic()
+    assert job.wait() == 0, job.output
+    tail = (time.monotonic() - gone) / IDLE_LOOK
+    assert ratio < 0.25, f"the launcher woke {ratio:.2f} times per {_POLL_INTERVAL}s poll"
+    assert tail < 0.5, f"the launcher ended {tail:.2f} x IDLE_LOOK after its supervisor"
+    assert_job_left_nothing(job)
