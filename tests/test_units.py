@@ -110,6 +110,16 @@ def test_hang_detector_adapts_to_slow_steps_with_a_floor():
     assert detector.observe(beat(5, 5, 1.4), now=7.4) is None
 
 
+def test_hang_detector_counts_the_steps_between_two_looks():
+    """A trainer faster than the supervisor's looks advances several steps between two of them: steps/s counts
+    the steps, not the looks (100 steps/s seen every 0.1 s is 100, not 10)."""
+    detector = HangDetector(initial=10, floor=2, factor=5)
+    detector.trainer_started(0.0)
+    for i in range(1, 8):
+        detector.observe(beat(i, 10 * i, i * 0.1), now=i * 0.1)
+    assert detector.steps_per_second == pytest.approx(100.0)
+
+
 def test_hang_detector_uses_initial_timeout_after_restart_and_while_exiting():
     detector = HangDetector(initial=10, floor=2, factor=5)
     detector.trainer_started(0.0)

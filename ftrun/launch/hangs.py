@@ -19,7 +19,9 @@ class HangDetector:
     crash detection only). Until the first beat of the current trainer, and once it reports that it is
     exiting, the allowance is ``initial`` seconds from its start (or from its exit); otherwise it is
     ``max(floor, factor * slowest of the recent step intervals)`` from the last beat, or ``initial`` while no
-    step interval has been seen yet. Step intervals survive restarts.
+    step interval has been seen yet. Step intervals survive restarts. A step interval is the time between two
+    looks' new steps, several steps apart when the trainer steps faster than the looks come: the timeout then
+    allows for the whole span, and :attr:`steps_per_second` divides the steps by it.
     """
 
     def __init__(self, initial: float, floor: float, factor: float, window: int = 20) -> None:
@@ -29,6 +31,7 @@ class HangDetector:
         self.factor = factor
         self.armed = False
         self._intervals: deque[float] = deque(maxlen=window)
+        self._advances: deque[int] = deque(maxlen=window)  # the steps each of _intervals spans
         self._beats = 0
         self._since = 0.0
         self._seen_this_trainer = False
@@ -46,8 +49,8 @@ class HangDetector:
     @property
     def steps_per_second(self) -> float | None:
         """From the recent step intervals (None before two steps)."""
-        recent = list(self._intervals)[-5:]
-        return len(recent) / sum(recent) if recent and sum(recent) > 0 else None
+        seconds = sum(list(self._intervals)[-5:])
+        return sum(list(self._advances)[-5:]) / seconds if seconds > 0 else None
 
     @property
     def timeout(self) -> float:
@@ -75,6 +78,7 @@ class HangDetector:
             if beat.step != self._step:
                 if self._step_ns:
                     self._intervals.append((beat.monotonic_ns - self._step_ns) / 1e9)
+                    self._advances.append(max(1, beat.step - self._step))  # a step that went back counts one
                 self._step, self._step_ns = beat.step, beat.monotonic_ns
             return None
         if not self.armed or now - self._since <= self.timeout:
