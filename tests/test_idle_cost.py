@@ -50,3 +50,39 @@ def test_the_launcher_waits_for_its_supervisors_exits(start_job):
     assert ratio < 0.25, f"the launcher woke {ratio:.2f} times per {_POLL_INTERVAL}s poll"
     assert tail < 0.5, f"the launcher ended {tail:.2f} x IDLE_LOOK after its supervisor"
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_the_supervisor_looks_at_its_beating_trainers_when_something_is_due(start_job):
+    """Once every trainer beats, the supervisor looks when a check is due (the store, its peers, a hang deadline)
+    or something happens (an exit, a move of the generation, a signal), not at every --monitor-interval."""
+    interval = 0.01
+    job = start_job("--nproc-per-node", "2", "--monitor-interval", str(interval), str(SCRIPTS / "sleeper.py"),
+                    "--seconds", "12")
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat")
+    ratio = polls_per_look(supervisor_of(job).pid, interval)
+    assert job.wait() == 0, job.output
+    assert ratio < 0.5, f"the supervisor woke {ratio:.2f} times per --monitor-interval {interval}"
+    assert_job_left_nothing(job)
+
+
+CRASH_ONCE_THEN_SLEEP = """import os, sys, time
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    sys.exit(1)
+time.sleep(10)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_never_beats_is_not_looked_at_eagerly_after_a_restart(start_job, tmp_path):
+    """A restart's recovery time is when every trainer beats again: a script that never beats (an unmodified
+    torchrun script) has none, so the supervisor does not look at every --monitor-interval waiting for it."""
+    script = tmp_path / "crash_once.py"
+    script.write_text(CRASH_ONCE_THEN_SLEEP)
+    interval = 0.01
+    job = start_job("--nproc-per-node", "1", "--monitor-interval", str(interval), str(script))
+    job.trainer(0, generation=1)
+    ratio = polls_per_look(supervisor_of(job).pid, interval)
+    assert job.wait() == 0, job.output
+    assert ratio < 0.5, f"the supervisor woke {ratio:.2f} times per --monitor-interval {interval}"
+    assert_job_left_nothing(job)

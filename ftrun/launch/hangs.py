@@ -59,6 +59,12 @@ class HangDetector:
         return max(self.floor, self.factor * max(self._intervals))
 
     @property
+    def deadline(self) -> float:
+        """When the trainer counts as hung if no beat is seen before (on the clock of :meth:`observe`'s ``now``),
+        once detection is :attr:`armed`."""
+        return self._since + self.timeout
+
+    @property
     def step(self) -> int:
         """The step of the last beat seen (-1: none)."""
         return self._step

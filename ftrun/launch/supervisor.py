@@ -4,15 +4,18 @@ Loop (the protocol itself is in :mod:`ftrun.control.coordination`)::
 
     join (replacement? bump) -> rendezvous(g) -> start trainers -> watch -> stop trainers -> next g | exit
 
-While watching, at every look (every ``--monitor-interval``, 20 ms, and at once when a trainer exits or the
-generation moves: it waits on the trainers' pidfds and the :class:`GenerationWatch` in one ``select``) it reaps
-children (a crash is seen by waitpid), reads the heartbeat table (hangs), reads the generation key when told or
-every 0.25 s (failures seen elsewhere), and four times a second the peers' beat counters (lost nodes). The
-first failure seen moves the job to the next generation; every node then stops its trainers and meets the
-others at the next rendezvous: once the job has a committed snapshot with SIGCONT and SIGKILL (their state is
-restored from it, and a handler of a polite signal would hold the restart up for nothing); else, and when the
-job stops or fails for good, with SIGCONT, SIGTERM (SIGINT after Ctrl-C, as torchrun) and SIGKILL after
-``stop_grace``.
+While watching, at every look it reaps children (a crash is seen by waitpid), reads the heartbeat table (hangs),
+reads the generation key when told or every 0.25 s (failures seen elsewhere), and four times a second the peers'
+beat counters (lost nodes). A look comes at once when a trainer or the keeper exits, the generation moves or a stop
+signal comes (it waits on their pidfds, the :class:`GenerationWatch` and a :class:`Wakeup` in one ``select``); else
+every ``--monitor-interval`` (20 ms) while a moment counts (until a restart's trainers all beat again: its recovery
+time, if they beat at all; once a trainer has exited 0: the job's end; while an injected node loss waits for its
+step), and otherwise when the next check is due: the store, the peers, the status, a trainer's hang deadline, and
+eight looks per hang timeout (:meth:`Supervisor._next_look`). The first failure seen moves the job to the next
+generation; every node then stops its trainers and meets the others at the next rendezvous: once the job has a
+committed snapshot with SIGCONT and SIGKILL (their state is restored from it, and a handler of a polite signal
+would hold the restart up for nothing); else, and when the job stops or fails for good, with SIGCONT, SIGTERM
+(SIGINT after Ctrl-C, as torchrun) and SIGKILL after ``stop_grace``.
 
 Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
 trainer and kept across generations; if it dies it is restarted at once and the trainers keep running, and so
@@ -70,7 +73,7 @@ from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, run_dir_prefix,
                                 safe_job_id, shm_path, shm_place)
-from ftrun.control.generation_watch import GenerationWatch
+from ftrun.control.generation_watch import GenerationWatch, Wakeup
 from ftrun.control.store import C10dStore, host_store
 from ftrun.launch.output import Output, OutputSettings
 from ftrun.launch.peers import PeerWatch
@@ -103,6 +106,9 @@ PEER_CHECK_INTERVAL = 0.25
 # seconds between a watching supervisor's reads of the generation that its GenerationWatch did not ask for
 GEN_CHECK_INTERVAL = 0.25
 BEAT_INTERVAL = 0.25
+# A beating trainer's heartbeat is read at least this often per its hang timeout: its last beat is seen within an
+# eighth of the timeout, and a step interval measured across looks (5 x at most an eighth) stays below the floor.
+LOOKS_PER_HANG_TIMEOUT = 8
 KEEPER_START_TIMEOUT = 30.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (gen/<g>/hang); the asker waits this long for all of them.
@@ -196,7 +202,8 @@ class Supervisor:
         self.keeper_starts = 0
         self.link: KeeperLink | None = None
         self.gen_watch: GenerationWatch | None = None
-        self.exits = ExitWatch()  # the running trainers: a look follows each exit at once
+        self.exits = ExitWatch()  # the running trainers and the keeper: a look follows each exit at once
+        self._signalled = Wakeup()  # set by a stop signal: a look follows it at once
         # the keeper's peer socket (erasure coding): opened once, so a restarted keeper keeps its address
         self.secret = secret  # for the keeper only, never for trainers
         self.peer_socket: socket.socket | None = None
@@ -301,6 +308,7 @@ class Supervisor:
     def _on_signal(self, signum: int, frame: object) -> None:
         self._stopping = True
         self._stop_signal = signal.Signals(signum)
+        self._signalled.set()
 
     def _forward_signal(self, signum: int, frame: object) -> None:
         """SIGUSR1/SIGUSR2 the launcher got (as :data:`FORWARDED_SIGNALS`): to every running trainer."""
@@ -354,6 +362,7 @@ class Supervisor:
             raise JobFailed(f"snapshot keeper of node {self.node} did not start")
         proc.returncode = 0  # reaped by this supervisor's reap(), never by Popen
         self.keeper = proc
+        self.exits.watch(proc.pid)
         self.keeper_watch = KeeperWatch(socket_name(safe_job_id(self.spec.job_id), self.node), proc.pid,
                                         3 * self.spec.node_timeout,
                                         lambda line: self.events.emit("keeper_unresponsive", line, node=self.node))
@@ -395,6 +404,7 @@ class Supervisor:
                 if time.monotonic() > deadline:
                     signal_group(self.keeper.pid, signal.SIGKILL)
                 time.sleep(0.01)
+            self.exits.forget(self.keeper.pid)
             self.keeper = None
         if unlink:
             unlink_segments(self.spec.job_id, self.node)
@@ -417,14 +427,23 @@ class Supervisor:
             return self.coord.store.poll_interval
         return GEN_CHECK_INTERVAL
 
-    def _pause(self) -> None:
-        """Until the next look at the trainers, a trainer's exit or a move of the generation, whichever comes
-        first."""
-        wakers = [*self.exits.fds(), *([self.gen_watch.moved] if self.gen_watch is not None else [])]
-        select.select(wakers, [], [], self.spec.monitor_interval)
+    def _pause(self, until: float) -> None:
+        """Until ``until`` (``time.monotonic()``; at least --monitor-interval from now), an exit of a trainer or the
+        keeper, a move of the generation or a stop signal, whichever comes first."""
+        wakers = [*self.exits.fds(), self._signalled, *([self.gen_watch.moved] if self.gen_watch is not None else [])]
+        select.select(wakers, [], [], max(self.spec.monitor_interval, until - time.monotonic()))
+
+    def _next_look(self, *checks: float) -> float:
+        """When the next look is due, ``checks`` being when the loop's own checks are: the earliest of them, this
+        node's next status, the moment a running trainer that does not beat again counts as hung, and
+        :data:`LOOKS_PER_HANG_TIMEOUT` looks per hang timeout."""
+        armed = [d for t in self.trainers.values() if t.exit_code is None and (d := self.detectors[t.local_rank]).armed]
+        now = time.monotonic()
+        return min(*checks, self._next_status, *(min(d.deadline, now + d.timeout / LOOKS_PER_HANG_TIMEOUT)
+                                                for d in armed))
 
     def _reap(self) -> dict[int, int]:
-        """:func:`reap`, forgetting the reaped trainers' exit descriptors."""
+        """:func:`reap`, forgetting the reaped children's exit descriptors."""
         done = reap()
         for pid in done:
             self.exits.forget(pid)
@@ -721,7 +740,9 @@ class Supervisor:
                     self._send_suspects(g, table)  # a peer attributes a hang: report this node's silent trainers
                 if leader is not None:
                     leader.poll()
-            self._pause()
+            # see the module doc (a script that never beat has no recovery time to wait for)
+            eager = (g > 0 and not up and any(d.armed for d in self.detectors)) or exited_0 or bool(node_faults)
+            self._pause(now if eager else self._next_look(next_gen_check, next_peer_check))
 
     def _peer_watch(self) -> PeerWatch:
         assert self.incarnation is not None
