@@ -38,7 +38,7 @@ def supervisor_of(job) -> psutil.Process:
 @pytest.mark.timeout(120)
 def test_the_launcher_waits_for_its_supervisors_exits(start_job):
     """The launcher's main thread sleeps until a supervisor exits (pidfds), not for 20 ms at a time; and once
-    its last supervisor has exited it ends without a wait (a fraction of :data:`IDLE_LOOK`)."""
+    its last supervisor has exited it ends without a wait (a pause would make it IDLE_LOOK or more)."""
     job = start_job("--nproc-per-node", "1", str(SCRIPTS / "sleeper.py"), "--seconds", "12")
     supervisor = psutil.Process(job.wait_for_event(lambda e: e["event"] == "node_start")["pid"])
     job.wait_for_event(lambda e: e["event"] == "first_heartbeat")
@@ -48,7 +48,7 @@ def test_the_launcher_waits_for_its_supervisors_exits(start_job):
     assert job.wait() == 0, job.output
     tail = (time.monotonic() - gone) / IDLE_LOOK
     assert ratio < 0.25, f"the launcher woke {ratio:.2f} times per {_POLL_INTERVAL}s poll"
-    assert tail < 0.5, f"the launcher ended {tail:.2f} x IDLE_LOOK after its supervisor"
+    assert tail < 1.0, f"the launcher ended {tail:.2f} x IDLE_LOOK after its supervisor"  # a last pause: over 1
     assert_job_left_nothing(job)
 
 
