@@ -359,7 +359,8 @@ class MemoryReader(StorageReader):
 
     def _refuse(self, item: ReadItem, stored: dict[str, Any], live: str) -> None:
         raise ReshardRequired(f"ftrun.dcp.MemoryReader: {stored['fqn']}: this rank's RAM snapshot of step {self.step} "
-                              f"holds the chunk {stored['sizes']} at {stored['at']}, the live state {live}; {_SAME_WORLD}")
+                              f"holds the chunk {stored['sizes']} at {stored['at']}, the live state {live}; "
+                              f"{_SAME_WORLD}")
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
