@@ -434,13 +434,13 @@ def test_the_same_failure_at_the_same_step_twice_stops_the_job(start_job, tmp_pa
     assert_job_left_nothing(job)
 
 
-HANGS_AT_3 = """\
+HANGS_AT_12 = """\
 import os, time, ftrun
 for step in range(1000):
     ftrun.heartbeat(step)
-    if step == 3 and os.environ["RANK"] == "1":
-        time.sleep(3600)  # a deadlock at step 3; rank 0 goes on beating
-    time.sleep(0.05)
+    if step == 12 and os.environ["RANK"] == "1":
+        time.sleep(3600)  # a deadlock at step 12; rank 0 goes on beating
+    time.sleep(0.1)
 """
 
 
@@ -448,10 +448,10 @@ for step in range(1000):
 def test_a_hang_of_the_same_rank_at_the_same_step_twice_stops_the_job(start_job, tmp_path):
     """A deadlock at step N (or a step slower than the hang timeout) comes back after every restore: it hung
     and restarted up to --max-restarts, each time after the hang timeout."""
-    job = start_job("--nproc-per-node", "2", "--hang-timeout", "1", str(write(tmp_path, "hangs.py", HANGS_AT_3)))
+    job = start_job("--nproc-per-node", "2", "--hang-timeout", "1", str(write(tmp_path, "hangs.py", HANGS_AT_12)))
     assert job.wait(100) == 3, job.output
     assert generations_started(job) == [0, 1]
-    assert "job failed: hung twice at step 3; not restarting (a step that legitimately takes this long needs a " \
+    assert "job failed: hung twice at step 12; not restarting (a step that legitimately takes this long needs a " \
         "larger --hang-timeout): rank 1 hung" in job.output
     assert_job_left_nothing(job)
 
