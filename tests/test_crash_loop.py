@@ -9,6 +9,7 @@ every other failure restarts as before.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -293,6 +294,34 @@ def test_bootstrap_sees_what_python_script_sees(tmp_path):
 
 
 @pytest.mark.timeout(60)
+class CountedWrites(io.StringIO):
+    writes = 0
+
+    def write(self, text: str) -> int:
+        self.writes += 1
+        return super().write(text)
+
+
+def test_a_traceback_is_printed_in_one_write(monkeypatch):
+    """Ranks failing at the same moment (all of them, at import) print at once: Python's hook writes a traceback
+    piece by piece (13 writes for this one; with PYTHONUNBUFFERED each a write to the shared console), so their
+    lines came out interleaved a few characters at a time. The text is Python's own."""
+    try:
+        raise ValueError("device_ids can only be used with a CUDA module")
+    except ValueError as err:
+        exc = err
+    for printer in (sys.__excepthook__, lambda *info: bootstrap._print_exception(info[1], info[2])):
+        counted = CountedWrites()
+        monkeypatch.setattr(sys, "stderr", counted)
+        printer(type(exc), exc, exc.__traceback__)
+        monkeypatch.undo()
+        if printer is sys.__excepthook__:
+            python = counted.getvalue()
+            assert counted.writes > 5
+        else:
+            assert counted.getvalue() == python and counted.writes == 1
+
+
 def test_bootstrap_writes_the_error_file_and_prints_a_repeat_in_one_line(tmp_path):
     script = write(tmp_path, "same.py", SAME_AT_IMPORT)
     error_file = tmp_path / "error.json"

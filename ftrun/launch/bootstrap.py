@@ -99,8 +99,14 @@ def _flush(stream: object) -> None:
 
 
 def _print_exception(exc: BaseException, tb: TracebackType | None) -> None:
-    """Print as Python prints an uncaught exception: with ``sys.excepthook`` (and its fallback when it fails)."""
+    """Print as Python prints an uncaught exception: with ``sys.excepthook`` (and its fallback when it fails). Python's
+    own hook is given the text in one write, not piece by piece: ranks failing at the same moment (all of them, at
+    import) print their tracebacks whole, not interleaved a few characters at a time."""
     _flush(sys.stdout)
+    if sys.excepthook is sys.__excepthook__:
+        sys.stderr.write("".join(traceback.format_exception(type(exc), exc, tb)))
+        _flush(sys.stderr)
+        return
     try:
         sys.excepthook(type(exc), exc, tb)
     except BaseException as hook_error:  # noqa: BLE001 - Python's own behaviour for a failing hook
