@@ -132,6 +132,17 @@ def shm_dir() -> str:
     return os.environ.get(ENV_SHM_DIR) or DEFAULT_SHM_DIR
 
 
+def foreign_file(info: os.stat_result) -> str | None:
+    """What ``info`` (of ``os.lstat`` or ``os.fstat``) shows at a name of ftrun's in the shared-memory directory
+    when it is not a regular file of this user ("a symbolic link", "not a regular file", "a file of user N"), else
+    None: nothing ftrun made, so nothing it may write through, fill, load or block on."""
+    if stat.S_ISLNK(info.st_mode):
+        return "a symbolic link"
+    if not stat.S_ISREG(info.st_mode):
+        return "not a regular file"
+    return f"a file of user {info.st_uid}" if info.st_uid != os.geteuid() else None
+
+
 def open_shm_file(path: str, flags: int) -> int:
     """``os.open(path, flags)`` for a file of ftrun's in the shared-memory directory, which every user may write
     (/dev/shm): never through a symbolic link, and only a regular file of this user (a new one gets mode 0600).
@@ -144,12 +155,11 @@ def open_shm_file(path: str, flags: int) -> int:
         if err.errno in (errno.ELOOP, errno.ENXIO):  # a link; a FIFO with no reader (O_WRONLY)
             raise PermissionError(err.errno, "a symbolic link or FIFO, not a file of ftrun's: left alone", path)
         raise
-    found = os.fstat(fd)
-    if not stat.S_ISREG(found.st_mode) or found.st_uid != os.geteuid():
+    what = foreign_file(os.fstat(fd))
+    if what is not None:
         os.close(fd)
-        what = "a regular file" if stat.S_ISREG(found.st_mode) else "not a regular file"
-        raise PermissionError(errno.EPERM, f"{what} of user {found.st_uid}, not of this user ({os.geteuid()}): "
-                              "not a file of ftrun's, left alone", path)
+        raise PermissionError(errno.EPERM, f"{what}, not a file of ftrun's of this user ({os.geteuid()}): left "
+                              "alone", path)
     return fd
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
-from ftrun.control.spec import ENV_NODE_SPEC, announce_path, safe_job_id, shm_dir
+from ftrun.control.spec import ENV_NODE_SPEC, announce_path, foreign_file, safe_job_id, shm_dir
 from ftrun.launch.env import ENV_JOB_ID
 from ftrun.launch.handoff import SUPERVISOR_MODULE
 from ftrun.launch.processes import LAUNCHER_NAME, READY_NAME, SUPERVISOR_NAME, ZYGOTE_NAME
@@ -143,13 +143,11 @@ def planted_files(job: str) -> str | None:
         if job_of(name) != safe_job_id(job):
             continue
         try:
-            info = os.lstat(path)
+            what = foreign_file(os.lstat(path))
         except FileNotFoundError:
             continue
-        if stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid():
+        if what is None:
             continue
-        what = ("a symbolic link" if stat.S_ISLNK(info.st_mode) else "not a regular file"
-                if not stat.S_ISREG(info.st_mode) else f"a file of user {info.st_uid}")
         return (f"{path} is {what}, not a file of this user's ftrun (planted by someone else?): ftrun will not "
                 "write through it nor load it; remove it, or choose another --rdzv-id")
     return None

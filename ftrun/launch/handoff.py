@@ -215,8 +215,9 @@ def check_directories(cfg: JobConfig) -> None:
             continue
         if os.path.exists(path) and not os.path.isdir(path):
             raise UsageError(f"{flag} {path} is not a directory")
-        if os.path.isdir(path) and os.stat(path).st_mode & stat.S_IWOTH:
-            raise UsageError(f"{flag} {path} is writable by every user (mode {stat.S_IMODE(os.stat(path).st_mode):o}): "
+        mode = os.stat(path).st_mode if os.path.isdir(path) else 0
+        if mode & stat.S_IWOTH:
+            raise UsageError(f"{flag} {path} is writable by every user (mode {stat.S_IMODE(mode):o}): "
                              "others could plant links there that ftrun would write through; give a directory of "
                              "your own in it (ftrun makes it, mode 0700)")
         try:
