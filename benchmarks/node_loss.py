@@ -13,8 +13,10 @@ is printed: it was 0.18 when the replacement was a new interpreter (4.2 s here, 
 
 Case "ops" (no processes): supervisors of 8 and 1024 simulated nodes share a ``C10dStore`` over an in-process
 ``TCPStore``, counted above it (each :class:`Store` call one round trip; keys named) and below it ("wire":
-``TCPStore`` requests): (a) a node's beat interval (``beat`` + ``PeerWatch.check``), (b) a generation bump and
-``current_raw`` of the others, (c) ``take``; a spare's ``claim``, (d) a rendezvous poll ``marks(g, "ready")``.
+``TCPStore`` requests): (a) a node's beat interval (``beat``; ``look``: ``gen``, the hang vote and the keys of
+``PeerWatch.check``), (b) a generation bump and ``current_raw`` of the others, (c) ``take``; a spare's ``claim``,
+(d) a rendezvous poll ``marks(g, "ready")``. (a) was 4 calls and 5 wire round trips while ``gen`` and the hang vote
+were read on their own.
 
     .venv/bin/python benchmarks/node_loss.py --runs 3       # both cases, about 4 minutes
 """
@@ -248,7 +250,7 @@ def ops_at(nnodes: int) -> dict[str, Tally]:
     coordination.use_job(job, "benchmark secret", run=1)
     coords = [Coordinator(store, job, node, nnodes) for node in range(nnodes)]
     coords[0].init_job({"nnodes": nnodes})
-    coords[0].touch_beats()
+    coords[0].touch_watched_keys()
     measure("(c) take a rank (a supervisor starts)", lambda: ownership.take(coords[0], 0, "sup-0", "host"))
     for coord in coords:
         if coord.node_rank:
@@ -256,7 +258,8 @@ def ops_at(nnodes: int) -> dict[str, Tally]:
         coord.beat()  # the first beat also reads the stored count
         coord.current_raw()  # every node knows generation 0
     watch = PeerWatch(coords[0], 0, nnodes, 5.0, ownership.Owner(1, "me"))
-    measure("(a) one beat interval of one node", lambda: (coords[0].beat(), watch.check()))
+    measure("(a) one beat interval of one node",
+            lambda: (coords[0].beat(), watch.check(coords[0].look(watch.keys)[2])))
     seen = coords[0].current_raw()
     failure = Failure("node-lost", "node 1 lost", node=1, detected_by="node 0", incarnation=1)
     measure("(b) bump by the winner", lambda: coords[0].bump(seen, failure))

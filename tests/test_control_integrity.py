@@ -159,7 +159,7 @@ def test_two_nodes_moving_the_job_for_the_same_failure_at_the_same_instant_one_w
 def test_counters_with_garbage_neither_raise_nor_drop_the_connection(server, signed):
     store, _ = signed()
     coord = coordinator(store)
-    coord.touch_beats()
+    coord.touch_watched_keys()
     coord.beat()
     assert coord.beats() == [1, 0]
     server.set(coord.key("node", 0, "beat"), b"not a number")
@@ -229,20 +229,28 @@ def counted(server: TCPStore) -> tuple[C10dStore, list[int]]:
     return raw, trips
 
 
-def test_the_peers_watch_costs_two_round_trips_per_check(server):
-    """check + multi_get: with any key absent a c10d store reads them one by one, so every key it reads exists."""
+def test_a_watching_supervisors_look_costs_two_round_trips(server):
+    """check + multi_get for the generation, the hang vote and the peers' keys together: with any key absent a c10d
+    store reads them one by one, so every key a look reads exists (it was 4 round trips with the generation and
+    the hang vote read on their own, 2 + N + 1 with the vote's key absent)."""
     raw, trips = counted(server)
     coords = [Coordinator(SignedStore(raw, SECRET), "job", n, 4, run=1) for n in range(4)]
     coords[0].init_job({"nnodes": 4})
     for node, coord in enumerate(coords):
         take(coord, node, f"node{node}", "h")
-        coord.touch_beats()
+        coord.touch_watched_keys()
         coord.beat()
     watch = PeerWatch(coords[0], 0, 4, 5.0, Owner(1, "node0"))
+    seen = coords[0].current_raw()
     trips[0] = 0
     for _ in range(10):
-        assert watch.check() is None
+        current, vote, values = coords[0].look(watch.keys)
+        assert current == seen and not Coordinator.hang_vote_open(vote, 0)
+        assert watch.check(values) is None
     assert trips[0] == 20
+    coords[2].open_hang_vote(0)  # a peer attributes a hang: every look sees it
+    assert Coordinator.hang_vote_open(coords[1].look([])[1], 0)
+    assert not Coordinator.hang_vote_open(coords[1].look([])[1], 1)  # another generation's (a replay) is not open
 
 
 def test_a_wait_on_every_node_costs_one_round_trip_while_one_is_missing(server):
@@ -456,7 +464,7 @@ def test_a_run_whose_supervisors_stopped_beating_is_not_joined(server, signed):
     run = open_run(store, "job", None)
     coord = Coordinator(store, "job", 0, 2, run=run)
     coord.init_job({"nnodes": 2})
-    coord.touch_beats()
+    coord.touch_watched_keys()
     coord.beat()  # then it died without its launcher marking the end
     assert open_run(store, "job", None, stale_after=0.2) == run + 1
 

@@ -312,8 +312,19 @@ class Coordinator:
 
         A ``gen`` value that is not authentic, or an authentic one of a lower generation than this coordinator
         already returned (a replay), is ignored with a warning: the newest authentic one is returned again."""
+        return self._follow(self.get("gen"))
+
+    def look(self, keys: Sequence[str]) -> tuple[bytes, bytes | None, list[bytes | None]]:
+        """What a watching supervisor reads four times a second, in one round trip: :meth:`current_raw`, the hang
+        vote (for :meth:`hang_vote_open`) and the authentic values of ``keys`` (its peers')."""
+        current, vote, *values = self.store.multi_get([self.key("gen"), self.key("hang"), *keys])
+        return self._follow(current), vote, values
+
+    def _follow(self, payload: bytes | None) -> bytes:
+        """:meth:`current_raw` from ``payload``, the authentic value of ``gen`` just read (None: not set or not
+        authentic)."""
         key = self.key("gen")
-        found = self._generation(key, self.get("gen"))
+        found = self._generation(key, payload)
         known = self._newest
         if known is None:
             self._newest = self._from_history(found)
@@ -470,9 +481,21 @@ class Coordinator:
                 self._beats[node] = int(value)
         return [self._beats[node] for node in nodes]
 
-    def touch_beats(self) -> None:
-        """Make every node's beat and lost keys exist, so that :meth:`beats` and the peers' watch
-        (:mod:`ftrun.launch.peers`) read them in one round trip (a c10d store reads absent keys one by one)."""
+    def touch_watched_keys(self) -> None:
+        """Make every node's beat and lost keys and the hang vote exist, so that :meth:`beats` and a supervisor's
+        look (``gen``, the hang vote and its peers' keys, :mod:`ftrun.launch.peers`) read them in one round trip
+        (a c10d store reads absent keys one by one)."""
+        self.store.compare_set(self.key("hang"), b"", "")
         for node in range(self.nnodes):
             for what, empty in (("beat", "0"), ("lost", "")):
                 self.store.compare_set(self.key("node", node, what), b"", empty)
+
+    def open_hang_vote(self, gen: int) -> None:
+        """Ask every node to report its silent trainers of generation ``gen`` (``hang`` holds the newest
+        generation with a hang to attribute; read with :meth:`hang_vote_open`)."""
+        self.store.set(self.key("hang"), str(gen))
+
+    @staticmethod
+    def hang_vote_open(payload: bytes | None, gen: int) -> bool:
+        """Whether ``payload``, the value of ``hang`` just read, asks for generation ``gen``'s silent trainers."""
+        return payload == str(gen).encode()

@@ -39,17 +39,20 @@ class PeerWatch:
         self.peers = watched(node, nnodes)
         self.timeout = timeout
         self.me = me
-        self._keys = [coord.key("node", n, what) for what in ("beat", "owner", "lost") for n in self.peers]
-        self._keys.append(coord.key("node", node, "owner"))
+        # what :meth:`check` reads (a caller may read them with other keys and pass the values)
+        self.keys = [coord.key("node", n, what) for what in ("beat", "owner", "lost") for n in self.peers]
+        self.keys.append(coord.key("node", node, "owner"))
         self._counts: dict[int, int | None] = {n: None for n in self.peers}
         self._owners: dict[int, int | None] = {n: None for n in self.peers}  # incarnation of each peer's owner
         self._changed = dict.fromkeys(self.peers, time.monotonic())
         self._last_check = time.monotonic()
         self.replaced_by: Owner | None = None  # set once another supervisor owns this node rank
 
-    def check(self) -> tuple[int, float] | None:
-        """(a lost peer, seconds its count has not changed), or None; sets :attr:`replaced_by` when fenced."""
-        values = self.coord.store.multi_get(self._keys)
+    def check(self, values: list[bytes | None] | None = None) -> tuple[int, float] | None:
+        """(a lost peer, seconds its count has not changed), or None; sets :attr:`replaced_by` when fenced.
+        ``values``: the authentic values of :attr:`keys` just read (default: read them now)."""
+        if values is None:
+            values = self.coord.store.multi_get(self.keys)
         now = time.monotonic()
         if now - self._last_check > self.timeout / 2:  # this process could not look: nobody is to blame
             self._changed = dict.fromkeys(self.peers, now)

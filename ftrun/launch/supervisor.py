@@ -5,8 +5,8 @@ Loop (the protocol itself is in :mod:`ftrun.control.coordination`)::
     join (replacement? bump) -> rendezvous(g) -> start trainers -> watch -> stop trainers -> next g | exit
 
 While watching, at every look it reaps children (a crash is seen by waitpid), reads the heartbeat table (hangs),
-reads the generation key when told or every 0.25 s (failures seen elsewhere), and four times a second the peers'
-beat counters (lost nodes). A look comes at once when a trainer or the keeper exits, the generation moves or a stop
+reads the generation key when told or every 0.25 s (failures seen elsewhere), and four times a second, in the same
+round trip, the peers' beat counters (lost nodes) and the hang vote (a peer attributing a hang). A look comes at once when a trainer or the keeper exits, the generation moves or a stop
 signal comes (it waits on their pidfds, the :class:`GenerationWatch` and a :class:`Wakeup` in one ``select``); else
 every ``--monitor-interval`` (20 ms) while a moment counts (until a restart's trainers all beat again: its recovery
 time, if they beat at all; once a trainer has exited 0: the job's end; while an injected node loss waits for its
@@ -241,7 +241,7 @@ class Supervisor:
             self.coord = Coordinator(store, self.spec.job_id, self.node, self.spec.nnodes)
             if self.incarnation is None:
                 self.incarnation = take(self.coord, self.node, self.me, socket.gethostname(), shm_place())
-            self.coord.touch_beats()
+            self.coord.touch_watched_keys()
             beater = _Beater(self.spec, self.report)
             beater.start()
             self.gen_watch = self._generation_watch()
@@ -716,30 +716,34 @@ class Supervisor:
                 self.coord.mark(g, "up", time.time())
             if self.link is not None and self.link.fatal is not None:
                 return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
-            # failures seen elsewhere (told by the watch, or read now and then); once this node is done, whether
-            # every node is
+            # failures seen elsewhere (told by the watch, or read now and then), with the peers' beats and the hang
+            # vote when they are due (one round trip); once this node is done, whether every node is
             watch = self.gen_watch
-            if (watch is not None and watch.moved.is_set()) or now >= next_gen_check:
+            peers_due = now >= next_peer_check
+            if (watch is not None and watch.moved.is_set()) or now >= next_gen_check or peers_due:
                 if watch is not None:
                     watch.moved.clear()  # before the read: a move after it sets it again
                 next_gen_check = now + self._gen_check_interval(done)
-                now_raw = self.coord.current_raw()
+                if peers_due:
+                    now_raw, vote, peer_values = self.coord.look(peers.keys)
+                else:
+                    now_raw = self.coord.current_raw()
                 if now_raw != seen:
                     return now_raw
                 if done and self.coord.marked(g, "done") is not None:  # the job is done: leave at once
                     if leader is not None:
                         leader.finish()
                     return "done"
+                if peers_due:
+                    next_peer_check = now + PEER_CHECK_INTERVAL
+                    lost = self._check_peers(peers, seen, peer_values)
+                    if lost is not None:
+                        return lost
+                    if self._suspects_sent != g and self.coord.hang_vote_open(vote, g):
+                        self._send_suspects(g, table)  # a peer attributes a hang: report this node's silent trainers
+                    if leader is not None:
+                        leader.poll()
             self._publish_status("done" if done else "running", g)
-            if now >= next_peer_check:
-                next_peer_check = now + PEER_CHECK_INTERVAL
-                lost = self._check_peers(peers, seen)
-                if lost is not None:
-                    return lost
-                if self._suspects_sent != g and self.coord.get("gen", g, "hang") is not None:
-                    self._send_suspects(g, table)  # a peer attributes a hang: report this node's silent trainers
-                if leader is not None:
-                    leader.poll()
             # see the module doc (a script that never beat has no recovery time to wait for)
             eager = (g > 0 and not up and any(d.armed for d in self.detectors)) or exited_0 or bool(node_faults)
             self._pause(now if eager else self._next_look(next_gen_check, next_peer_check))
@@ -749,10 +753,10 @@ class Supervisor:
         return PeerWatch(self.coord, self.node, self.spec.nnodes, self.spec.node_timeout,
                          Owner(self.incarnation, self.me))
 
-    def _check_peers(self, peers: PeerWatch, seen: bytes) -> bytes | None:
-        """One look at the watched peers' beats: the raw generation a lost peer started, or None. Raises
-        :class:`Replaced` when a spare owns this node's rank now."""
-        lost = peers.check()
+    def _check_peers(self, peers: PeerWatch, seen: bytes, values: list[bytes | None] | None = None) -> bytes | None:
+        """One look at the watched peers' beats (``values``: :attr:`PeerWatch.keys` just read): the raw generation
+        a lost peer started, or None. Raises :class:`Replaced` when a spare owns this node's rank now."""
+        lost = peers.check(values)
         if peers.replaced_by is not None:
             raise self._replaced(peers.replaced_by)
         if lost is None:
@@ -800,7 +804,7 @@ class Supervisor:
         that stopped first (:func:`~ftrun.launch.hangs.culprit`) is the failure. Returns the raw generation
         now current."""
         mine = self._send_suspects(gen, table)  # again if sent before: it holds the hung trainer now
-        self.coord.store.set(self.coord.key("gen", gen, "hang"), str(self.node))
+        self.coord.open_hang_vote(gen)
         deadline = time.monotonic() + HANG_VOTE_WAIT
         while True:
             if self.coord.marked(gen, "suspects") is not None or time.monotonic() > deadline:
