@@ -134,6 +134,20 @@ def test_hang_detector_uses_initial_timeout_after_restart_and_while_exiting():
     assert detector.observe(beat(2, 5, 201.0, PHASE_EXITING), now=209.0) is None
 
 
+def test_a_trainer_stopped_at_its_first_steps_is_a_hang_suspect():
+    """Seen beating once (no step interval yet: its timeout is ``initial``), then silent: when a peer blocked on
+    it times out after the floor, it is a suspect by the floor, not left out (the peer would be blamed)."""
+    detector = HangDetector(initial=10, floor=2, factor=5)
+    detector.trainer_started(0.0)
+    detector.observe(beat(1, 1, 0.1), now=0.1)
+    assert detector.timeout == 10 and not detector.suspect(now=1.0)
+    assert detector.suspect(now=1.2)  # silent for half the floor
+    detector.observe(beat(2, 2, 0.2), now=1.3)  # a step interval (0.1 s: the floor applies)
+    assert not detector.suspect(now=2.2) and detector.suspect(now=2.4)
+    detector.trainer_started(10.0)  # a restart: before its first beat only ``initial`` counts
+    assert not detector.suspect(now=13.0) and detector.suspect(now=15.0)
+
+
 def test_cli_help_lists_torchrun_flags():
     result = subprocess.run([sys.executable, "-m", "ftrun", "run", "--help"], capture_output=True, text=True,
                             timeout=30)

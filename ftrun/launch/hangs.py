@@ -73,6 +73,14 @@ class HangDetector:
         """Seconds since this trainer's last beat was seen (since its start before the first)."""
         return now - self._since
 
+    def suspect(self, now: float) -> bool:
+        """Whether this trainer counts as a suspect when a hang is attributed: armed and silent for half its
+        timeout or more, the floor standing for ``initial`` while it beats with no step interval seen yet (a
+        trainer stopped within its first steps, before two looks saw it step, must not be left out: its peers,
+        blocked on it, would be blamed instead)."""
+        unknown = self._seen_this_trainer and not self.exiting and not self._intervals
+        return self.armed and self.silence(now) >= (self.floor if unknown else self.timeout) / 2
+
     def observe(self, beat: Beat, now: float) -> str | None:
         """Feed the latest slot contents; returns why the trainer is hung, or None."""
         if beat.beats != self._beats:

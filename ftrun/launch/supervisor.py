@@ -790,7 +790,7 @@ class Supervisor:
         for trainer in self.trainers.values():
             detector, beat = self.detectors[trainer.local_rank], table[trainer.local_rank]
             silent = detector.silence(now)
-            if trainer.exit_code is None and detector.armed and silent >= detector.timeout / 2:
+            if trainer.exit_code is None and detector.suspect(now):
                 reason = detector.describe(now)
                 last = wall - (now_ns - beat.monotonic_ns) / 1e9 if beat.beats else wall - silent
                 suspects.append(HangSuspect(trainer.rank, self.node, process_state(trainer.pid), beat.step, last,
