@@ -189,6 +189,19 @@ def test_jobs_sharing_a_ckpt_dir_write_and_prune_only_their_own_steps(start_job,
 
 
 @pytest.mark.timeout(300)
+def test_a_dcp_job_ends_with_keep_steps_once_its_copies_are_written(start_job, tmp_path):
+    """--ckpt-format dcp keeps the step being copied and the newest copied beyond --keep; once the final step's
+    copy is written neither is needed, but nothing pruned them: a job ended with --keep + 2 steps on disk."""
+    ckpt = tmp_path / "ckpt"
+    job = start_job("--nproc-per-node", "2", *durable(ckpt, "--keep", "1", "--ckpt-format", "dcp"), str(TRAIN_GPT),
+                    "--steps", "40", "--snapshot-every", "5", "--step-time", "0.05")
+    assert job.wait(240) == 0, job.output
+    assert sorted(os.listdir(ckpt / job.job_id)) == ["step-00000040"], job.output
+    assert os.listdir(ckpt / job.job_id / "step-00000040" / "dcp"), job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(300)
 def test_a_failed_parity_rebuild_falls_back_to_disk_within_the_generation(start_job, tmp_path, gpt_baselines):
     """Node 1's slots and node 0's parity of them are corrupt: the rebuild fails once, every node plans the
     next source (disk) in the same generation, and the job ends bit-exact after one failure."""

@@ -144,7 +144,7 @@ class Durability:
         if self.leader:
             self._lead(restorable)
             if self.copies is not None:
-                self.copies.poll()
+                self._poll_copies()
         now = time.monotonic()
         # a round due: node 0 opens it about now, so hold for it at once
         if self.hold is None and now < self._next_read and not self.leader and not self._due:
@@ -265,19 +265,7 @@ class Durability:
             self._failed(step, "; ".join(errors))
             return
         self._drop_replaced(replaced)
-        try:  # the step is on disk: failing to delete older ones does not undo that
-            spare = self.copies.spare() if self.copies is not None else frozenset()
-            aside, moved = set_aside_other_worlds(self.root, step, self.spec.job_id,
-                                                  self.spec.nnodes * self.spec.nproc_per_node, spare)
-            if moved:
-                self.events.emit("durability", f"moved {steps_text(moved)} of another world size to {aside} (kept, "
-                                 "not counted toward --keep: a run at that world size resumes from them once "
-                                 "moved back)", step=step, moved=moved, path=aside)
-            pruned = prune(self.root, self.spec.keep, step, self.spec.job_id, spare)
-        except OSError as err:
-            pruned = []
-            self.events.emit("durability", f"WARNING could not remove old steps after persisting step {step}: "
-                             f"{error_text(err)}", step=step)
+        pruned = self._tidy(step)  # the step is on disk: failing to delete older ones does not undo that
         self.done = step
         if self.copies is not None:
             self.copies.want(step)
@@ -294,6 +282,36 @@ class Durability:
                          f"{seconds:.2f}s, {nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s; finished in {finishing:.2f}s)"
                          f"{'; removed ' + steps_text(pruned) if pruned else ''}", step=step, bytes=nbytes,
                          seconds=seconds, finish_seconds=finishing, path=path, pruned=pruned)
+
+    def _tidy(self, step: int) -> list[int]:
+        """With ``step`` the newest on disk: move steps of another world size aside and prune the others beyond
+        ``--keep`` but those a DCP copy needs. Returns the steps removed (none, with a warning, on an OSError)."""
+        try:
+            spare = self.copies.spare() if self.copies is not None else frozenset()
+            aside, moved = set_aside_other_worlds(self.root, step, self.spec.job_id,
+                                                  self.spec.nnodes * self.spec.nproc_per_node, spare)
+            if moved:
+                self.events.emit("durability", f"moved {steps_text(moved)} of another world size to {aside} (kept, "
+                                 "not counted toward --keep: a run at that world size resumes from them once "
+                                 "moved back)", step=step, moved=moved, path=aside)
+            return prune(self.root, self.spec.keep, step, self.spec.job_id, spare)
+        except OSError as err:
+            self.events.emit("durability", f"WARNING could not remove old steps after persisting step {step}: "
+                             f"{error_text(err)}", step=step)
+            return []
+
+    def _poll_copies(self) -> None:
+        """Drive the DCP copies (node 0); once one is written, the steps kept for the copies before are pruned
+        like any other (a job ended with ``--keep`` + 2 steps: the last persist spared the step then copied and
+        the newest copied before it)."""
+        assert self.copies is not None
+        copied = self.copies.done
+        self.copies.poll()
+        if self.copies.done > copied and self.done:
+            pruned = self._tidy(self.done)
+            if pruned:
+                self.events.emit("durability", f"removed {steps_text(pruned)}, kept beyond --keep until the DCP "
+                                 f"copy of step {self.copies.done} was written", step=self.done, pruned=pruned)
 
     def _drop_replaced(self, replaced: str) -> None:
         """Delete the step an earlier run left where this one persisted, unless it was saved at another world
