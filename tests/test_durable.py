@@ -202,6 +202,24 @@ def test_a_dcp_job_ends_with_keep_steps_once_its_copies_are_written(start_job, t
 
 
 @pytest.mark.timeout(300)
+def test_a_run_at_another_world_size_sets_the_earlier_steps_aside_in_one_directory(start_job, tmp_path):
+    """A run resumed at another world size (from a DCP copy) moves the earlier world's steps aside as it persists
+    (here as it persists steps 15 and 20 again, 1.5 s apart): into one previous-<time>/ directory, not a new one
+    for each move a second or more after the last."""
+    ckpt = tmp_path / "ckpt"
+    flags = durable(ckpt, "--ckpt-format", "dcp")  # --keep 2: steps 15 and 20 (its DCP copy) stay
+    first = start_job("--nnodes", "2", *flags, str(TRAIN_GPT), "--steps", "20", "--snapshot-every", "5")
+    assert first.wait(240) == 0, first.output
+    again = start_job(*flags, str(TRAIN_GPT), "--steps", "25", "--snapshot-every", "5",
+                      "--step-time", "0.3", job_id=first.job_id, log_dir=tmp_path / "logs-again")
+    assert again.wait(240) == 0, again.output
+    aside = [name for name in os.listdir(ckpt / first.job_id) if name.startswith("previous-")]
+    assert len(aside) == 1, again.output
+    assert sorted(os.listdir(ckpt / first.job_id / aside[0])) == ["step-00000015", "step-00000020"], again.output
+    assert_job_left_nothing(again)
+
+
+@pytest.mark.timeout(300)
 def test_a_failed_parity_rebuild_falls_back_to_disk_within_the_generation(start_job, tmp_path, gpt_baselines):
     """Node 1's slots and node 0's parity of them are corrupt: the rebuild fails once, every node plans the
     next source (disk) in the same generation, and the job ends bit-exact after one failure."""

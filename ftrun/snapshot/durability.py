@@ -114,6 +114,7 @@ class Durability:
         self._rounds = number(coord.get("persist", "rounds")) or 0
         self._failures = number(coord.get("persist", "failures")) or 0
         self.copies = DcpCopies(self.root, events) if self.leader and spec.ckpt_format == "dcp" else None
+        self._aside = ""  # where this process moved steps of another world size (one directory, not one per move)
 
     def disk_steps(self) -> set[int]:
         """Complete steps of this job, with as many ranks as it has now, on disk."""
@@ -289,8 +290,9 @@ class Durability:
         try:
             spare = self.copies.spare() if self.copies is not None else frozenset()
             aside, moved = set_aside_other_worlds(self.root, step, self.spec.job_id,
-                                                  self.spec.nnodes * self.spec.nproc_per_node, spare)
+                                                  self.spec.nnodes * self.spec.nproc_per_node, spare, self._aside)
             if moved:
+                self._aside = aside
                 self.events.emit("durability", f"moved {steps_text(moved)} of another world size to {aside} (kept, "
                                  "not counted toward --keep: a run at that world size resumes from them once "
                                  "moved back)", step=step, moved=moved, path=aside)
@@ -327,7 +329,7 @@ class Durability:
             shutil.rmtree(replaced, ignore_errors=True)
             return
         try:
-            aside = move_aside(self.root, [replaced])
+            aside = self._aside = move_aside(self.root, [replaced], self._aside)
         except OSError as err:  # kept where it is; put_back_replaced never takes it while step-N exists
             self.events.emit("durability", f"WARNING could not move {replaced} aside: {err.strerror}", path=replaced)
             return

@@ -264,10 +264,11 @@ def complete_steps(root: str, job: str | None = None) -> list[int]:
     return steps
 
 
-def move_aside(root: str, paths: list[str]) -> str:
-    """Move step directories of ``root`` into ``<root>/previous-<time>/`` (created 0700) under their step names
-    (``step-00000030``, whatever suffix they had): kept, but never resumed from. Returns that directory."""
-    aside = os.path.join(root, time.strftime("previous-%Y%m%d-%H%M%S"))
+def move_aside(root: str, paths: list[str], into: str = "") -> str:
+    """Move step directories of ``root`` into ``into``, default a new ``<root>/previous-<time>/`` (created 0700),
+    under their step names (``step-00000030``, whatever suffix they had): kept, but never resumed from. Returns
+    that directory."""
+    aside = into or os.path.join(root, time.strftime("previous-%Y%m%d-%H%M%S"))
     os.makedirs(aside, mode=0o700, exist_ok=True)
     for path in paths:
         name = _COMPLETE.search(os.path.basename(path))
@@ -307,11 +308,11 @@ def put_back_replaced(root: str) -> list[int]:
 
 
 def set_aside_other_worlds(root: str, persisted: int, job: str, world: int,
-                           spare: frozenset[int] = frozenset()) -> tuple[str, list[int]]:
+                           spare: frozenset[int] = frozenset(), into: str = "") -> tuple[str, list[int]]:
     """Move the complete steps of ``job`` up to ``persisted`` that an earlier run wrote at another world size (but
-    those in ``spare``) into ``<root>/previous-<time>/``: this run cannot resume from them, and pruning would
-    delete the other world's newest state, which a run at that world size resumes from (move it back). So they
-    never count toward ``--keep``. Returns that directory ("" when none) and the steps moved."""
+    those in ``spare``) into ``into`` or a new ``<root>/previous-<time>/``: this run cannot resume from them, and
+    pruning would delete the other world's newest state, which a run at that world size resumes from (move it
+    back). So they never count toward ``--keep``. Returns that directory ("" when none) and the steps moved."""
     other = []
     for step in complete_steps(root, job):
         if step <= persisted and step not in spare:
@@ -320,7 +321,7 @@ def set_aside_other_worlds(root: str, persisted: int, job: str, world: int,
                     other.append(step)
     if not other:
         return "", []
-    return move_aside(root, [os.path.join(root, step_name(step)) for step in other]), other
+    return move_aside(root, [os.path.join(root, step_name(step)) for step in other], into), other
 
 
 def prune(root: str, keep: int, persisted: int, job: str | None = None,
