@@ -26,6 +26,11 @@ from debian_packages import apt_install
 PACKAGES = ["munge", "slurm-wlm", "slurm-client"]
 DAEMONS = ["munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol"]
 START_TIMEOUT = 60.0
+PORT_BASES = range(17000, 29000, 97)  # where a cluster's slurmctld and slurmd ports start: the first free one
+# Each cluster numbers its jobs from its own block (FirstJobId): clusters of two checkouts testing side by side on
+# this host would otherwise both run a job 1, whose ftrun job id ``slurm-1`` names files in the one /dev/shm (the
+# tests' cleanup removes them) and whose control store port (20000 + job id % 20000) would be the same
+JOBS_PER_CLUSTER = 100
 
 
 class SlurmUnavailable(RuntimeError):
@@ -43,7 +48,7 @@ def install() -> None:
 
 def _free_base(count: int) -> int:
     """A port base with ``count`` consecutive free ports on 127.0.0.1."""
-    for base in range(17000, 29000, 97):
+    for base in PORT_BASES:
         try:
             for port in range(base, base + count):
                 with socket.socket() as probe:
@@ -110,6 +115,7 @@ class SlurmCluster:
             "ReturnToService=2", "MpiDefault=none", "JobCompType=jobcomp/none",
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
             "KillWait=30", "SlurmdTimeout=30", "MinJobAge=60",
+            f"FirstJobId={1 + PORT_BASES.index(base) * JOBS_PER_CLUSTER}",
             f"NodeName={_hostlist(self.nodes)} NodeHostname={host} NodeAddr=127.0.0.1 "
             f"Port=[{base + 1}-{last}] CPUs=2 State=UNKNOWN",
             f"PartitionName=debug Nodes={_hostlist(self.nodes)} Default=YES MaxTime=INFINITE State=UP "

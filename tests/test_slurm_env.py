@@ -10,7 +10,7 @@ import pytest
 
 from ftrun.errors import UsageError
 from ftrun.launch.sbatch import render
-from ftrun.launch.slurm import (PORT_BASE, assign_node_ranks, claim_path, expand_hostlist, read_claim, slurm_step,
+from ftrun.launch.slurm import (PORT_BASE, PORT_SPAN, assign_node_ranks, claim_path, expand_hostlist, read_claim, slurm_step,
                                 write_claim)
 from ftrun.control.spec import ENV_SHM_DIR
 
@@ -153,3 +153,21 @@ def test_sbatch_template_gives_no_resume_to_the_first_attempt_of_the_first_run_o
     srun_args = "--nodes=2 --ntasks=2 --ntasks-per-node=1 ftrun run --ckpt-dir /ckpt --nproc-per-node 2"
     resume, start_over = f"{srun_args} train.py --no-resume", f"{srun_args} --no-resume train.py --no-resume"
     assert log.read_text().splitlines() == [resume if requeued else start_over, resume, resume]
+
+
+def test_test_clusters_started_side_by_side_number_their_jobs_apart(tmp_path):
+    """Two test clusters on this host (two checkouts testing at once) must not both run a job 1: its ftrun job
+    id (`slurm-1`: its /dev/shm files, which the tests' cleanup removes) and its control store port would be the
+    other cluster's. Each cluster's port base (one free base each) gives it its own block of job ids."""
+    from slurm_cluster import JOBS_PER_CLUSTER, PORT_BASES, SlurmCluster
+
+    firsts = []
+    for base in (PORT_BASES[0], PORT_BASES[1], PORT_BASES[-1]):
+        cluster = SlurmCluster(str(tmp_path / str(base)))
+        os.makedirs(cluster.root)
+        cluster._write_conf(base)
+        found = re.search(r"^FirstJobId=(\d+)$", open(cluster.conf).read(), re.M)
+        assert found is not None
+        firsts.append(int(found.group(1)))
+    ports = [PORT_BASE + job % PORT_SPAN for first in firsts for job in range(first, first + JOBS_PER_CLUSTER)]
+    assert len(set(ports)) == len(ports), firsts
