@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -159,4 +160,34 @@ def test_sigterm_persists_exits_143_and_the_requeued_job_resumes_from_disk(slurm
         text = output.read_text()
         assert f"trainers restore step {persisted[-1]} from disk" in text, text
         assert "SLURM step" in text and "on n3: node rank 0" in text, text
+        assert out.read_text().strip() == gpt_baselines(2, 2), text
+
+
+def test_a_supervisor_killed_under_srun_is_replaced_by_its_launcher_and_the_step_resumes_from_ram(
+        slurm, gpt_baselines, tmp_path):
+    """One node's supervisor dies while its ftrun lives (the OOM killer, a crash): SLURM does not end the step,
+    and no other ftrun can join it, so that node's launcher starts a replacement supervisor for its node rank,
+    whose keeper re-adopts the node's slots: the step goes on from RAM, instead of the other nodes waiting out
+    --rdzv-timeout for a node that never comes and failing the job for good (exit 3)."""
+    args, out = gpt_args(tmp_path, "supervisor", "--step-time", STEP_TIME)
+    output = tmp_path / "srun.out"
+    with slurm_job(slurm) as jobs, open(output, "wb") as sink:
+        srun = subprocess.Popen(["srun", "-N2", "--ntasks-per-node", "1", *FTRUN, "--nproc-per-node", "2",
+                                 "--rdzv-timeout", "60", *args], env=slurm.env(), cwd=ROOT, stdout=sink,
+                                stderr=subprocess.STDOUT)
+        try:
+            wait_for_line(output, r"job slurm-\d+")
+            jobs.append(re.search(r"job slurm-(\d+)", output.read_text()).group(1))  # type: ignore[union-attr]
+            wait_for_line(output, r"step 30 loss")
+            supervisor = re.search(r"\[node 1\] supervisor up \(pid (\d+)", output.read_text())
+            assert supervisor is not None, output.read_text()
+            os.kill(int(supervisor.group(1)), signal.SIGKILL)
+            assert srun.wait(timeout=240) == 0, output.read_text()
+        finally:
+            if srun.poll() is None:
+                srun.kill()
+                srun.wait()
+        text = output.read_text()
+        assert "starting a replacement for node 1" in text, text
+        assert re.search(r"generation 1: trainers restore step \d+ from RAM", text), text
         assert out.read_text().strip() == gpt_baselines(2, 2), text

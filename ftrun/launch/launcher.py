@@ -608,7 +608,9 @@ class Launcher:
 
     def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:
         """Wait for the supervisors; in local mode a lost node's rank goes to a hot spare, or (none left) to a
-        replacement supervisor. Returns the job's exit code."""
+        replacement supervisor. So does the node's rank under ``srun``, where no other ftrun can join the step to
+        take it: a supervisor that died while this launcher lives (the OOM killer, a crash) is replaced here, its
+        keeper re-adopting the node's slots. Returns the job's exit code."""
         results: dict[int, int] = {}
         vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
         fenced: set[int] = set()  # nodes whose supervisor this launcher killed after a spare took their rank
@@ -633,12 +635,16 @@ class Launcher:
                     fenced.discard(node)
                     continue
                 lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED)
-                if lost and self.cfg.local_mode and self.signalled is None:
+                if lost and self.signalled is None and (self.cfg.local_mode or self.slurm is not None):
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
-                    held = owner(coord, node)[1]
-                    raw, won = coord.bump(coord.current_raw(), Failure(
-                        "node-lost", reason, node, None, "launcher",
-                        incarnation=held.incarnation if held is not None else None))
+                    try:
+                        held = owner(coord, node)[1]
+                        raw, won = coord.bump(coord.current_raw(), Failure(
+                            "node-lost", reason, node, None, "launcher",
+                            incarnation=held.incarnation if held is not None else None))
+                    except DistError:  # under srun: the store of the step's first node is gone, and the job with it
+                        results[node] = code
+                        continue
                     gen = Generation.decode(raw).gen
                     if won:
                         self.events.emit("failure", f"failure: {reason} (seen by launcher)", node=node,
