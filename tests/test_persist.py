@@ -14,6 +14,7 @@ import shutil
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -23,8 +24,13 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
 
+from ftrun.control.coordination import Coordinator
+from ftrun.control.signed import SignedStore
+from ftrun.control.spec import NodeSpec
+from ftrun.control.store import C10dStore, host_store
 from ftrun.events import EventLog
 from ftrun.snapshot.dcp_copy import DcpCopies
+from ftrun.snapshot.durability import Durability, Round
 from ftrun.snapshot import persist
 from ftrun.snapshot.layout import RNG_KEY, Capture, capture, encode_meta
 from ftrun.snapshot.persist import CorruptStep
@@ -575,3 +581,40 @@ def test_steps_of_another_world_size_are_set_aside_not_pruned(dirs, states):
     assert persist.prune(str(root), 1, 12, spare=frozenset({9})) == [5]
     assert persist.complete_steps(str(root)) == [9, 12, 14]  # 14: newer than the step persisted, not this run's
     assert persist.set_aside_other_worlds(str(root), 12, JOB, 1, spare=frozenset({9})) == ("", [])
+
+
+def test_a_node_0_replaced_and_back_leaves_the_persist_rounds_of_the_job_alone(tmp_path):
+    """Node 0 leads the persist rounds through one job-wide round document. A node 0 cut off or stalled with a round
+    open, replaced by a spare (a newer generation's node 0, which opens rounds of its own), and back on the network
+    for the moments before it reads its owner key, finished its old round: it wrote the document back to that
+    round's number, the live node 0 then numbered its next rounds from there and took their old answers for new
+    ones (persists failed, 'No such file ... .step-N.partial/manifest.json', durability DEGRADED), and a stale node
+    persisted the live rounds' steps under its node rank's outcome key. A round of a newer generation than a
+    node's own is not that node's: it neither leads nor follows it."""
+    server = host_store(0)
+    store = SignedStore(C10dStore(server), "0123456789abcdef" * 4)
+    spec = NodeSpec("job", 0, 2, 1, "127.0.0.1", 1, "127.0.0.1", "x.py", [], False, False, "/", 1, 0, 1.0, 1.0, 1.0,
+                    1.0, 1.0, 1.0, False, ckpt_dir=str(tmp_path / "ckpt"), persist_every=1)
+    events = EventLog("test", None, stream=None)
+
+    def node(rank: int, generation: int) -> Durability:
+        made = Durability(replace(spec, node_rank=rank), Coordinator(store, "job", rank, 2, run=1), events)
+        made.begin(generation)
+        made.snapshot_passed(1)
+        return made
+
+    stale, old_node_1 = node(0, 0), node(1, 0)
+    stale.tick({}, 4)  # opens round 1 and waits for node 1's hold
+    old_node_1.tick({}, 4)
+    assert old_node_1.hold == 4
+    live, node_1 = node(0, 1), node(1, 1)  # generation 1: node 0 was lost, a spare took its rank
+    live.tick({}, 6)  # opens round 2
+    node_1.tick({}, 6)
+    live.tick({}, 6)  # names step 6
+    node_1.tick({}, 6)
+    assert node_1.persist == (2, 6)
+    stale.tick({}, 4)  # back: round 1 has every hold it waited for
+    old_node_1.tick({}, 4)
+    assert Round.decode(store.get(live.coord.key("persist", "round"))) == Round(2, 1, 6)
+    assert stale.open is None and stale.persist == (0, 0) and old_node_1.persist == (0, 0)
+    del server

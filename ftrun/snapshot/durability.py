@@ -127,10 +127,11 @@ class Durability:
         """The generation's restore step is agreed: lift any hold; node 0 cancels the round of an older one."""
         self.generation = generation
         self.hold = None
-        if self.leader and self.open is not None and self.open.generation != generation:
-            self._set_round(Round(self.open.round, self.open.generation, CANCELLED))
-            if self.open.step:
-                remove_partial(self.root, self.open.step)
+        cancelled = self.open
+        if self.leader and cancelled is not None and cancelled.generation != generation:
+            self._set_round(Round(cancelled.round, cancelled.generation, CANCELLED))
+            if cancelled.step:
+                remove_partial(self.root, cancelled.step)
             self.open = None
             self._snapshots = self.spec.persist_every  # due again in the new generation
 
@@ -162,7 +163,7 @@ class Durability:
             return
         self._holding = max(self._holding, current.round)
         self.hold = None
-        if current.step > 0 and current.round > self.persist[0]:
+        if current.step > 0 and current.round > self.persist[0] and current.generation == self.generation:
             self.persist = (current.round, current.step)
 
     def quiet(self) -> float:
@@ -215,7 +216,7 @@ class Durability:
                     self._set_round(self.open)
             return
         outcomes = self._answers(opened.round)
-        if outcomes is not None:
+        if outcomes is not None and not self._superseded():
             self.open = None
             self._finish(opened, {node: _outcome(raw) for node, raw in outcomes.items()})
 
@@ -232,7 +233,19 @@ class Durability:
         self._set_round(new)
 
     def _set_round(self, new: Round) -> None:
-        self.coord.store.set(self.coord.key("persist", "round"), new.encode())
+        if not self._superseded():
+            self.coord.store.set(self.coord.key("persist", "round"), new.encode())
+
+    def _superseded(self) -> bool:
+        """Whether the round document is a newer generation's: that generation's node 0 leads the rounds now, and
+        this one was replaced (cut off or stalled, then back for the moments before it reads its owner key). It
+        drops its round instead of finishing it or writing the document: an older round's number there would
+        make the new node 0 number its next rounds from it again and take their old answers for new ones."""
+        current = self._read_round()
+        if current is None or current.generation <= self.generation:
+            return False
+        self.open = None
+        return True
 
     def _answers(self, number: int, *what: str, first: int = 0) -> dict[int, str] | None:
         """node -> answer to round ``number`` (its hold, or its outcome) of nodes ``first``.., once all of them
