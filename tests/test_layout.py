@@ -266,6 +266,22 @@ def test_entries_added_after_the_state_was_built_come_back(trained: dict) -> Non
         restore(dict(trained), layout, skeleton, stored)
 
 
+def test_lazy_module_is_materialized_by_restore() -> None:
+    """A restarted script builds its lazy modules (``nn.LazyLinear``) unmaterialized, as at step 0, and restores
+    before a forward; ``load_state_dict`` materializes them, as a torch.load-and-load resume does. The restore read
+    the shape of the live uninitialized parameter ("Can't access the shape of an uninitialized parameter") and
+    every restart failed the same."""
+    torch.manual_seed(0)
+    trained = nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))
+    trained(torch.ones(3, 5))
+    layout, skeleton, stored = store(capture({"model": trained}, rng=False))
+    live = {"model": nn.Sequential(nn.LazyLinear(4), nn.ReLU(), nn.LazyLinear(2))}
+    restore(live, layout, skeleton, stored)
+    assert not any(nn.parameter.is_lazy(p) for p in live["model"].parameters())
+    assert same(dict(live["model"].state_dict()), dict(trained.state_dict()))
+    assert isinstance(live["model"][0].weight, nn.Parameter) and live["model"][0].weight.requires_grad
+
+
 def test_layout_digest_alignment_and_json() -> None:
     a = capture({"m": nn.Linear(3, 5), "x": torch.zeros(3, dtype=torch.int8)}, rng=False).layout
     b = capture({"m": nn.Linear(3, 5), "x": torch.ones(3, dtype=torch.int8)}, rng=False).layout

@@ -49,10 +49,11 @@ Invariants:
   no live DTensor stands at its place (the state of an optimizer that has not stepped), it is rebuilt with
   ``DTensor.from_local`` on the mesh of a live DTensor of the state with the same ranks and placements.
 * Restore ``copy_``-s a stored tensor into the live tensor at the same place (same dtype and shape, any
-  device), else into a new tensor (on the live counterpart's device, else the CPU), then calls
-  ``load_state_dict``, except on an ``nn.Module`` whose state tensors were all copied in place (so its load
-  hooks do not run). Top-level dicts and lists are mutated in place; other plain values are assigned with
-  ``state[key] = value``: they must live in the mapping the trainer passed, which must then be mutable.
+  device; not a lazy module's uninitialized parameter, which ``load_state_dict`` materializes), else into a new
+  tensor (on the live counterpart's device, else the CPU), then calls ``load_state_dict``, except on an
+  ``nn.Module`` whose state tensors were all copied in place (so its load hooks do not run). Top-level dicts
+  and lists are mutated in place; other plain values are assigned with ``state[key] = value``: they must live
+  in the mapping the trainer passed, which must then be mutable.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.parameter import is_lazy
 
 ALIGN = 64
 FORMAT = 1
@@ -420,7 +422,8 @@ class _Builder:
             return np.frombuffer(bytes.fromhex(node["n"][1]), dtype=np.dtype(node["n"][0]))[0]
         if "T" in node:
             src = self.stored(self.entries[node["T"]])
-            if isinstance(live, torch.Tensor) and live.dtype == src.dtype and live.shape == src.shape:
+            if (isinstance(live, torch.Tensor) and not is_lazy(live) and live.dtype == src.dtype
+                    and live.shape == src.shape):
                 with torch.no_grad():
                     live.copy_(src)
                 return live
