@@ -15,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import SCRIPTS, assert_job_left_nothing, primary_failures
+from ftrun.snapshot.ddp_buckets import _left_as_found
 from ftrun.snapshot.layout import capture, restore
 from ftrun.snapshot.loader_seed import LoaderSeedGuard
 
@@ -105,6 +106,34 @@ def resumed_draws(after: int, guard: bool) -> tuple[list, list]:
             seeds.release()
             seeds = None
     return straight, resumed
+
+
+def test_the_ddp_warm_up_puts_back_a_parameter_its_forward_replaced():
+    """MoCo's and BYOL's momentum encoders: their forward sets ``param_k.data = param_k.data * m + param_q.data *
+    (1 - m)``. With 3 or more ranks the warm-up ran that forward once more after a restore, and its new tensor
+    stayed: the resumed run's key encoder was one momentum update ahead, and its final state differed from the
+    failure-free run's."""
+
+    class Momentum(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query, self.key = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+            self.key.requires_grad_(False)
+            self.require_backward_grad_sync = False  # the DDP attribute the warm-up sets and puts back
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
+                for q, k in zip(self.query.parameters(), self.key.parameters()):
+                    k.data = k.data * 0.9 + q.data * 0.1
+            return self.query(x) + self.key(x)
+
+    torch.manual_seed(0)
+    model = Momentum()
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    with _left_as_found(model):
+        model(torch.ones(2, 4)).sum().backward()
+    assert all(torch.equal(t, before[name]) for name, t in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
 
 
 def test_a_resumed_stateful_loader_leaves_the_rng_as_restored(capsys):

@@ -21,7 +21,9 @@ first step use the rebuilt layout, with public torch API only (no DDP internals,
   after, so the real forward re-buckets exactly as the failure-free run did after its step 0: the ready order
   depends on the graph, not on the values;
 * the warm-up leaves no trace: RNG states (``torch.random.fork_rng``, Python's, numpy's), the module's buffers
-  (BatchNorm statistics) and every parameter's ``.grad`` are put back; no optimizer steps.
+  (BatchNorm statistics), every parameter's ``.grad`` and the tensor of a parameter that the forward replaced
+  (MoCo's and BYOL's momentum encoders: ``param_k.data = param_k.data * m + ...``) are put back; no optimizer
+  steps.
 
 Invariants: every rank of a DDP group warms up at the same forward, since all of them restored (restarts are
 global) and run the same script. A module is left alone where the layout cannot matter: a group of two ranks
@@ -31,7 +33,8 @@ global) and run the same script. A module is left alone where the layout cannot 
 Cost: one forward and backward per DDP module per restore; without a restore, one Python call per submodule
 assignment while models are built (the registration hook).
 Limit: a forward whose outputs hold no tensor that requires grad cannot be warmed up; ftrun warns once then
-(the fix: return the tensors the loss is computed from).
+(the fix: return the tensors the loss is computed from). A parameter that the forward changes in place
+(``param_k.mul_(m)``) is not put back (that would take a copy of every parameter).
 """
 
 from __future__ import annotations
@@ -154,8 +157,10 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 @contextlib.contextmanager
 def _left_as_found(module: DistributedDataParallel) -> Iterator[None]:
-    """Run the body with gradient sync on, then put back RNG states, buffers, ``.grad`` and the sync flag."""
+    """Run the body with gradient sync on, then put back RNG states, buffers, ``.grad``, the sync flag and the
+    tensor of every parameter that the forward replaced (``p.data = ...``: a momentum encoder's update)."""
     params = list(module.parameters())
+    tensors = [p.data for p in params]  # held, so a replaced one's memory is not reused: never is_set_to again
     grads = [p.grad for p in params]
     for p in params:
         p.grad = None
@@ -173,5 +178,7 @@ def _left_as_found(module: DistributedDataParallel) -> Iterator[None]:
         with torch.no_grad():
             for buffer, saved in buffers:
                 buffer.copy_(saved)
-        for p, grad in zip(params, grads):
+        for p, tensor, grad in zip(params, tensors, grads):
+            if not p.data.is_set_to(tensor):
+                p.data = tensor
             p.grad = grad
