@@ -17,9 +17,9 @@ first step use the rebuilt layout, with public torch API only (no DDP internals,
   module``: those built before the restore were recorded since the trainer started (:func:`track_ddp_modules`;
   a trainer started without it scans the heap instead), those built after it are hooked as they are built;
 * on each one's first forward with gradients enabled (a forward pre-hook with kwargs) it first runs a warm-up:
-  the same forward on the same inputs, then a backward of zero gradients. That is the iteration DDP re-buckets
-  after, so the real forward re-buckets exactly as the failure-free run did after its step 0: the ready order
-  depends on the graph, not on the values;
+  the same forward on copies of the same inputs, cut from the graph they carry (:func:`_copied`), then a
+  backward of zero gradients. That is the iteration DDP re-buckets after, so the real forward re-buckets
+  exactly as the failure-free run did after its step 0: the ready order depends on the graph, not on the values;
 * the warm-up leaves no trace: RNG states (``torch.random.fork_rng``, Python's, numpy's), the module's buffers
   (BatchNorm statistics), every parameter's ``.grad`` and the tensor of a parameter that the forward replaced
   (MoCo's and BYOL's momentum encoders: ``param_k.data = param_k.data * m + ...``) are put back; no optimizer
@@ -120,7 +120,7 @@ class BucketWarmup:
         if not _rebuckets(module):
             return
         with _left_as_found(module):
-            outputs = [t for t in _tensors(module(*args, **kwargs)) if t.requires_grad]
+            outputs = [t for t in _tensors(module(*_copied(args), **_copied(kwargs))) if t.requires_grad]
             if not outputs:
                 self._warn("its forward returned no tensor that requires grad; return the tensors the loss is "
                            "computed from")
@@ -133,6 +133,21 @@ class BucketWarmup:
             print(f"ftrun: the first step after this restore may differ in the last bits from a run without "
                   f"failure: DDP's first step sums gradients in another order, and ftrun could not warm it up: "
                   f"{why}", file=sys.stderr, flush=True)
+
+
+def _copied(value: Any) -> Any:
+    """``value`` with a copy of each tensor in it (in tuples, lists and dicts), cut from the graph it carries: the
+    warm-up's forward may change its inputs in place (``x /= 255``, ``ReLU(inplace=True)``), and its backward
+    must stop there (a DDP head's input is a DDP backbone's output, whose graph the real backward needs). A copy
+    of a tensor that requires grad does too, and is no leaf, as the real input (reentrant checkpointing needs
+    one that requires grad; an in-place change refuses a leaf)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().requires_grad_().clone() if value.requires_grad else value.clone()
+    if isinstance(value, (list, tuple)):
+        return type(value)(_copied(item) for item in value) if type(value) in (list, tuple) else value
+    if isinstance(value, dict):
+        return {key: _copied(item) for key, item in value.items()} if type(value) is dict else value
+    return value
 
 
 def _rebuckets(module: DistributedDataParallel) -> bool:

@@ -1,4 +1,5 @@
-"""One rank of the DDP re-bucketing check, without ftrun's launcher: ``rebucket.py RANK WORLD INIT_FILE OUT``.
+"""One rank of the DDP re-bucketing check, without ftrun's launcher: ``rebucket.py RANK WORLD INIT_FILE OUT
+[chained]``.
 
 Three runs of the same 6 steps, each from the same initial state, written to OUT as JSON hashes:
 
@@ -7,7 +8,9 @@ Three runs of the same 6 steps, each from the same initial state, written to OUT
 * ``warmed``: the same, with :class:`ftrun.snapshot.ddp_buckets.BucketWarmup` armed before the new module is
   built, as ``Snapshotter.restore()`` arms it.
 
-The model has dropout (RNG), BatchNorm (buffers) and a keyword argument in its forward.
+The model has dropout (RNG), BatchNorm (buffers) and a keyword argument in its forward. ``chained``: its first
+layers (a backbone) and the rest (a head: :class:`Head`) are two DDP modules, the head's input the backbone's
+output.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
 
 from ftrun.snapshot.ddp_buckets import BucketWarmup
 
@@ -44,23 +49,45 @@ def digest(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> str:
     return h.hexdigest()
 
 
-def train(rank: int, mode: str) -> str:
+def wrap(model: Net, chained: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's forward through DDP: one module, or a backbone and a head chained."""
+    if not chained:
+        ddp = DistributedDataParallel(model)
+        return lambda x: ddp(x, scale=0.5)["out"]
+    backbone = DistributedDataParallel(torch.nn.Sequential(model.inp, model.norm))
+    head = DistributedDataParallel(Head(model.hidden))
+    return lambda x: head(backbone(x)) * 0.5
+
+
+class Head(torch.nn.Module):
+    """Changes its input in place (as ``ReLU(inplace=True)``), then runs ``layers`` under reentrant activation
+    checkpointing."""
+
+    def __init__(self, layers: torch.nn.Module) -> None:
+        super().__init__()
+        self.layers = layers
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return checkpoint(self.layers, x.mul_(2.0), use_reentrant=True)
+
+
+def train(rank: int, mode: str, chained: bool) -> str:
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(10 + rank)
-    ddp = DistributedDataParallel(model)
+    forward = wrap(model, chained)
     for step in range(6):
         if step == 3 and mode != "straight":
             rng = torch.get_rng_state()
-            del ddp
+            del forward
             warmup = BucketWarmup()
             if mode == "warmed":
                 warmup.arm()
             torch.set_rng_state(rng)
-            ddp = DistributedDataParallel(model)
+            forward = wrap(model, chained)
         x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step * 100 + rank))
-        loss = ddp(x, scale=0.5)["out"].square().mean()
+        loss = forward(x).square().mean()
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
@@ -73,7 +100,8 @@ def main() -> None:
     rank, world, init_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     torch.set_num_threads(1)  # CPU kernels then reduce in one order, whatever the load: only DDP's may change it
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    hashes = {mode: train(rank, mode) for mode in ("straight", "resumed", "warmed")}
+    chained = sys.argv[5:] == ["chained"]
+    hashes = {mode: train(rank, mode, chained) for mode in ("straight", "resumed", "warmed")}
     dist.barrier()  # every rank is past its last collective
     with open(out, "w") as f:
         json.dump(hashes, f)
