@@ -533,3 +533,81 @@ def test_a_trainer_never_talks_to_a_keeper_socket_that_another_user_holds():
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def test_parity_of_a_step_a_new_generation_drops_is_dropped_with_its_slots(shm):
+    """Parity of a step newer than a generation's plan was computed from slots the plan discards (that future did
+    not happen for every rank): it goes with them, so the step is encoded again once the new generation commits it,
+    and a rebuild gives back what the new generation committed, not the old one's bytes."""
+    secret = os.urandom(32)
+    survivor, lost = (replica_keeper(node, secret) for node in (0, 1))
+    peers = {"0": survivor[1], "1": lost[1]}
+
+    def commit(keeper: Keeper, step: int, generation: int) -> bytes:
+        payload = os.urandom(5000)
+        reply = keeper.handle({"op": "reserve", "rank": 0, "step": step, "generation": generation,
+                               "size": len(payload)})
+        slot = keeper.ranks[0].files[reply["slot"]]
+        write_snapshot(slot, step, payload, generation)
+        assert keeper.handle({"op": "commit", "rank": 0, "slot": reply["slot"], "step": step}) == {}
+        slot.seal(checksum(slot.map, slot.header()))
+        return payload
+
+    for keeper, _ in (survivor, lost):
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0, "peers": peers})
+        commit(keeper, 10, 0)
+    for keeper, _ in (survivor, lost):
+        keeper.redundancy.encode(10, 0, 0, lambda: None)
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10, "committed": 10})
+        commit(keeper, 20, 0)
+    survivor[0].redundancy.encode(20, 0, 10, lambda: None)  # node 1 fails before it encodes step 20
+    for keeper, _ in (survivor, lost):
+        keeper.handle({"op": "held", "generation": 1})
+        keeper.handle({"op": "poll", "generation": 1, "plan": 10, "restorable": 10})
+        assert keeper.ranks[0].held() == {10}
+    assert survivor[0].redundancy.held() == [10]  # not step 20 of generation 0: no rank holds it any more
+    again = {keeper: commit(keeper, 20, 1) for keeper, _ in (survivor, lost)}
+    survivor[0].handle({"op": "poll", "generation": 1, "plan": 10, "restorable": 10, "committed": 20})
+    assert survivor[0]._encode_due()
+    survivor[0].redundancy.encode(20, 1, 10, lambda: None)
+    lost[0].stop()
+    lost[0].unlink_all()
+    replacement, peers["1"] = replica_keeper(1, secret)
+    reply = replacement.handle({"op": "rebuild", "generation": 2, "step": 20, "complete": [0], "peers": peers})
+    assert "error" not in reply, reply
+    file = replacement.ranks[0].files[replacement.ranks[0].index_of(20)]
+    assert bytes(file.payload()[:5000]) == again[lost[0]]
+    for keeper in (replacement, survivor[0]):
+        keeper.stop()
+        keeper.redundancy.close()
+        keeper.unlink_all()
+
+
+def test_parity_finished_after_a_new_generations_plan_dropped_its_step_is_not_held(shm):
+    """The plan comes while the encoder checks with a peer that the data did not change: the parity it then
+    completes is of slots the plan discarded, and is not held either."""
+    secret = os.urandom(32)
+    survivor, peer = (replica_keeper(node, secret) for node in (0, 1))
+    peers = {"0": survivor[1], "1": peer[1]}
+    for step in (10, 20):
+        for keeper, _ in (survivor, peer):
+            keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": step - 10, "peers": peers})
+            commit_via_keeper(keeper, 0, step)
+            slot = keeper.ranks[0].files[keeper.ranks[0].index_of(step)]
+            slot.seal(checksum(slot.map, slot.header()))
+    serve, infos = peer[0].redundancy.server.handler, []
+
+    def plan_during_the_last_info(request: dict) -> object:
+        if request["op"] == "info" and len(infos.append(request) or infos) == 2:
+            survivor[0].handle({"op": "held", "generation": 1})
+            survivor[0].handle({"op": "poll", "generation": 1, "plan": 10, "restorable": 10})
+        return serve(request)
+
+    peer[0].redundancy.server.handler = plan_during_the_last_info
+    with pytest.raises(keeper_module.RedundancyError, match="step 20 of node 0 was discarded"):
+        survivor[0].redundancy.encode(20, 0, 10, lambda: None)
+    assert survivor[0].ranks[0].held() == {10} and survivor[0].redundancy.held() == []
+    for keeper, _ in (survivor, peer):
+        keeper.stop()
+        keeper.redundancy.close()
+        keeper.unlink_all()

@@ -428,6 +428,7 @@ class Keeper:
             return
         if self.redundancy is not None:
             self.redundancy.drop_prepared()  # a rebuild took its slots, or none came
+            self.redundancy.drop_newer(step)
         for rank in self.ranks:
             for index, held in enumerate(rank.steps):
                 if held is not None and held > step and rank.generations[index] < generation:

@@ -268,6 +268,17 @@ class Redundancy:
                 notes.append(f"parity {index} dropped: {problem}")
         return notes
 
+    def drop_newer(self, step: int) -> None:
+        """Drop the parity of steps newer than ``step``, a new generation's plan, which discards those steps' slots
+        (caller holds the keeper's lock). It was computed from a future that did not happen for every rank: kept,
+        the step would count as protected once the generation commits it anew, and a rebuild would give back the
+        old generation's bytes."""
+        for index, held in enumerate(self.steps):
+            if held is not None and held > step:
+                self.steps[index] = None
+                if (file := self.files[index]) is not None:
+                    file.set_state(EMPTY)
+
     def held(self) -> list[int]:
         with self.keeper.cond:
             return sorted(s for s in self.steps if s is not None)
@@ -679,7 +690,10 @@ class Redundancy:
         file.commit(header)
         t2 = time.perf_counter()
         file.seal(parity_checksum(file.header(), [c for t in crcs.values() for c in t], meta))
-        with self.keeper.cond:
+        with self.keeper.cond:  # a new generation's plan may have discarded the slots read since they were checked
+            if self._local_images(step) != infos[place.position]:
+                file.set_state(EMPTY)
+                raise RedundancyError(f"step {step} of node {place.node} was discarded while its parity was computed")
             self.steps[index] = step
             self.keeper.cond.notify_all()
         took = time.perf_counter() - t0
@@ -754,6 +768,13 @@ class Redundancy:
             self._request(self._holder(t), "parity_put_end", step=step, t=t, infos=read)
         except (PeerUnavailable, PeerError):
             pass
+
+    def _local_images(self, step: int) -> tuple[list[int], list[int]] | None:
+        """:meth:`_local_info`, or None when this node no longer holds ``step`` sealed."""
+        try:
+            return self._local_info(step)
+        except LookupError:
+            return None
 
     def _local_info(self, step: int) -> tuple[list[int], list[int]]:
         images = self._images(step)
