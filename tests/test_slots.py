@@ -611,3 +611,26 @@ def test_parity_finished_after_a_new_generations_plan_dropped_its_step_is_not_he
         keeper.stop()
         keeper.redundancy.close()
         keeper.unlink_all()
+
+
+def test_a_persisted_rank_file_larger_than_its_manifest_says_is_a_failed_load_not_a_full_shm(shm, tmp_path):
+    """A keeper sizes the slot it loads a persisted step into by the rank file: one the disk made huge (sparse,
+    garbled) is a step that fails to load (the job tries the next source), never "/dev/shm too small", which
+    ends the job."""
+    from ftrun.snapshot import persist
+    root = tmp_path / "ckpt"
+    keeper = Keeper(dataclasses.replace(spec(1), ckpt_dir=str(root)), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    slot = keeper.ranks[0].files[commit_via_keeper(keeper, 0, 10)]
+    slot.verify()
+    entry = persist.write_rank(persist.partial_dir(str(root), 10), 0, slot)
+    persist.finalize(str(root), 10, "unit", 1, 1, {0: entry})
+    keeper.unlink_all()
+    path = root / persist.step_name(10) / persist.rank_file(0)
+    os.truncate(path, 1 << 40)
+    later = Keeper(dataclasses.replace(spec(1), ckpt_dir=str(root)), [])
+    later.handle({"op": "held", "generation": 0})
+    reply = later.handle({"op": "load", "generation": 0, "step": 10})
+    assert f"the manifest says {entry['bytes']}" in reply.get("error", ""), reply
+    assert later.fatal is None and all(f is None or f.size < 1 << 30 for f in later.ranks[0].files)
+    later.unlink_all()

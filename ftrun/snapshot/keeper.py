@@ -75,7 +75,7 @@ from ftrun.snapshot.priority import lower_priority, lower_to_background
 from ftrun.snapshot.protocol import (PEER_LOST, POLL_WAIT, LineSocket, listen, receive_handoff, same_user,
                                      socket_name)
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
-from ftrun.snapshot.persist import CorruptStep, load_rank, partial_dir, rank_file, step_name, write_rank
+from ftrun.snapshot.persist import CorruptStep, image_size, load_rank, partial_dir, write_rank
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, RESTORED, SLOTS_PER_RANK, SPARE_SLOT,
                                  WRITING, SlotFile, checksum, slot_capacity, slot_name)
 from ftrun.snapshot.transport import PeerError, PeerUnavailable
@@ -589,9 +589,8 @@ class Keeper:
                 self._check_current(generation)
                 if rank.index_of(step) is not None:
                     continue  # already held (an earlier try)
-            path = os.path.join(root, step_name(step), rank_file(self.global_rank(local)))
             try:
-                index, slot = self.claim_vacant(local, os.stat(path).st_size)
+                index, slot = self.claim_vacant(local, image_size(root, step, self.global_rank(local)))
                 load_rank(root, step, self.global_rank(local), slot)
             except (OSError, CorruptStep, KeyError, ValueError) as err:
                 return {"error": f"rank {self.global_rank(local)}: {err}"}

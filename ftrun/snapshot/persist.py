@@ -356,16 +356,32 @@ def _problem(slot: SlotFile, step: int, entry: dict, size: int) -> str | None:
     return problem or slot.verify()
 
 
+def _rank_entry(root: str, step: int, rank: int) -> tuple[str, dict]:
+    """The path of ``rank``'s file of complete ``step`` and its manifest entry; CorruptStep if it has none."""
+    entry = manifest(root, step)["ranks"].get(str(rank))
+    if entry is None:
+        raise CorruptStep(f"step {step} has no rank {rank}")
+    return os.path.join(root, step_name(step), entry["file"]), entry
+
+
+def image_size(root: str, step: int, rank: int) -> int:
+    """The bytes of ``rank``'s file of complete ``step`` (the slot to load it into is sized by them), as its
+    manifest records them; CorruptStep when the file has another size (a disk that garbled it, even to a sparse
+    terabyte, makes a step that does not load, not a slot that does not fit)."""
+    path, entry = _rank_entry(root, step, rank)
+    size = os.stat(path).st_size
+    if size != entry["bytes"]:
+        raise CorruptStep(f"{path}: {size} bytes, the manifest says {entry['bytes']}")
+    return size
+
+
 def load_rank(root: str, step: int, rank: int, slot: SlotFile) -> None:
     """Copy ``rank``'s file of complete ``step`` into ``slot`` and verify it there (checksum, step, manifest).
 
     The slot is EMPTY while the bytes arrive and stays so unless they verify, else CorruptStep says why.
     ValueError if the slot is too small; OSError reading the file propagates.
     """
-    entry = manifest(root, step)["ranks"].get(str(rank))
-    if entry is None:
-        raise CorruptStep(f"step {step} has no rank {rank}")
-    path = os.path.join(root, step_name(step), entry["file"])
+    path, entry = _rank_entry(root, step, rank)
     slot.set_state(EMPTY)
     try:
         with open_regular(path) as f, memoryview(slot.map) as view:
