@@ -4,6 +4,7 @@ no job (the job-level cases are in test_erasure_recovery)."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import threading
@@ -18,7 +19,7 @@ from ftrun.events import EventLog
 from ftrun.snapshot import redundancy
 from ftrun.snapshot.erasure import ALIGN
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy
-from ftrun.snapshot.transport import PeerClient, PeerError, PeerUnavailable
+from ftrun.snapshot.transport import FRAME, FRAME_MAGIC, PeerClient, PeerError, PeerUnavailable
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -157,3 +158,31 @@ def _try(fn: Any, *args: Any) -> Exception | None:
     except Exception as err:  # handed to the test thread
         return err
     return None
+
+
+def test_a_sender_stopped_mid_piece_does_not_hold_the_holders_encode(tmp_path):
+    """A sender stopped (SIGSTOP, a suspended job) halfway through a piece keeps its connection open and sends
+    nothing more: after the peer timeout the holder closes that connection, and its encode, which waits for the
+    pieces being received before it ends, goes on instead of waiting for the sender forever."""
+    keeper = SimpleNamespace(dir=str(tmp_path), job="push", generation=0, cond=threading.Condition(),
+                             events=EventLog("keeper 1", None, stream=None), ranks=[])
+    red = Redundancy(keeper, GroupPlace(node=1, group=4, parity=2, backend="isa_l_rs_vand"), SECRET,
+                     socket.create_server(("127.0.0.1", 0)), peer_timeout=0.5)
+    red.server.start()
+    expect(red, bytearray(2 * CHUNK))
+    stalled = PeerClient(*red.server.address, SECRET)._connect()
+    try:
+        fields = json.dumps({"op": "parity_put", "step": STEP, "t": 1, "offset": 0, "chunk_len": CHUNK,
+                             "crc": 0}).encode()
+        stalled.sendall(FRAME.pack(FRAME_MAGIC, len(fields), PIECE) + fields + bytes(PIECE // 2))
+        while red._incoming.receiving == 0:
+            threading.Event().wait(0.01)
+        keeper.generation = 1  # the job moved on: the encode stops waiting for pushes
+        encode = threading.Thread(target=red._await_pushes, args=(red._incoming, INFOS, 0), daemon=True)
+        encode.start()
+        encode.join(30)
+        assert not encode.is_alive()
+        assert stalled.recv(1) == b""  # the holder closed it
+    finally:
+        stalled.close()
+        red.close()

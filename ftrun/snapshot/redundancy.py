@@ -234,7 +234,8 @@ class Redundancy:
         self._incoming: _Incoming | None = None
         self._pushes = threading.Condition()
         self.server = PeerServer(secret, self.serve, listener=listener, on_event=self._rejected,
-                                 max_payload=self.layout.piece_len if self.pushing else 0, sink=self._receive_push)
+                                 max_payload=self.layout.piece_len if self.pushing else 0, sink=self._receive_push,
+                                 timeout=peer_timeout)
 
     @property
     def peer_timeout(self) -> float:

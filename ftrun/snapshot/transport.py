@@ -141,6 +141,13 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
     return got
 
 
+def _timeval(seconds: float | None) -> bytes:
+    """A bound on each blocking receive or send of a socket (``SO_RCVTIMEO``, ``SO_SNDTIMEO``: a receive that waits
+    longer fails with EAGAIN, one that got part of its bytes returns them); None: no bound."""
+    seconds = 0.0 if seconds is None else max(seconds, 1e-3)  # a zero timeval means no bound
+    return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
+
+
 def _recv_all(sock: socket.socket, size: int, what: str, deadline: float | None = None) -> bytearray:
     buf = bytearray(size)
     if _recv_exact(sock, memoryview(buf), deadline) < size:
@@ -266,6 +273,8 @@ class PeerServer:
     ``sink(fields, length)`` gives the memory a request's payload is received into and a ``done`` callback,
     called once the payload is in (True) or the connection failed during it (False); ``done`` is called
     whenever ``sink`` returned. A sink that raises makes the request an error reply (its payload is dropped).
+    A sink's payload that stops arriving for ``timeout`` seconds (a peer stopped mid-request, whose kernel keeps the
+    connection open) closes the connection: ``done`` comes within one to two timeouts, never waits for the peer.
     """
 
     def __init__(
@@ -280,11 +289,13 @@ class PeerServer:
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
         listener: socket.socket | None = None,
         sink: Sink | None = None,
+        timeout: float = 30.0,
     ) -> None:
         _check_secret(secret)
         self.secret = secret
         self.handler = handler
         self.sink = sink
+        self.timeout = timeout
         self.on_event = on_event
         self.max_payload = min(max_payload, MAX_PAYLOAD)
         self.max_connections = max_connections
@@ -434,7 +445,13 @@ class PeerServer:
             if len(view) != length:
                 _discard(conn, length)
                 return f"ValueError: the sink gave {len(view)} bytes for a payload of {length}"
-            if _recv_exact(conn, view) < length:
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout))
+            try:
+                got = _recv_exact(conn, view)
+            except BlockingIOError:  # nothing for ``timeout`` seconds (SO_RCVTIMEO)
+                raise _Violation(f"payload stalled for {self.timeout:g}s") from None
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(None))  # idle between requests at will
+            if got < length:
                 raise _Violation("connection closed during the frame payload")
             received = True
             return None
@@ -577,10 +594,8 @@ class PeerClient:
                 raise _Violation("authentication failed (the job secrets differ)")
             # blocking from now on, so payloads arrive whole (_recv_exact); the kernel bounds each operation
             sock.settimeout(None)
-            seconds = max(self.timeout, 1e-3)  # a zero timeval would mean no limit
-            limit = struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, limit)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, limit)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))
         except BaseException:
             sock.close()
             raise
