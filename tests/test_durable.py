@@ -246,3 +246,24 @@ def test_a_failed_parity_rebuild_falls_back_to_disk_within_the_generation(start_
     plan = restores(job)[1]
     assert plan["restored_from"] == "disk" and plan["step"] >= 20, job.output
     assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_dir_that_cannot_be_listed_at_a_restart_restores_from_ram(start_job, tmp_path, gpt_baselines):
+    """The job's checkpoint directory cannot be listed as a crash restarts the job (a symbolic link loop stands for
+    an NFS server's EIO or ESTALE): the node agrees its restore step without the disk's steps, saying why, and the
+    job ends bit-exact; its keeper link does not die with the error, leaving the trainers waiting for a plan."""
+    ckpt = tmp_path / "ckpt"
+    args, out = gpt_args(tmp_path, "unlisted", "--step-time", "0.05")
+    job = start_job("--nproc-per-node", "1", "--ckpt-dir", str(ckpt), "--persist-every", "1000", "--inject",
+                    "crash@rank=0,step=40", "--hang-timeout-initial", "60", *args)
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat")
+    jobdir = ckpt / job.job_id
+    jobdir.rename(ckpt / "moved")
+    jobdir.symlink_to(jobdir.name)
+    assert job.wait(180) == 0, job.output
+    assert out.read_text().strip() == gpt_baselines(1, 1)
+    assert restores(job)[1]["restored_from"] == "ram", job.output
+    assert "Too many levels of symbolic links" in job.output
+    assert len(primary_failures(job)) == 1, job.output  # the crash, and no hang of trainers waiting for a plan
+    assert_job_left_nothing(job)

@@ -117,10 +117,16 @@ class Durability:
         self._aside = ""  # where this process moved steps of another world size (one directory, not one per move)
 
     def disk_steps(self) -> set[int]:
-        """Complete steps of this job, with as many ranks as it has now, on disk."""
+        """Complete steps of this job, with as many ranks as it has now, on disk; none, with a warning, while the
+        checkpoint directory cannot be read (an NFS server's EIO or ESTALE): the generation restores from RAM."""
         world = self.spec.nnodes * self.spec.nproc_per_node
-        return {step for step in complete_steps(self.root, self.spec.job_id)
-                if manifest(self.root, step)["world"] == world}
+        try:
+            return {step for step in complete_steps(self.root, self.spec.job_id)
+                    if manifest(self.root, step)["world"] == world}
+        except (OSError, ValueError) as err:  # ValueError: a step replaced between two reads of its manifest
+            self.events.emit("durability", f"WARNING cannot list the persisted steps in {self.root} "
+                             f"({error_text(err)}); restoring without them", reason=error_text(err))
+            return set()
 
     # -- every node ------------------------------------------------------------------------------------------
     def begin(self, generation: int) -> None:
