@@ -14,7 +14,7 @@ import uuid
 import pytest
 import typer
 
-from conftest import SCRIPTS, assert_job_left_nothing, free_port
+from conftest import SCRIPTS, assert_job_left_nothing, free_port, restores, run_bitwise
 from ftrun.cli import app, main
 from ftrun.launch.config import build_config
 from ftrun.errors import UsageError
@@ -365,3 +365,15 @@ def test_a_bad_value_from_a_pet_variable_names_the_variable(capsys, monkeypatch,
     assert fragment in one_line_error(capsys, [HELLO])
     flag = "--" + variable[4:].lower().replace("_", "-")
     assert "PET_" not in one_line_error(capsys, [flag, "-2", HELLO])
+
+
+@pytest.mark.timeout(300)
+def test_virtual_local_rank_trainers_keep_snapshots_of_their_own_and_resume_bitwise(start_job, tmp_path,
+                                                                                    gpt_baselines):
+    """With --virtual-local-rank every trainer's LOCAL_RANK is 0, but each has slots of its own at the keeper: a
+    crash restores the newest step from RAM (the second trainer held none before, so the job started over from
+    step 0 and then waited for its snapshots for good) and the job ends bit-exact."""
+    job = run_bitwise(start_job, tmp_path, gpt_baselines(1, 2), "virtual", "--inject", "crash@rank=1,step=35",
+                      nodes=("--nproc-per-node", "2", "--virtual-local-rank"))
+    plan = restores(job)[1]
+    assert plan["restored_from"] == "ram" and plan["step"] >= 20, job.output

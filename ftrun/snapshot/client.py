@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from ftrun.control.heartbeat import heartbeat, training_over
+from ftrun.control.heartbeat import ENV_HEARTBEAT_SLOT, heartbeat, training_over
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.ddp_buckets import BucketWarmup
 from ftrun.snapshot.layout import (
@@ -141,7 +141,9 @@ class Snapshotter:
                                "one too); the keeper holds one snapshot stream per rank: put every object in one "
                                "state")
         self._keeper = KeeperClient(name or "")
-        self._rank = int(os.environ["LOCAL_RANK"])
+        # its place among the node's trainers, which the keeper's slots are of: not LOCAL_RANK, which is 0 for every
+        # trainer with --virtual-local-rank
+        self._rank = int(os.environ[ENV_HEARTBEAT_SLOT])
         self._generation = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._faults = [f for f in decode_trainer_faults(os.environ.get(ENV_TRAINER_FAULTS, ""))
                         if f[0] in ("copy-crash", "commit-crash")]
