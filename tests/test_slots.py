@@ -634,3 +634,18 @@ def test_a_persisted_rank_file_larger_than_its_manifest_says_is_a_failed_load_no
     assert f"the manifest says {entry['bytes']}" in reply.get("error", ""), reply
     assert later.fatal is None and all(f is None or f.size < 1 << 30 for f in later.ranks[0].files)
     later.unlink_all()
+
+
+def test_a_request_naming_a_rank_or_slot_the_keeper_lacks_is_an_error_reply(shm):
+    """A local rank or slot index out of range (or negative: Python would index from the end) is refused in one
+    line, not an exception that ends the connection's thread (the client then sends it again for a minute), nor a
+    slot file named for rank -1 that no cleanup finds."""
+    keeper = Keeper(spec(1), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    for request in ({"op": "commit", "rank": 1, "slot": 0, "step": 1}, {"op": "corrupt", "rank": 0, "slot": 3,
+                    "reason": "x"}, {"op": "reserve", "rank": -1, "step": 5, "generation": 0, "size": 10},
+                    {"op": "commit", "rank": 0, "slot": -1, "step": 1}, {"op": "restore", "rank": "0", "generation": 0}):
+        reply = keeper.handle(request)
+        assert reply.get("error", "").startswith(f"bad request {request['op']}"), (request, reply)
+    assert os.listdir(shm) == []
+    keeper.unlink_all()

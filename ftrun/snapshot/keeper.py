@@ -384,6 +384,9 @@ class Keeper:
         handler = getattr(self, f"op_{op}", None)
         if handler is None:
             return {"error": f"unknown op {op!r}"}
+        for name, count in (("rank", len(self.ranks)), ("slot", SPARE_SLOT + 1)):  # never indexed from the end
+            if name in request and not (type(request[name]) is int and 0 <= request[name] < count):
+                return {"error": f"bad request {op}: no {name} {request[name]!r} on this node"}
         try:
             return handler(**{k: v for k, v in request.items() if k != "op"})
         except Stale as err:
