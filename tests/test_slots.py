@@ -649,3 +649,18 @@ def test_a_request_naming_a_rank_or_slot_the_keeper_lacks_is_an_error_reply(shm)
         assert reply.get("error", "").startswith(f"bad request {request['op']}"), (request, reply)
     assert os.listdir(shm) == []
     keeper.unlink_all()
+
+
+def test_a_commit_of_a_generation_that_is_over_is_stale_and_not_held(shm):
+    """A trainer killed by a restart with its commit on the way: the keeper reads it after the next generation's
+    plan discarded the steps newer than the plan, and must not hold that step of the old generation again."""
+    keeper = Keeper(spec(1), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    reply = keeper.handle({"op": "reserve", "rank": 0, "step": 5, "generation": 0, "size": 4096})
+    write_snapshot(keeper.ranks[0].files[reply["slot"]], 5, os.urandom(1000), generation=0)
+    keeper.handle({"op": "held", "generation": 1})
+    keeper.handle({"op": "poll", "generation": 1, "plan": 0, "restorable": 0})
+    assert keeper.handle({"op": "commit", "rank": 0, "slot": reply["slot"], "step": 5})["error"].startswith("stale")
+    assert keeper.ranks[0].held() == set() and keeper.ranks[0].files[reply["slot"]].header().state == EMPTY
+    assert keeper.handle({"op": "poll", "generation": 1, "plan": 0, "restorable": 0})["local"] == []
+    keeper.unlink_all()

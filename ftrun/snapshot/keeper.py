@@ -667,6 +667,9 @@ class Keeper:
         if file.problem() is not None or header.step != step:
             return {"error": f"local rank {rank} slot {slot} is not committed at step {step} ({header.describe()})"}
         with self.cond:
+            if header.generation < self.generation:  # its trainer was stopped by a restart with this on the way
+                file.set_state(EMPTY)
+                raise Stale(f"generation {header.generation} is over")
             slots.steps[slot] = step
             slots.generations[slot] = header.generation
             slots.decide(step)
