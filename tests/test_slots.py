@@ -642,9 +642,11 @@ def test_a_request_naming_a_rank_or_slot_the_keeper_lacks_is_an_error_reply(shm)
     slot file named for rank -1 that no cleanup finds."""
     keeper = Keeper(spec(1), [])
     keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
-    for request in ({"op": "commit", "rank": 1, "slot": 0, "step": 1}, {"op": "corrupt", "rank": 0, "slot": 3,
-                    "reason": "x"}, {"op": "reserve", "rank": -1, "step": 5, "generation": 0, "size": 10},
-                    {"op": "commit", "rank": 0, "slot": -1, "step": 1}, {"op": "restore", "rank": "0", "generation": 0}):
+    for request in ({"op": "commit", "rank": 1, "slot": 0, "step": 1},
+                    {"op": "corrupt", "rank": 0, "slot": 3, "reason": "x"},
+                    {"op": "reserve", "rank": -1, "step": 5, "generation": 0, "size": 10},
+                    {"op": "commit", "rank": 0, "slot": -1, "step": 1},
+                    {"op": "restore", "rank": "0", "generation": 0}):
         reply = keeper.handle(request)
         assert reply.get("error", "").startswith(f"bad request {request['op']}"), (request, reply)
     assert os.listdir(shm) == []

@@ -10,8 +10,8 @@ import pytest
 
 from ftrun.errors import UsageError
 from ftrun.launch.sbatch import render
-from ftrun.launch.slurm import (PORT_BASE, PORT_SPAN, assign_node_ranks, claim_path, expand_hostlist, read_claim, slurm_step,
-                                write_claim)
+from ftrun.launch.slurm import (PORT_BASE, PORT_SPAN, assign_node_ranks, claim_path, expand_hostlist, read_claim,
+                                slurm_step, write_claim)
 from ftrun.control.spec import ENV_SHM_DIR
 
 CASES = {

@@ -6,16 +6,17 @@ Loop (the protocol itself is in :mod:`ftrun.control.coordination`)::
 
 While watching, at every look it reaps children (a crash is seen by waitpid), reads the heartbeat table (hangs),
 reads the generation key when told or every 0.25 s (failures seen elsewhere), and four times a second, in the same
-round trip, the peers' beat counters (lost nodes) and the hang vote (a peer attributing a hang). A look comes at once when a trainer or the keeper exits, the generation moves or a stop
-signal comes (it waits on their pidfds, the :class:`GenerationWatch` and a :class:`Wakeup` in one ``select``); else
-every ``--monitor-interval`` (20 ms) while a moment counts (until a restart's trainers all beat again: its recovery
-time, if they beat at all; once a trainer has exited 0: the job's end; while an injected node loss waits for its
-step), and otherwise when the next check is due: the store, the peers, the status, a trainer's hang deadline, and
-eight looks per hang timeout (:meth:`Supervisor._next_look`). The first failure seen moves the job to the next
-generation; every node then stops its trainers and meets the others at the next rendezvous: once the job has a
-committed snapshot with SIGCONT and SIGKILL (their state is restored from it, and a handler of a polite signal
-would hold the restart up for nothing); else, and when the job stops or fails for good, with SIGCONT, SIGTERM
-(SIGINT after Ctrl-C, as torchrun) and SIGKILL after ``stop_grace``.
+round trip, the peers' beat counters (lost nodes) and the hang vote (a peer attributing a hang). A look comes at
+once when a trainer or the keeper exits, the generation moves or a stop signal comes (it waits on their pidfds, the
+:class:`GenerationWatch` and a :class:`Wakeup` in one ``select``); else every ``--monitor-interval`` (20 ms) while a
+moment counts (until a restart's trainers all beat again: its recovery time, if they beat at all; once a trainer has
+exited 0: the job's end; while an injected node loss waits for its step), and otherwise when the next check is due:
+the store, the peers, the status, a trainer's hang deadline, and eight looks per hang timeout
+(:meth:`Supervisor._next_look`). The first failure seen moves the job to the next generation; every node then stops
+its trainers and meets the others at the next rendezvous: once the job has a committed snapshot with SIGCONT and
+SIGKILL (their state is restored from it, and a handler of a polite signal would hold the restart up for nothing);
+else, and when the job stops or fails for good, with SIGCONT, SIGTERM (SIGINT after Ctrl-C, as torchrun) and SIGKILL
+after ``stop_grace``.
 
 Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
 trainer and kept across generations; if it dies it is restarted at once and the trainers keep running, and so
