@@ -340,6 +340,25 @@ def test_a_progress_document_deleted_from_the_store_is_written_again(server, tmp
     assert trackers[1].look(1) == Progress(20, 10)
 
 
+def test_an_unexpected_error_of_the_keeper_link_ends_the_job_in_one_line(capsys):
+    """The link thread agrees each generation's restore step; it caught the keeper's and the store's errors only,
+    so any other (a bug, an OSError of a disk it reads) ended the thread silently and every restart after waited
+    in restore() until the initial hang timeout. It now sets ``fatal``, which the supervisor turns into the job's
+    end, and prints the traceback."""
+    link = object.__new__(link_module.KeeperLink)  # the state run() reads: no keeper, no store
+    link.node, link.parity, link.fatal, link.durability = 1, 0, None, None
+    link._halt, link._generation, link._plans, link._interval = threading.Event(), 3, {}, 0.01
+
+    def agree(gen: int) -> None:
+        raise ZeroDivisionError("division by zero")
+
+    link._agree = agree
+    link.run()  # returns: the thread ends
+    assert link.fatal == ("node 1's keeper link failed (ZeroDivisionError: division by zero); without it the nodes "
+                          "cannot agree a restore step (traceback above)")
+    assert "in agree" in capsys.readouterr().err
+
+
 def test_a_generation_watch_tells_every_move_at_once_a_forged_one_changes_nothing_and_a_lost_store(monkeypatch):
     """The supervisor's GenerationWatch, on a connection of its own: set by each move (a failure's, a stop's),
     never without one, once by a forged history key (the generation read then is the same), and when the store's

@@ -49,8 +49,10 @@ store can) is back within that time, where the job would otherwise wait for it f
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
+import traceback
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -282,7 +284,7 @@ class KeeperLink(threading.Thread):
         # the supervisor's thread's (_nudge): a keeper that does not answer (frozen) must not hold up a stop
         self._nudger = KeeperClient(socket_name(job, spec.node_rank), timeout=NUDGE_TIMEOUT)
         self._seen = ""  # the version of the keeper's last poll answer
-        self.fatal: str | None = None  # ends the job (no room for snapshots)
+        self.fatal: str | None = None  # ends the job (no room for snapshots, an error of this thread)
         self._generation = -1
         self._plans: dict[int, int] = {}
         self.progress = ProgressTracker(self.coord, self.nnodes, self.group, self.parity, events)
@@ -350,6 +352,11 @@ class KeeperLink(threading.Thread):
                 pass  # the keeper is restarting; the supervisor sees its exit
             except DistError:
                 break  # the control store is gone; the supervisor sees that too
+            except Exception as err:  # a bug: end the job in one line, not leave every restart waiting in restore()
+                sys.stderr.write(traceback.format_exc())
+                self.fatal = (f"node {self.node}'s keeper link failed ({type(err).__name__}: {err}); without it the "
+                              "nodes cannot agree a restore step (traceback above)")
+                break
             self._halt.wait(self._interval)
         if self.durability is not None and self.durability.copies is not None:
             self.durability.copies.stop()
