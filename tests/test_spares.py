@@ -46,6 +46,20 @@ def test_two_spares_racing_for_a_lost_rank_one_claims_it():
     assert take(coord, 1, "by-hand", "h") == 3  # a supervisor started for the rank takes it whatever is there
 
 
+def test_a_launcher_s_replacement_first_to_a_lost_rank_keeps_the_spares_out():
+    """The replacement a multi-node launcher starts for its dead supervisor claims the rank from the lost
+    incarnation (0: the supervisor died before it took the rank): first, it holds the rank and a spare's claim
+    from the same incarnation fails, instead of taking the rank from a supervisor that already runs it."""
+    use_job("spares", "a secret long enough for the test")
+    coord = Coordinator(C10dStore(host_store(0)), "spares", 0, 2, run=1)
+    assert claim(coord, 0, 0, "replacement-0", None, "h") == 1  # no owner yet
+    assert take(coord, 1, "first", "h") == 1
+    assert claim(coord, 1, 1, "replacement", None, "h") == 2
+    assert claim(coord, 1, 1, "spare-0", "spare-0", "h") is None
+    held = owner(coord, 1)[1]
+    assert held is not None and held.id == "replacement" and held.spare is None
+
+
 def test_spares_enlisting_at_once_get_distinct_places():
     """Two spares that enlist together used to both store "1" as the count, both believe they had stored it (the
     store compares bytes, and signing is deterministic) and share index 0: one's "took" record then overwrote
@@ -217,3 +231,64 @@ def test_a_keeper_started_ahead_waits_without_touching_any_node_and_leaves_when_
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         ahead.close()  # it exits at the end of its socket
+
+
+def start_two_nodes(start_job, tmp_path, name: str, *extra: str):
+    """Nodes 0 and 1 of a multi-node job (``--node-rank``, an endpoint on this host), each its own launcher, with
+    the threads of the failure-free local run; returns (node 0, node 1, the hash file, the common arguments)."""
+    args, out = gpt_args(tmp_path, name, "--step-time", "0.05")
+    common = ("--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node", "1",
+              "--rdzv-timeout", "30", *extra)
+    env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}  # as in the test above
+    node0 = start_job(*common, "--node-rank", "0", *args, env=env)
+    node1 = start_job(*common, "--node-rank", "1", *args, job_id=node0.job_id, log_dir=node0.log_dir, env=env)
+    return node0, node1, out, (*common, *args), env
+
+
+def kill_supervisor(node0, node: int) -> None:
+    """SIGKILL ``node``'s supervisor (the OOM killer, a crash) once the job has protected step 20; its launcher
+    lives on."""
+    node0.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 20, timeout=120)
+    [start] = [e for e in node0.events() if e["event"] == "node_start" and e["node"] == node]
+    os.kill(start["pid"], signal.SIGKILL)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("node", [0, 1])
+def test_a_multi_node_launcher_replaces_its_killed_supervisor_and_the_job_resumes_from_its_ram(
+        start_job, tmp_path, gpt_baselines, node):
+    """Multi-node, outside SLURM: a node's supervisor dies while its launcher lives. The launcher declares the node
+    lost and starts a replacement for its rank, whose keeper re-adopts the node's slots: the job goes on from RAM
+    and ends bit-for-bit as without the loss, also when the node is node 0, whose launcher hosts the control store.
+    Before, that launcher exited 1 and the other node waited out --rdzv-timeout for a replacement, then failed."""
+    node0, node1, out, _, _ = start_two_nodes(start_job, tmp_path, f"respawn-{node}")
+    kill_supervisor(node0, node)
+    assert node0.wait(180) == 0, node0.output + node1.output
+    assert node1.wait(60) == 0, node1.output
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    assert [(f["kind"], f["node"]) for f in primary_failures(node0)] == [("node-lost", node)], node0.output
+    assert f"starting a replacement for node {node}" in (node0, node1)[node].output
+    assert "trainers restore step" in node0.output and "from RAM" in node0.output, node0.output
+    assert_job_left_nothing(node0)
+
+
+@pytest.mark.timeout(240)
+def test_a_killed_supervisor_s_replacement_and_a_standby_racing_for_its_rank_one_takes_it(
+        start_job, tmp_path, gpt_baselines):
+    """Multi-node with a --standby: node 1's supervisor is killed, its launcher starts a replacement and the
+    standby claims the rank too. Both take it from the incarnation the node-lost generation names, by one
+    compare-and-set: one wins, the other leaves without training (the replacement with exit code 6, its launcher
+    4; an unused standby with 0), the job has one failure, not a second restart, and ends bit-for-bit."""
+    node0, node1, out, common, env = start_two_nodes(start_job, tmp_path, "race")
+    standby = start_job("--standby", *common[2:], job_id=node0.job_id, log_dir=node0.log_dir, env=env)
+    kill_supervisor(node0, 1)
+    assert node0.wait(180) == 0, node0.output + node1.output + standby.output
+    assert standby.wait(60) == 0, standby.output
+    spare_took = "spare_claimed" in {e["event"] for e in node0.events()}
+    assert node1.wait(60) == (4 if spare_took else 0), node1.output
+    if spare_took:
+        assert "leaving the job: node rank 1 was taken by spare" in node1.output, node1.output
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    assert [(f["kind"], f["node"]) for f in primary_failures(node0)] == [("node-lost", 1)], node0.output
+    assert "Traceback" not in node0.output + standby.output
+    assert_job_left_nothing(node0)

@@ -5,7 +5,8 @@
   r``) *takes* it whatever is there. A spare only *claims* it from the owner a node-lost generation names as
   lost (its incarnation is in that generation's document): one compare-and-set from exactly those bytes, so of
   several spares racing for it one wins and the others stay spares, and a rank already taken again (by a
-  replacement, or by another spare) is not claimed.
+  replacement, or by another spare) is not claimed. So does the replacement that a multi-node launcher starts
+  for its own supervisor that died: of it and the spares, one gets the rank.
 - Fencing: an owner that finds another id in its owner key was replaced (it was seen as lost, and a spare took
   its rank): it stops its trainers and exits instead of training beside its replacement.
 - ``node/<r>/claim``: JSON ``{"id", "host"}`` of the launcher that got node rank r in torchrun's multi-node form
@@ -82,11 +83,13 @@ def take(coord: Coordinator, node: int, me: str, host: str, shm: str = "") -> in
     return Owner.decode(_advance(coord, coord.key("node", node, "owner"), after)).incarnation
 
 
-def claim(coord: Coordinator, node: int, lost: int, me: str, spare: str, host: str, shm: str = "") -> int | None:
-    """Claim ``node``'s rank for spare ``spare`` if it is still held by incarnation ``lost`` (the one a node-lost
-    generation named); returns the new incarnation, or None when another spare or a replacement was first."""
+def claim(coord: Coordinator, node: int, lost: int, me: str, spare: str | None, host: str,
+          shm: str = "") -> int | None:
+    """Claim ``node``'s rank for spare ``spare`` (None: for the replacement that the lost owner's launcher
+    started) if it is still held by incarnation ``lost`` (the one a node-lost generation named; 0: no owner
+    yet); returns the new incarnation, or None when another spare or a replacement was first."""
     raw, current = owner(coord, node)
-    if current is None or current.incarnation != lost:
+    if (current.incarnation if current is not None else 0) != lost:
         return None
     won, _ = coord.store.compare_set(coord.key("node", node, "owner"), raw,
                                      Owner(lost + 1, me, spare, host, shm).encode())

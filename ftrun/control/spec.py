@@ -79,6 +79,9 @@ class NodeSpec:
     rdzv_endpoint: str = ""  # etcd: the members' host:port, comma-separated
     rdzv_conf: dict[str, str] = field(default_factory=dict)  # etcd: TLS and authentication settings
     spare: str = ""  # a hot spare's name: no node rank yet (node_rank -1) until it claims a lost one
+    # a replacement its launcher started for a lost supervisor of a multi-node job: the incarnation that was lost
+    # (0: it never took the rank), from which alone it takes the rank, as a spare claims it (None: whoever holds it)
+    replaces: int | None = None
     monitor_interval: float = 0.02  # seconds between two looks at the trainers (--monitor-interval)
     role: str = "default"  # the trainers' ROLE_NAME (--role)
     signals_to_handle: str = DEFAULT_SIGNALS  # the trainers' TORCHELASTIC_SIGNALS_TO_HANDLE

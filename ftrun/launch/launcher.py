@@ -2,8 +2,9 @@
 
 - Local mode (no ``--node-rank``): hosts the control store and starts one supervisor per simulated node. A
   supervisor that dies by a signal or crashes is a lost node: a replacement takes the same node rank.
-- Multi-node mode (``--node-rank`` and ``--rdzv-endpoint``): starts this node's supervisor; node 0 hosts the
-  control store unless one already runs at the endpoint (``ftrun store``). Under ``srun`` the first node of the
+- Multi-node mode (``--node-rank`` and ``--rdzv-endpoint``): starts this node's supervisor, and a replacement
+  when it dies while this launcher lives (unless a hot spare claims the rank first); node 0 hosts the control
+  store unless one already runs at the endpoint (``ftrun store``). Under ``srun`` the first node of the
   step hosts it, and the nodes agree their node ranks first (:func:`ftrun.launch.slurm.agree_node_rank`), so a
   node keeps the rank whose snapshots it holds from an earlier step of the job.
 - torchrun's multi-node form, ``--rdzv-endpoint`` and ``--nnodes`` > 1 without ``--node-rank`` (:attr:`JobConfig.
@@ -608,9 +609,11 @@ class Launcher:
 
     def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:
         """Wait for the supervisors; in local mode a lost node's rank goes to a hot spare, or (none left) to a
-        replacement supervisor. So does the node's rank under ``srun``, where no other ftrun can join the step to
-        take it: a supervisor that died while this launcher lives (the OOM killer, a crash) is replaced here, its
-        keeper re-adopting the node's slots. Returns the job's exit code."""
+        replacement supervisor. So does the node's rank in a multi-node job (``--node-rank``, the form without it,
+        ``srun``): a supervisor that died while this launcher lives (the OOM killer, a crash) is replaced here, its
+        keeper re-adopting the node's slots, unless a ``--standby`` claims the rank first (the replacement takes it
+        only from the lost incarnation, as a spare does: one of them gets it, and a replacement that lost leaves,
+        exit code :data:`EXIT_REPLACED`). Returns the job's exit code."""
         results: dict[int, int] = {}
         vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
         fenced: set[int] = set()  # nodes whose supervisor this launcher killed after a spare took their rank
@@ -635,14 +638,14 @@ class Launcher:
                     fenced.discard(node)
                     continue
                 lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED)
-                if lost and self.signalled is None and (self.cfg.local_mode or self.slurm is not None):
+                if lost and self.signalled is None:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
                     try:
                         held = owner(coord, node)[1]
                         raw, won = coord.bump(coord.current_raw(), Failure(
                             "node-lost", reason, node, None, "launcher",
                             incarnation=held.incarnation if held is not None else None))
-                    except DistError:  # under srun: the store of the step's first node is gone, and the job with it
+                    except DistError:  # the control store (node 0's launcher's, etcd) is gone, and the job with it
                         results[node] = code
                         continue
                     gen = Generation.decode(raw).gen
@@ -655,7 +658,8 @@ class Launcher:
                     if self.pool is not None and self.pool.alive():
                         vacant[node] = code
                     else:
-                        self._replace(node, store_host, store_port, code)
+                        self._replace(node, store_host, store_port, code,
+                                      None if self.cfg.local_mode else held.incarnation if held is not None else 0)
                     break
                 results[node] = code
             if self.pool is not None and self.signalled is None:
@@ -711,9 +715,10 @@ class Launcher:
                              "took its rank: killed, with its keeper and trainers", node=node, spare=held.spare)
         return killed
 
-    def _replace(self, node: int, store_host: str, store_port: int, code: int) -> None:
+    def _replace(self, node: int, store_host: str, store_port: int, code: int, replaces: int | None = None) -> None:
+        """Start a replacement supervisor for ``node``; ``replaces``: see :attr:`NodeSpec.replaces`."""
         self.events.emit("node_lost", f"starting a replacement for node {node}", node=node, exit_code=code)
-        self.procs[node] = self._spawn(self._node_spec(node, store_host, store_port))
+        self.procs[node] = self._spawn(replace(self._node_spec(node, store_host, store_port), replaces=replaces))
         self._spare_of.pop(node, None)
 
     def _hand_over(self, coord: Coordinator, node: int) -> bool:

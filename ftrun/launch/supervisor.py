@@ -63,7 +63,7 @@ from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
-from ftrun.control.ownership import Owner, owner, take
+from ftrun.control.ownership import Owner, claim, owner, take
 from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_env, trainer_threads
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
@@ -73,7 +73,7 @@ from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper
                                     set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, run_dir_prefix,
-                                safe_job_id, shm_path, shm_place)
+                                safe_job_id, shm_path, shm_place, unlink_node_files)
 from ftrun.control.generation_watch import GenerationWatch, Wakeup
 from ftrun.control.store import C10dStore, host_store
 from ftrun.launch.output import Output, OutputSettings
@@ -241,7 +241,7 @@ class Supervisor:
             store = open_store(spec_address(self.spec), self.spec.rdzv_timeout, self.report)
             self.coord = Coordinator(store, self.spec.job_id, self.node, self.spec.nnodes)
             if self.incarnation is None:
-                self.incarnation = take(self.coord, self.node, self.me, socket.gethostname(), shm_place())
+                self.incarnation = self._take_rank()
             self.coord.touch_watched_keys()
             beater = _Beater(self.spec, self.report)
             beater.start()
@@ -767,6 +767,25 @@ class Supervisor:
         return self._fail(seen, Failure("node-lost", f"node {peer} lost: no supervisor beat for {silent:.1f}s",
                                         peer, None, f"node {self.node} (supervisor beats)",
                                         incarnation=held.incarnation if held else None))
+
+    def _take_rank(self) -> int:
+        """Take this node's rank; returns this supervisor's incarnation. A replacement of a lost supervisor
+        (``spec.replaces``) takes it only from the incarnation that was lost, as a spare claims it: of it and a hot
+        spare racing for the rank, one gets it, and this one, when it lost, raises :class:`Replaced` before it
+        starts anything (the lost supervisor's files go, unless the spare shares this host's shared memory)."""
+        host, shm = socket.gethostname(), shm_place()
+        if self.spec.replaces is None:
+            return take(self.coord, self.node, self.me, host, shm)
+        took = claim(self.coord, self.node, self.spec.replaces, self.me, None, host, shm)
+        if took is not None:
+            return took
+        taker = owner(self.coord, self.node)[1]
+        if taker is None:
+            raise JobFailed(f"node {self.node}'s owner key holds no authentic owner: its replacement cannot take it")
+        replaced = self._replaced(taker)
+        if not self._replaced_here:
+            unlink_node_files(self.spec.job_id, self.node)
+        raise replaced
 
     def _replaced(self, taker: Owner) -> Replaced:
         self._replaced_here = bool(taker.shm) and taker.shm == shm_place()
