@@ -666,3 +666,47 @@ def test_a_commit_of_a_generation_that_is_over_is_stale_and_not_held(shm):
     assert keeper.ranks[0].held() == set() and keeper.ranks[0].files[reply["slot"]].header().state == EMPTY
     assert keeper.handle({"op": "poll", "generation": 1, "plan": 0, "restorable": 0})["local"] == []
     keeper.unlink_all()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("thread, broken", [("ftrun-seal", "checksum"), ("ftrun-allocate", "allocate_other"),
+                                            ("ftrun-persist", "_write_step"), ("ftrun-parity", "_encode_due")])
+def test_a_keeper_whose_background_thread_fails_exits_for_its_supervisor_to_restart_it(shm, tmp_path, monkeypatch,
+                                                                                      capsys, thread, broken):
+    """A background thread that died of an unexpected error left a keeper that answers pings and does nothing
+    more: a dead sealer left every later snapshot unsealed, so the encoder and the persister waited forever and
+    the job's protected step stopped with nothing saying why. Now the keeper prints the traceback and one line,
+    and exits (without touching its files) with THREAD_FAILED: its supervisor restarts it, training goes on."""
+    ckpt = str(tmp_path / "ckpt") if thread == "ftrun-persist" else None
+    parity = {"nnodes": 2, "ec_group": 2, "ec_parity": 1} if thread == "ftrun-parity" else {}
+    keeper = Keeper(dataclasses.replace(spec(1), log_dir=str(tmp_path), ckpt_dir=ckpt, **parity), [])
+    if parity:
+        keeper.enable_redundancy(b"k" * 32, socket.create_server(("127.0.0.1", 0)))
+    exits: list[int] = []
+    exited = threading.Event()
+    monkeypatch.setattr(keeper_module.os, "_exit", lambda code: (exits.append(code), exited.set()))
+    # broken before the threads start: a thread may hold the method it calls next while it waits
+    monkeypatch.setattr(keeper_module if broken == "checksum" else keeper, broken, lambda *args: 1 // 0)
+    server = listen(f"ftrun-hg-test-{os.getpid()}-{time.monotonic_ns()}")
+    serving = threading.Thread(target=keeper.serve, args=(server,), daemon=True)
+    serving.start()
+    try:
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+        commit_via_keeper(keeper, 0, 10)  # sealed, the other slot allocated, persisted (asked next), encoded
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10, "persist_round": 1, "persist": 10})
+        assert exited.wait(20), f"{thread} died and the keeper lived on"
+        assert exits == [keeper_module.THREAD_FAILED]
+        [event] = [e for e in read_events(str(tmp_path)) if e["event"] == "keeper_thread_failed"]
+        assert event["thread"] == thread and event["message"] == (
+            f"keeper thread {thread} failed (ZeroDivisionError: integer division or modulo by zero); exiting, for "
+            "the supervisor to restart the keeper (traceback above)")
+        assert "1 // 0" in capsys.readouterr().err
+    finally:
+        keeper.stop()
+        server.shutdown(socket.SHUT_RDWR)
+        serving.join(10)
+        server.close()
+        if keeper.redundancy is not None:
+            keeper.redundancy.close()
+        keeper.unlink_all()
+

@@ -1,8 +1,9 @@
 """The snapshot keeper: one process per node that owns the node's snapshot slots in shared memory.
 
 It outlives trainers (they restart, the keeper and its memory stay) and is restarted by its supervisor if it
-dies; a new keeper re-adopts the slot files after validating their headers and checksums. It never imports
-torch: it handles bytes (:mod:`ftrun.snapshot.slot`) and talks JSON lines (:mod:`ftrun.snapshot.protocol`).
+dies (as it does when one of its background threads fails: :meth:`Keeper._background`); a new keeper re-adopts
+the slot files after validating their headers and checksums. It never imports torch: it handles bytes
+(:mod:`ftrun.snapshot.slot`) and talks JSON lines (:mod:`ftrun.snapshot.protocol`).
 
 Invariant (per job): at every instant there is a step that every rank can restore, and restore picks the
 newest such step. Each local rank has two slots. A trainer asks the keeper which slot to copy step s into
@@ -63,6 +64,8 @@ import socket
 import sys
 import threading
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +101,7 @@ STALE_INTERVALS = 4
 POLL_RECHECK = 0.25  # seconds between two looks of a waiting poll for a change that notified nobody (bytes allocated)
 SOCKET_WAIT = 10.0  # seconds a starting keeper waits for another keeper of its node to leave (listen_alone)
 MIN_PEER_TIMEOUT = 5.0  # seconds: the least a keeper waits on a peer (see peer_timeout)
+THREAD_FAILED = 70  # the exit status of a keeper one of whose background threads failed (EX_SOFTWARE)
 # Advice printed with the /dev/shm capacity error.
 SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
 
@@ -893,13 +897,13 @@ class Keeper:
 
     # -- serving --------------------------------------------------------------------------------------------
     def serve(self, server: socket.socket) -> None:
-        threading.Thread(target=self.seal_forever, name="ftrun-seal", daemon=True).start()
-        threading.Thread(target=self.allocate_forever, name="ftrun-allocate", daemon=True).start()
+        self._background("ftrun-seal", self.seal_forever)
+        self._background("ftrun-allocate", self.allocate_forever)
         if self.spec.ckpt_dir is not None:
-            threading.Thread(target=self.persist_forever, name="ftrun-persist", daemon=True).start()
+            self._background("ftrun-persist", self.persist_forever)
         if self.redundancy is not None:
             self.redundancy.server.start()
-            threading.Thread(target=self.encode_forever, name="ftrun-parity", daemon=True).start()
+            self._background("ftrun-parity", self.encode_forever)
         while not self._stopping:
             try:
                 conn, _ = server.accept()
@@ -909,6 +913,28 @@ class Keeper:
                 conn.close()
                 continue
             threading.Thread(target=self._serve_connection, args=(LineSocket(conn),), daemon=True).start()
+
+    def _background(self, name: str, work: Callable[[], None]) -> None:
+        """Run ``work`` in daemon thread ``name``, guarded. Invariant: a keeper serves only while each of its
+        background threads runs: the others wait for what a dead one would have done (the encoder and the
+        persister for seals, the link for parity and persists), so the job's protected step would stop with
+        nothing saying why. An unexpected error of one (unless the keeper is stopping: it closes its files)
+        prints its traceback and one line, and ends this process without touching its files: the supervisor
+        restarts the keeper, which re-adopts the slots (sealing those left unsealed), and training goes on."""
+
+        def guarded() -> None:
+            try:
+                work()
+            except Exception as err:  # noqa: BLE001 - a bug: restarting the keeper is its remedy
+                if self._stopping:
+                    return
+                sys.stderr.write(traceback.format_exc())
+                self.events.emit("keeper_thread_failed", f"keeper thread {name} failed ({type(err).__name__}: "
+                                 f"{err}); exiting, for the supervisor to restart the keeper (traceback above)",
+                                 node=self.node, thread=name)
+                os._exit(THREAD_FAILED)
+
+        threading.Thread(target=guarded, name=name, daemon=True).start()
 
     def _serve_connection(self, conn: LineSocket) -> None:
         try:
