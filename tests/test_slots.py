@@ -710,3 +710,53 @@ def test_a_keeper_whose_background_thread_fails_exits_for_its_supervisor_to_rest
             keeper.redundancy.close()
         keeper.unlink_all()
 
+
+def _persist_round(keeper: Keeper, number: int, step: int, bound: float) -> dict:
+    """Ask ``keeper`` (its persister running) to persist ``step`` in round ``number``; its outcome."""
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": step, "persist_round": number,
+                   "persist": step})
+    with keeper.cond:
+        assert keeper.cond.wait_for(lambda: keeper.persisted.get("round") == number, bound), f"round {number} hangs"
+        return keeper.persisted
+
+
+@pytest.mark.timeout(60)
+def test_the_persister_waits_for_a_seal_only_while_one_can_come(shm, tmp_path, monkeypatch):
+    """The persister polled its slot's ``sealed`` every 5 ms with no bound and no stop check: a slot emptied before
+    its checksum (a trainer's report, a new generation's plan), a sealer far behind, or a stop left it (and every
+    later persist round of the job) waiting forever. It now fails the round (one warning; the next round tries
+    again) when the slot no longer holds the step or no seal came in SEAL_WAIT, and ends when the keeper stops."""
+    keeper = Keeper(dataclasses.replace(spec(1), ckpt_dir=str(tmp_path / "ckpt")), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    persister = threading.Thread(target=keeper.persist_forever, daemon=True)  # no sealer: nothing gets sealed
+    persister.start()
+    try:
+        waiting = threading.Event()  # the persister looks at the slot: it waits for its seal
+
+        def watch(slot: SlotFile) -> None:
+            header = slot.header
+            monkeypatch.setattr(slot, "header", lambda: (waiting.set(), header())[1])
+
+        watch(keeper.ranks[0].files[commit_via_keeper(keeper, 0, 10)])
+        monkeypatch.setattr(keeper_module, "SEAL_WAIT", 0.5)
+        assert _persist_round(keeper, 1, 10, 20)["error"] == ("node 0: the checksum of rank 0's slot of step 10 was "
+                                                              "not computed in 0.5 s")
+        monkeypatch.setattr(keeper_module, "SEAL_WAIT", 600.0)
+        waiting.clear()
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 10, "persist_round": 2,
+                       "persist": 10})
+        assert waiting.wait(20)
+        keeper.handle({"op": "corrupt", "rank": 0, "slot": keeper.ranks[0].index_of(10), "reason": "test"})
+        assert _persist_round(keeper, 2, 10, 20)["error"] == ("node 0: rank 0's slot of step 10 was emptied before "
+                                                              "its checksum was computed")
+        watch(keeper.ranks[0].files[commit_via_keeper(keeper, 0, 20)])
+        waiting.clear()
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 20, "persist_round": 3,
+                       "persist": 20})
+        assert waiting.wait(20)
+        keeper.stop()
+        persister.join(20)
+        assert not persister.is_alive(), "the persister outlived its keeper's stop"
+    finally:
+        keeper.stop()
+        keeper.unlink_all()

@@ -102,6 +102,9 @@ POLL_RECHECK = 0.25  # seconds between two looks of a waiting poll for a change 
 SOCKET_WAIT = 10.0  # seconds a starting keeper waits for another keeper of its node to leave (listen_alone)
 MIN_PEER_TIMEOUT = 5.0  # seconds: the least a keeper waits on a peer (see peer_timeout)
 THREAD_FAILED = 70  # the exit status of a keeper one of whose background threads failed (EX_SOFTWARE)
+# Seconds the persister waits for the checksum of a slot it writes (the sealer, at background priority, may be
+# behind): past it the round fails (one warning; the next round tries again), where it waited forever.
+SEAL_WAIT = 600.0
 # Advice printed with the /dev/shm capacity error.
 SHM_ADVICE = "enlarge it (docker run --shm-size=..., or a bigger tmpfs) or snapshot less often/less state"
 
@@ -889,11 +892,28 @@ class Keeper:
         for local, index in enumerate(indexes):
             slot = self.ranks[local].files[index]
             assert slot is not None
-            while not slot.header().sealed:  # the checksum goes to disk too
-                time.sleep(0.005)
+            self._await_seal(local, index, slot, step)  # the checksum goes to disk too
             entries[str(self.global_rank(local))] = write_rank(partial_dir(self.spec.ckpt_dir, step),
                                                                self.global_rank(local), slot)
         return entries
+
+    def _await_seal(self, local: int, index: int, slot: SlotFile, step: int) -> None:
+        """Wait until ``slot`` (slot ``index`` of ``local``, holding ``step``) is sealed. LookupError when no seal
+        can come (the slot no longer holds the step: a new generation's plan or a trainer's report emptied it), the
+        keeper stops, or none came in :data:`SEAL_WAIT` seconds."""
+        deadline = time.monotonic() + SEAL_WAIT
+        with self.cond:  # the sealer notifies it
+            while not (header := slot.header()).sealed:
+                if self._stopping:
+                    raise LookupError("the keeper is stopping")
+                left = deadline - time.monotonic()
+                if self.ranks[local].steps[index] != step or header.state != COMMITTED or header.step != step:
+                    raise LookupError(f"rank {self.global_rank(local)}'s slot of step {step} was emptied before its "
+                                      "checksum was computed")
+                if left <= 0:
+                    raise LookupError(f"the checksum of rank {self.global_rank(local)}'s slot of step {step} was "
+                                      f"not computed in {SEAL_WAIT:g} s")
+                self.cond.wait(min(left, POLL_RECHECK))
 
     # -- serving --------------------------------------------------------------------------------------------
     def serve(self, server: socket.socket) -> None:
