@@ -51,6 +51,27 @@ def test_hang_restores_from_ram_bitwise(start_job, tmp_path, gpt_baseline):
     assert_recovered_from_ram(job, [(1, 30), (2, 40)])
 
 
+@pytest.mark.timeout(120)
+def test_a_keeper_that_keeps_failing_ends_the_job_instead_of_restarting_for_ever(start_job):
+    """A keeper that dies is restarted at once; one that dies each time (a bug of one of its threads, a resource
+    it cannot get) was restarted for ever, one line each time, while the job trained without snapshots."""
+    job = start_job("--nproc-per-node", "1", str(SCRIPTS / "sleeper.py"), "--seconds", "60")
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat")
+    killed = 0
+    while killed < 8:  # each keeper killed once it serves (killed while it starts: "did not start")
+        event = job.wait_for_event(lambda e: e["event"] == "failure" or (e["event"] == "keeper_start"
+                                                                         and e["incarnation"] == killed + 1))
+        if event["event"] == "failure":
+            break
+        os.kill(event["pid"], signal.SIGKILL)
+        killed += 1
+    assert job.wait(60) != 0, job.output
+    assert killed == 5, job.output
+    assert "node 0's snapshot keeper failed 5 times within 120s (last: killed by SIGKILL); not restarting it again" \
+        in job.output
+    assert_job_left_nothing(job)
+
+
 @pytest.mark.timeout(240)
 def test_keeper_crash_is_repaired_without_a_restart_and_its_slots_are_readopted(start_job, tmp_path, gpt_baseline):
     job = run_bitwise(start_job, tmp_path, gpt_baseline, "keeper", "--inject", "keeper-crash@node=1,step=20",

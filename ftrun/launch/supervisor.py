@@ -111,6 +111,10 @@ BEAT_INTERVAL = 0.25
 # eighth of the timeout, and a step interval measured across looks (5 x at most an eighth) stays below the floor.
 LOOKS_PER_HANG_TIMEOUT = 8
 KEEPER_START_TIMEOUT = 30.0
+# A keeper that fails this often within KEEPER_FAILURE_WINDOW seconds fails the same way each time (a bug, a
+# resource it cannot get): restarting it again would loop for ever, so the job ends
+KEEPER_FAILURES = 5
+KEEPER_FAILURE_WINDOW = 120.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (gen/<g>/hang); the asker waits this long for all of them.
 HANG_VOTE_WAIT = 1.0
@@ -201,6 +205,8 @@ class Supervisor:
         self.keeper: subprocess.Popen[bytes] | None = None
         self.keeper_watch: KeeperWatch | None = None  # kills a keeper that lives but answers nothing
         self.keeper_starts = 0
+        self._keeper_failures: list[float] = []  # when the keeper exited of itself (monotonic), within the window
+        self._keeper_given_up: str | None = None  # why the keeper is not restarted again (ends the job)
         self.link: KeeperLink | None = None
         self.gen_watch: GenerationWatch | None = None
         self.exits = ExitWatch()  # the running trainers and the keeper: a look follows each exit at once
@@ -377,9 +383,18 @@ class Supervisor:
             self.link.start()
 
     def _keeper_exited(self, code: int) -> None:
-        """The keeper died while the job runs: restart it; trainers keep running and reconnect."""
+        """The keeper died while the job runs: restart it; trainers keep running and reconnect. After
+        :data:`KEEPER_FAILURES` exits within :data:`KEEPER_FAILURE_WINDOW` seconds it is not restarted: the job
+        ends (``_keeper_given_up``)."""
         self._unwatch_keeper()
         self.keeper = None
+        now = time.monotonic()
+        self._keeper_failures = [t for t in self._keeper_failures if now - t < KEEPER_FAILURE_WINDOW] + [now]
+        if len(self._keeper_failures) >= KEEPER_FAILURES:
+            self._keeper_given_up = (f"node {self.node}'s snapshot keeper failed {len(self._keeper_failures)} times "
+                                     f"within {KEEPER_FAILURE_WINDOW:g}s (last: {describe_exit(code)}); not "
+                                     "restarting it again")
+            return
         self.events.emit("keeper_failed", f"keeper {describe_exit(code)}; restarting it (trainers keep "
                          "running)", node=self.node, exit_code=code)
         self._start_keeper()
@@ -715,8 +730,9 @@ class Supervisor:
             if not up and all(beat.beats > 0 for beat in table):
                 up = True
                 self.coord.mark(g, "up", time.time())
-            if self.link is not None and self.link.fatal is not None:
-                return self._fail(seen, Failure("fatal", self.link.fatal, self.node, None, "keeper"))
+            fatal = self._keeper_given_up or (self.link.fatal if self.link is not None else None)
+            if fatal is not None:
+                return self._fail(seen, Failure("fatal", fatal, self.node, None, "keeper"))
             # failures seen elsewhere (told by the watch, or read now and then), with the peers' beats and the hang
             # vote when they are due (one round trip); once this node is done, whether every node is
             watch = self.gen_watch
