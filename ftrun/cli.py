@@ -368,7 +368,8 @@ def status(
     endpoint: Optional[str] = typer.Option(None, "--endpoint",
                                            help="HOST:PORT of the job's control store (default: find the job's "
                                                 "launcher on this host)."),
-    job: Optional[str] = typer.Option(None, "--job", help="Job id (needed with --endpoint or with several jobs)."),
+    job: Optional[str] = typer.Option(None, "--job", help="Job id (needed with --endpoint or with several jobs; "
+                                      "inside a SLURM job, its slurm-$SLURM_JOB_ID when that runs on this host)."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON documents (one line each) instead of tables."),
     once: bool = typer.Option(False, "--once", help="Print the status once and exit."),
     wait: bool = typer.Option(False, "--wait", help="Wait for the job to appear instead of failing."),
@@ -379,11 +380,14 @@ def status(
 ) -> None:
     """Show a running job's nodes, ranks, snapshot tiers and failures, refreshed live until it ends."""
     os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # before torch loads: no C++ warning when the store goes
+    from ftrun.launch.slurm import own_run_id
     from ftrun.ui.live import status_command
 
     if rdzv_backend not in ("c10d", "etcd"):
         raise UsageError(f"--rdzv-backend must be c10d or etcd, got {rdzv_backend!r}")
-    raise typer.Exit(status_command(endpoint, job, as_json, once, wait, secret_file, rdzv_backend))
+    # inside a SLURM job (`srun --overlap --jobid J ftrun status`, its batch script): that job's ftrun job
+    raise typer.Exit(status_command(endpoint, job, as_json, once, wait, secret_file, rdzv_backend,
+                                    own_run_id(os.environ)))
 
 
 @app.command()

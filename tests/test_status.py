@@ -253,6 +253,26 @@ def test_bad_input_is_one_line(args, fragments):
     assert_one_line_error(result, *(fragment.replace("{port}", port) for fragment in fragments))
 
 
+@pytest.mark.timeout(60)
+def test_inside_a_slurm_job_status_defaults_to_that_jobs_ftrun_job(tmp_path):
+    """``srun --overlap --jobid 77 ftrun status`` (or the batch script) on a host where other jobs run too: was
+    "several jobs run on this host ...: choose one with --job"; now the SLURM job's own, ``slurm-77``."""
+    ports = {job: free_port() for job in ("slurm-77", "other")}
+    for job, port in ports.items():  # launcher files of two live jobs (this process), at unreachable stores
+        (tmp_path / f"ftrun-{job}-launcher").write_text(json.dumps(
+            {"job": job, "endpoint": f"127.0.0.1:{port}", "backend": "c10d", "nnodes": 1, "pid": os.getpid()}))
+    env = {name: value for name, value in os.environ.items() if not name.startswith("SLURM_")}
+    env["FTRUN_SHM_DIR"] = str(tmp_path)
+
+    def status(**slurm: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "ftrun", "status", "--once"], capture_output=True, text=True,
+                              timeout=30, cwd=ROOT, env={**env, **slurm})
+
+    assert_one_line_error(status(SLURM_JOB_ID="77"), f"control store at 127.0.0.1:{ports['slurm-77']} is unreachable")
+    assert_one_line_error(status(SLURM_JOB_ID="78"), "several jobs run on this host")  # not the SLURM job's
+    assert_one_line_error(status(), "several jobs run on this host")
+
+
 @pytest.mark.timeout(240)
 def test_ended_job_at_a_standalone_store(start_job, tmp_path):
     """With an ``ftrun store`` that outlives the job, ``--once`` and the live view still answer after it ended."""

@@ -118,11 +118,21 @@ class SlurmStep:
 
     @property
     def run_id(self) -> str:
-        return f"slurm-{self.job_id}"
+        return run_id(self.job_id)
 
     @property
     def endpoint(self) -> str:
         return f"{node_address(self.hosts[0])}:{PORT_BASE + int(self.job_id) % PORT_SPAN}"
+
+
+def run_id(slurm_job_id: str) -> str:
+    """ftrun's job id under ``srun`` in SLURM job ``slurm_job_id`` (every step of it, and after a requeue)."""
+    return f"slurm-{slurm_job_id}"
+
+
+def own_run_id(env: Mapping[str, str]) -> str | None:
+    """The ftrun job id of the SLURM job this process runs in (a step, or its batch script), None outside one."""
+    return run_id(env["SLURM_JOB_ID"]) if env.get("SLURM_JOB_ID") else None
 
 
 def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:

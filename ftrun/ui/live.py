@@ -151,8 +151,9 @@ def announced_jobs() -> list[Announced]:
     return found
 
 
-def find_job(job: str | None) -> Announced:
-    """The running job of this host named ``job``, or the only one when ``job`` is None."""
+def find_job(job: str | None, preferred: str | None = None) -> Announced:
+    """The running job of this host named ``job``; when ``job`` is None, job ``preferred`` (the SLURM job's own,
+    inside one) if it runs here, else the only one."""
     jobs = announced_jobs()
     if job is not None:
         for found in jobs:
@@ -164,16 +165,20 @@ def find_job(job: str | None) -> Announced:
     if not jobs:
         raise UsageError("no running ftrun job found on this host; for a job elsewhere give --endpoint HOST:PORT "
                          "--job ID")
+    for found in jobs:
+        if found.job == preferred:
+            return found
     if len(jobs) > 1:
         raise AmbiguousJob(f"several jobs run on this host ({', '.join(j.job for j in jobs)}): choose one with --job")
     return jobs[0]
 
 
 def attach(endpoint: str | None, job: str | None, timeout: float = CONNECT_TIMEOUT,
-           secret_file: str | None = None, backend: str = "c10d") -> Coordinator:
-    """A read-only coordinator of the job, found as the module docstring says; every failure is a UsageError."""
+           secret_file: str | None = None, backend: str = "c10d", preferred: str | None = None) -> Coordinator:
+    """A read-only coordinator of the job, found as the module docstring says (``preferred``: see
+    :func:`find_job`); every failure is a UsageError."""
     if endpoint is None:
-        found = find_job(job)
+        found = find_job(job, preferred)
         endpoint, job, nnodes, backend = found.endpoint, found.job, found.nnodes, found.backend
     elif job is None:
         raise UsageError("--job is needed with --endpoint")
@@ -198,12 +203,13 @@ def attach(endpoint: str | None, job: str | None, timeout: float = CONNECT_TIMEO
 
 
 def attach_waiting(endpoint: str | None, job: str | None, secret_file: str | None = None,
-                   backend: str = "c10d") -> Coordinator:
+                   backend: str = "c10d", preferred: str | None = None) -> Coordinator:
     """:func:`attach`, retried every :data:`POLL_INTERVAL` until the job appears (a message says so once)."""
     waiting = False
     while True:
         try:
-            return attach(endpoint, job, timeout=POLL_INTERVAL, secret_file=secret_file, backend=backend)
+            return attach(endpoint, job, timeout=POLL_INTERVAL, secret_file=secret_file, backend=backend,
+                          preferred=preferred)
         except AmbiguousJob:
             raise
         except UsageError:
@@ -238,10 +244,11 @@ def _follow(coord: Coordinator, view: View) -> str:
 
 
 def status_command(endpoint: str | None, job: str | None, as_json: bool, once: bool, wait: bool,
-                   secret_file: str | None = None, backend: str = "c10d") -> int:
-    """``ftrun status``: the job's status once (a table, or JSON) or live until it ends; returns the exit code."""
-    coord = (attach_waiting(endpoint, job, secret_file, backend) if wait
-             else attach(endpoint, job, secret_file=secret_file, backend=backend))
+                   secret_file: str | None = None, backend: str = "c10d", preferred: str | None = None) -> int:
+    """``ftrun status``: the job's status once (a table, or JSON) or live until it ends; returns the exit code.
+    ``preferred``: the job shown when no ``job`` is given and several run on this host (:func:`find_job`)."""
+    coord = (attach_waiting(endpoint, job, secret_file, backend, preferred) if wait
+             else attach(endpoint, job, secret_file=secret_file, backend=backend, preferred=preferred))
     console = Console() if sys.stdout.isatty() else Console(force_terminal=False, no_color=True)
     if once:
         try:
