@@ -96,6 +96,20 @@ def test_srun_two_nodes_survive_a_crash_bitwise(slurm, gpt_baselines, tmp_path):
         assert not job_segments(f"slurm-{job}")
 
 
+def test_tui_under_srun_shows_one_view_of_the_job_once(slurm, tmp_path):
+    """``srun -N2 ftrun --tui``: srun merges every node's output, and that is no terminal. Every node printed the
+    whole view once a second (a 10 s job: 21 tables); now the step's first node prints it once, at the end."""
+    with slurm_job(slurm) as jobs:
+        done = subprocess.run(["srun", "-N2", "--ntasks-per-node", "1", *FTRUN, "--tui", "--nproc-per-node", "1",
+                               *gpt_args(tmp_path, "tui", "--step-time", "0.05")[0]],
+                              env=slurm.env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+        output = done.stdout + done.stderr
+        jobs.extend(re.findall(r"job slurm-(\d+) succeeded", output)[:1])
+        assert done.returncode == 0 and jobs, output
+        assert output.count("job ended: done") == 1 and output.count(f"job slurm-{jobs[0]}  ") == 1, output
+        assert output.count(f"job slurm-{jobs[0]} succeeded") == 2 and "node 1's output in" in output, output
+
+
 def test_batch_script_replaces_a_lost_node_with_a_spare_and_resumes_from_ram_and_parity(slurm, gpt_baselines,
                                                                                        tmp_path):
     """Down node n2 mid-training: SLURM kills the step; the batch loop runs ftrun again on n1 (its RAM) and the

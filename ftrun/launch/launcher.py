@@ -356,8 +356,10 @@ class Launcher:
                 self.pool = SparePool(cfg.spares, lambda name: self._spawn(
                     replace(self._node_spec(-1, store_host, store_port), spare=name)), self.events)
                 self.pool.fill()
-            if self.output_dir is not None:
-                self.view = LiveView(Console(stderr=True))
+            if self.output_dir is not None and (self.slurm is None or self.slurm.node_id == 0):
+                # one view of the whole job: under srun, whose output merges every node's, the step's first node
+                # shows it; without a terminal (srun's output, a file) it is printed once, at the end
+                self.view = LiveView(Console(stderr=True), plain_interval=None)
             code = self._wait(coord, store_host, store_port)
             if self.pool is not None:
                 self.pool.stop(cfg.stop_grace)
@@ -404,6 +406,8 @@ class Launcher:
         if self.view is not None:
             self.view.update(gather(coord, settled=self._settled))
             self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
+        elif self.output_dir is not None:  # --tui on a node of a SLURM step that does not show the view
+            print(f"ftrun: node {coord.node_rank}'s output in {self.output_dir}", file=sys.stderr, flush=True)
         print_summary(coord, code, self.job_id, verdict=(
             f"goes on without node {coord.node_rank}, which a spare replaced (exit code {code})"
             if code == EXIT_LEFT else None))

@@ -59,10 +59,10 @@ class View(Protocol):
 
 
 class Periodic:
-    """Hands the newest status to ``emit`` at most once per ``interval``; :meth:`flush` hands over the last one
-    if it was not yet."""
+    """Hands the newest status to ``emit`` at most once per ``interval`` (None: never by itself); :meth:`flush`
+    hands over the last one if it was not yet."""
 
-    def __init__(self, emit: Callable[[JobStatus], None], interval: float = PLAIN_INTERVAL) -> None:
+    def __init__(self, emit: Callable[[JobStatus], None], interval: float | None = PLAIN_INTERVAL) -> None:
         self.emit = emit
         self.interval = interval
         self._emitted = float("-inf")
@@ -70,7 +70,7 @@ class Periodic:
 
     def update(self, status: JobStatus) -> None:
         self._pending = status
-        if time.monotonic() - self._emitted >= self.interval:
+        if self.interval is not None and time.monotonic() - self._emitted >= self.interval:
             self.flush()
 
     def flush(self) -> None:
@@ -80,13 +80,14 @@ class Periodic:
 
 
 class LiveView:
-    """The status view, redrawn in place on a terminal (rich ``Live``), else printed as plain text every second.
+    """The status view, redrawn in place on a terminal (rich ``Live``), else printed as plain text every
+    ``plain_interval`` seconds (None: once, at the end).
 
     ``update(status)`` as often as wanted (twice a second is the supervisors' pace); ``close(message)`` once at
     the end: it leaves the last view on the screen and prints ``message`` (e.g. "job ended: done") below it.
     """
 
-    def __init__(self, console: Console, plain_interval: float = PLAIN_INTERVAL) -> None:
+    def __init__(self, console: Console, plain_interval: float | None = PLAIN_INTERVAL) -> None:
         self.console = console
         self._live: Live | None = None
         self._plain = Periodic(self._print, plain_interval)
@@ -95,7 +96,8 @@ class LiveView:
             self._live.start()
 
     def update(self, status: JobStatus) -> None:
-        """Show ``status``: at once on a terminal, else when the last plain print is ``plain_interval`` old."""
+        """Show ``status``: at once on a terminal, else when the last plain print is ``plain_interval`` old (or
+        at :meth:`close`)."""
         if self._live is not None:
             self._live.update(render(status, self.console.width), refresh=True)
         else:
