@@ -8,7 +8,8 @@ trainers_started, failure (with the failed rank's last ``step``), generation, re
 ``restored_from``: "ram", "disk", "parity" (with ``rebuilt``: node -> the nodes it rebuilds from) or "none"),
 restored (per rank: bytes, seconds), stopped, stop (a supervisor was told to stop, by ``signal``: every node
 stops, persists and exits), all_running, first_heartbeat, recovered, keeper_failed,
-keeper_thread_failed (a keeper's background ``thread`` failed; the keeper exits to be restarted),
+keeper_thread_failed (a keeper's background ``thread`` failed; the keeper exits to be restarted), store_kept (a
+launcher hosting the control store keeps it up after a spare took its node's rank, until the job ends),
 keeper_adopted, slot_allocated, slot_invalid, inject, zygote, node_lost, node_done, failed, parity (a keeper
 computed its parity of a step), parity_failed, protected (a group's protected step advanced), rebuilt,
 rebuild_failed, peer_rejected, store_rejected (a control-store value that is not authentic, or a replayed older

@@ -233,10 +233,10 @@ def test_a_keeper_started_ahead_waits_without_touching_any_node_and_leaves_when_
         ahead.close()  # it exits at the end of its socket
 
 
-def start_two_nodes(start_job, tmp_path, name: str, *extra: str):
+def start_two_nodes(start_job, tmp_path, name: str, *extra: str, step_time: float = 0.05):
     """Nodes 0 and 1 of a multi-node job (``--node-rank``, an endpoint on this host), each its own launcher, with
     the threads of the failure-free local run; returns (node 0, node 1, the hash file, the common arguments)."""
-    args, out = gpt_args(tmp_path, name, "--step-time", "0.05")
+    args, out = gpt_args(tmp_path, name, "--step-time", str(step_time))
     common = ("--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node", "1",
               "--rdzv-timeout", "30", *extra)
     env = {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // 2))}  # as in the test above
@@ -273,22 +273,28 @@ def test_a_multi_node_launcher_replaces_its_killed_supervisor_and_the_job_resume
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.parametrize("node", [0, 1])
 def test_a_killed_supervisor_s_replacement_and_a_standby_racing_for_its_rank_one_takes_it(
-        start_job, tmp_path, gpt_baselines):
-    """Multi-node with a --standby: node 1's supervisor is killed, its launcher starts a replacement and the
+        start_job, tmp_path, gpt_baselines, node):
+    """Multi-node with a --standby: a node's supervisor is killed, its launcher starts a replacement and the
     standby claims the rank too. Both take it from the incarnation the node-lost generation names, by one
     compare-and-set: one wins, the other leaves without training (the replacement with exit code 6, its launcher
-    4; an unused standby with 0), the job has one failure, not a second restart, and ends bit-for-bit."""
-    node0, node1, out, common, env = start_two_nodes(start_job, tmp_path, "race")
+    4; an unused standby with 0), the job has one failure, not a second restart, and ends bit-for-bit. Node 0's
+    launcher, which hosts the control store, keeps it up until the job ends (it left 10 s after its node did, and
+    the job, store lost, ended with exit 3)."""
+    # node 0: the job trains on for longer than a launcher waited for the others to leave (10 s)
+    node0, node1, out, common, env = start_two_nodes(start_job, tmp_path, f"race-{node}", step_time=0.4 if node == 0
+                                                     else 0.05)
     standby = start_job("--standby", *common[2:], job_id=node0.job_id, log_dir=node0.log_dir, env=env)
-    kill_supervisor(node0, 1)
-    assert node0.wait(180) == 0, node0.output + node1.output + standby.output
+    kill_supervisor(node0, node)
+    lost, other = (node0, node1)[node], (node0, node1)[1 - node]
+    assert other.wait(180) == 0, node0.output + node1.output + standby.output
     assert standby.wait(60) == 0, standby.output
     spare_took = "spare_claimed" in {e["event"] for e in node0.events()}
-    assert node1.wait(60) == (4 if spare_took else 0), node1.output
+    assert lost.wait(60) == (4 if spare_took else 0), lost.output
     if spare_took:
-        assert "leaving the job: node rank 1 was taken by spare" in node1.output, node1.output
+        assert f"leaving the job: node rank {node} was taken by spare" in lost.output, lost.output
     assert out.read_text().strip() == gpt_baselines(2, 1)
-    assert [(f["kind"], f["node"]) for f in primary_failures(node0)] == [("node-lost", 1)], node0.output
+    assert [(f["kind"], f["node"]) for f in primary_failures(node0)] == [("node-lost", node)], node0.output
     assert "Traceback" not in node0.output + standby.output
     assert_job_left_nothing(node0)

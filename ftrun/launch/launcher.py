@@ -79,6 +79,7 @@ EXIT_LEFT = 4  # this node was seen as lost while it ran (cut off, stalled), a s
 REPEAT_GAP = 1.0
 # Any other non-zero exit (a lost node, the launcher killed): running it again resumes from RAM, parity or disk.
 _ACK_TIMEOUT = 10.0
+_HOST_LOOK = 0.5  # seconds between two looks of a store host whose node left while the job goes on
 END_STORE_TIMEOUT = 5.0  # seconds a failed job's summary waits for a store operation (a frozen store host)
 _POLL_INTERVAL = 0.02
 # seconds between two looks of a launcher whose supervisors' exits wake it (pidfds) and that has nothing else to
@@ -413,6 +414,8 @@ class Launcher:
             if code == EXIT_LEFT else None))
         if coord.get(WATCHED) is not None:  # an `ftrun status` view follows the job: let it see the end
             time.sleep(2 * LIVE_POLL_INTERVAL)
+        if code == EXIT_LEFT and self.store_server is not None:
+            self._host_until_the_run_ends(coord)
         self._leave(coord)
 
     def _job_doc(self) -> dict[str, object]:
@@ -753,6 +756,22 @@ class Launcher:
             if held is not None and held.spare == name:
                 coord.node_rank = node
         self._leave(coord)
+
+    def _host_until_the_run_ends(self, coord: Coordinator) -> None:
+        """This launcher hosts the c10d control store and a spare took its node's rank (its supervisor died or was
+        cut off): the job goes on on this store, which must stay up until the run ends (the launchers that end it
+        set ``state``), this launcher is told to stop, or no supervisor has beaten for 3 x ``--node-timeout``
+        (the others are gone without a word). Leaving at once took the store, and the job, with it."""
+        self.events.emit("store_kept", f"node {coord.node_rank} left the job to a spare; this launcher keeps the "
+                         "control store up until the job ends", node=coord.node_rank)
+        seen, moved = coord.beats(), time.monotonic()
+        while coord.get("state") is None and self.signalled is None:
+            time.sleep(_HOST_LOOK)
+            beats = coord.beats()
+            if beats != seen:
+                seen, moved = beats, time.monotonic()
+            elif time.monotonic() - moved > 3 * self.cfg.node_timeout:
+                return
 
     def _leave(self, coord: Coordinator) -> None:
         """Multi-node: say this node is gone; the launcher hosting the control store (node 0's, or the one that
