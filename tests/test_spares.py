@@ -296,5 +296,7 @@ def test_a_killed_supervisor_s_replacement_and_a_standby_racing_for_its_rank_one
         assert f"leaving the job: node rank {node} was taken by spare" in lost.output, lost.output
     assert out.read_text().strip() == gpt_baselines(2, 1)
     assert [(f["kind"], f["node"]) for f in primary_failures(node0)] == [("node-lost", node)], node0.output
-    assert "Traceback" not in node0.output + standby.output
+    # no traceback of ftrun's (a trainer's "[rank0]: Traceback", its gloo peer gone with the killed node, may come)
+    assert not [line for line in (node0.output + standby.output).splitlines()
+                if "Traceback" in line and not line.startswith("[rank")], node0.output + standby.output
     assert_job_left_nothing(node0)
