@@ -116,7 +116,8 @@ KEEPER_START_TIMEOUT = 30.0
 KEEPER_FAILURES = 5
 KEEPER_FAILURE_WINDOW = 120.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
-# gen/<g>/suspects/<node> once one of them asks (gen/<g>/hang); the asker waits this long for all of them.
+# gen/<g>/suspects/<node> once one of them asks (the job-wide ``hang`` key names g, Coordinator.open_hang_vote);
+# the asker waits this long for all of them.
 HANG_VOTE_WAIT = 1.0
 # A crash before the first heartbeat that repeats the one that started the generation (same signature: the
 # trainer's "Type: message", or its exit signal or code) ends the job instead of restarting it again.
