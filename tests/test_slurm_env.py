@@ -71,6 +71,20 @@ def test_a_slurm_step_sets_the_job_shape_unless_flags_say_otherwise():
     assert build_config(None, {}, {}).local_mode
 
 
+def test_a_standby_in_a_slurm_step_joins_the_job_it_names_without_the_steps_rank():
+    """``srun -N1 -w n3 ftrun --standby --rdzv-endpoint n1:PORT ...`` (a hot spare for a job's training step):
+    was refused with "--standby joins a job as a spare without a node rank: drop --node-rank", a flag the user never
+    gave (the step's node id was taken for one). It takes the job id from the step, and says where the store is."""
+    from ftrun.launch.config import build_config
+
+    env = {"SLURM_JOB_ID": "99", "SLURM_STEP_ID": "1", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+           "SLURM_STEP_NODELIST": "n3", "SLURM_STEP_TASKS_PER_NODE": "1"}
+    cfg = build_config(None, {"standby": True, "rdzv_endpoint": "n1:20099"}, env)
+    assert (cfg.standby, cfg.node_rank, cfg.rdzv_id, cfg.rdzv_endpoint) == (True, None, "slurm-99", "n1:20099")
+    with pytest.raises(UsageError, match=f"--standby under srun needs --rdzv-endpoint: .* port {PORT_BASE + 99}$"):
+        build_config(None, {"standby": True}, env)
+
+
 def test_standalone_inside_a_slurm_step_is_a_job_of_this_host_alone():
     """``srun --pty bash`` then ``ftrun --standalone`` (the clusters' interactive recipe with torchrun): was
     "--standalone cannot be combined with --node-rank", and an ``srun -n4 --pty`` shell a refusal."""

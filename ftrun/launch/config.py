@@ -481,12 +481,19 @@ def build_config(yaml_path: str | None, overrides: dict[str, Any],
                  env: Mapping[str, str] = os.environ) -> JobConfig:
     """Defaults, then what a SLURM step says (:mod:`ftrun.launch.slurm`), then the YAML file, then the flags the
     user gave (``None`` means not given). ``--standalone`` is a job of this host alone, as under torchrun, also
-    inside a SLURM step (an interactive ``srun --pty bash``): the step is not read then."""
+    inside a SLURM step (an interactive ``srun --pty bash``): the step is not read then. A ``--standby`` in a step
+    takes only the job id from it: its node rank and the job's shape come from the job it joins, whose control
+    store is on another step's first node (``--rdzv-endpoint``)."""
     given = load_yaml(yaml_path) if yaml_path is not None else {}
     given.update({k: v for k, v in overrides.items() if v is not None})
     values: dict[str, Any] = {}
     step = None if given.get("standalone") else slurm_step(env)
-    if step is not None:
+    if step is not None and given.get("standby"):  # a spare in a step of its own: the job's id, not its shape
+        values.update(rdzv_id=step.run_id)
+        if all(given.get(key) is None for key in ("rdzv_endpoint", "master_addr", "master_port")):
+            raise UsageError("--standby under srun needs --rdzv-endpoint: the control store of the job it joins, "
+                             f"on the first node of the job's training step, port {step.endpoint.rpartition(':')[2]}")
+    elif step is not None:
         values.update(nnodes=step.nnodes, node_rank=step.node_id, rdzv_id=step.run_id,
                       rdzv_endpoint=step.endpoint)
     values.update(given)
