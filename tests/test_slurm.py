@@ -15,6 +15,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import psutil
 import pytest
 
 from conftest import ROOT, events_of, gpt_args, job_processes, job_segments
@@ -67,6 +68,18 @@ def wait_for_job_end(slurm, job: str, timeout: float = 180) -> str:
             return f"{found.group(1)} {found.group(2)}"
         assert time.monotonic() < deadline, f"SLURM job {job} still running: {shown}"
         time.sleep(0.2)
+
+
+def launcher_of(job: str, node: str) -> psutil.Process:
+    """The ftrun launcher of SLURM job ``job`` on node ``node`` (its step's task)."""
+    for proc in psutil.process_iter(["name"]):
+        try:
+            env = proc.environ()
+        except (psutil.Error, OSError):
+            continue
+        if proc.info["name"] == "ftrun" and env.get("SLURM_JOB_ID") == job and env.get("SLURMD_NODENAME") == node:
+            return proc
+    raise AssertionError(f"no ftrun launcher of job {job} on {node}")
 
 
 def batch_script(tmp_path: Path, name: str, nodes: int, spares: int, ftrun_args: list[str]) -> Path:
@@ -205,3 +218,31 @@ def test_a_supervisor_killed_under_srun_is_replaced_by_its_launcher_and_the_step
         assert "starting a replacement for node 1" in text, text
         assert re.search(r"generation 1: trainers restore step \d+ from RAM", text), text
         assert out.read_text().strip() == gpt_baselines(2, 2), text
+
+
+def test_a_launcher_killed_under_srun_ends_the_step_at_once_and_the_batch_script_resumes_from_ram(
+        slurm, gpt_baselines, tmp_path):
+    """One node's ftrun SIGKILLed (the OOM killer, an admin): its supervisor dies with it, SLURM neither ends the
+    step nor starts a new task, and no spare waits. The other node waited out --rdzv-timeout (600 s) for a node
+    that could not come and failed the job for good ("did not join", exit 3). Now it ends the step after
+    --node-timeout, keeping its snapshots in RAM, and the batch script's next step resumes from RAM on both nodes
+    (the killed one left its own), bit for bit."""
+    args, out = gpt_args(tmp_path, "killed", "--step-time", STEP_TIME)
+    output = tmp_path / "batch.out"
+    script = batch_script(tmp_path, "killed", 2, 0, ["--nproc-per-node", "2", "--node-timeout", "2",
+                                                     "--log-dir", str(tmp_path / "logs"), *args])
+    with slurm_job(slurm) as jobs:
+        job = sbatch(slurm, script, output)
+        jobs.append(job)
+        wait_for_line(output, r"step 30 loss")
+        launcher_of(job, "n2").kill()
+        assert wait_for_job_end(slurm, job) == "COMPLETED 0:0", output.read_text()
+        text = output.read_text()
+        assert "did not join" not in text, text
+        assert re.search(r"\[node 0\] node 1 lost and nothing replaces it .*: ending the step; this node's snapshots "
+                         r"stay in its RAM", text), text
+        assert "running ftrun again on the nodes left" in text and "attempt 2 of" in text, text
+        restore = re.search(r"generation 0: trainers restore step (\d+) from RAM", text)
+        assert restore is not None and int(restore.group(1)) >= 20, text
+        assert out.read_text().strip() == gpt_baselines(2, 2), text
+        assert not job_segments(f"slurm-{job}")

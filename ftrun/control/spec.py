@@ -28,9 +28,15 @@ EXIT_JOB_FAILED = 3
 EXIT_STOPPED = 4
 EXIT_STOPPED_UNSAVED = 5  # stopped, but the final persist to the checkpoint directory did not complete
 EXIT_REPLACED = 6  # this node was seen as lost and a spare took its node rank: it left the job
+# Under srun: the step cannot go on (a lost node that nothing replaces); the node's snapshots stay in its RAM for
+# the next step of the job, which adopts them
+EXIT_STEP_ENDED = 7
 # The kind of a generation that stops the whole job: a supervisor was told to stop (SIGTERM, SIGINT), and every
 # node follows. Its ``detected_by`` is the signal's name (SIGTERM: the job exits 143 like a signalled launcher).
 STOP_KIND = "stop"
+# The kind of a generation that ends a SLURM step whose lost node nothing replaces: no ftrun joins a running step,
+# and no spare waits; every node exits with EXIT_STEP_ENDED, keeping its snapshots for the next step
+STEP_END_KIND = "step-end"
 # torchrun's --signals-to-handle default: each stops the job gracefully, as SIGTERM does
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 # --signals-to-handle SIGUSR1/SIGUSR2 (SLURM's pre-emption warnings) reach every trainer: the launcher passes them
@@ -82,6 +88,8 @@ class NodeSpec:
     # a replacement its launcher started for a lost supervisor of a multi-node job: the incarnation that was lost
     # (0: it never took the rank), from which alone it takes the rank, as a spare claims it (None: whoever holds it)
     replaces: int | None = None
+    # a node of a SLURM step (srun): nothing but a spare can take a lost node's rank (see STEP_END_KIND)
+    slurm_step: bool = False
     monitor_interval: float = 0.02  # seconds between two looks at the trainers (--monitor-interval)
     role: str = "default"  # the trainers' ROLE_NAME (--role)
     signals_to_handle: str = DEFAULT_SIGNALS  # the trainers' TORCHELASTIC_SIGNALS_TO_HANDLE

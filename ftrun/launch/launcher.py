@@ -6,7 +6,9 @@
   when it dies while this launcher lives (unless a hot spare claims the rank first); node 0 hosts the control
   store unless one already runs at the endpoint (``ftrun store``). Under ``srun`` the first node of the
   step hosts it, and the nodes agree their node ranks first (:func:`ftrun.launch.slurm.agree_node_rank`), so a
-  node keeps the rank whose snapshots it holds from an earlier step of the job.
+  node keeps the rank whose snapshots it holds from an earlier step of the job. A launcher that starts a
+  replacement says so in the control store (``node/<r>/replacing``): under srun the other nodes wait only for
+  such a replacement or a spare, and otherwise end the step, keeping their snapshots and claim files for the next.
 - torchrun's multi-node form, ``--rdzv-endpoint`` and ``--nnodes`` > 1 without ``--node-rank`` (:attr:`JobConfig.
   rank_by_store`): every launcher on the endpoint's host tries to host the store (the first to bind the port
   does, the others join), then each takes the lowest free node rank of the run by compare-and-set
@@ -56,9 +58,9 @@ from ftrun.launch.zygote import preload, size_blas
 from ftrun.control.secret import local_secret, secret_path, shared_secret, write_secret_file
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
-from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED,
-                                FORWARDED_SIGNALS, NodeSpec, STOP_KIND, announce_path, nodes_with_files, split_endpoint,
-                                unlink_node_files, write_shm_file)
+from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED, EXIT_STOPPED,
+                                EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, announce_path,
+                                nodes_with_files, split_endpoint, unlink_node_files, write_shm_file)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import Recovery, print_summary
@@ -243,7 +245,8 @@ class Launcher:
             monitor_interval=cfg.monitor_interval, role=cfg.role, signals_to_handle=cfg.signals_to_handle,
             virtual_local_rank=cfg.virtual_local_rank, redirects=cfg.redirects, tee=cfg.tee,
             local_ranks_filter=cfg.local_ranks_filter, duplicate_stdout_filters=cfg.duplicate_stdout_filters,
-            duplicate_stderr_filters=cfg.duplicate_stderr_filters, label_output=cfg.label_output)
+            duplicate_stderr_filters=cfg.duplicate_stderr_filters, label_output=cfg.label_output,
+            slurm_step=self.slurm is not None)
 
     def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes] | ForkedChild:
         """A supervisor for ``spec``: one forked by :func:`main`, else a new interpreter."""
@@ -369,7 +372,7 @@ class Launcher:
             if code != 0:  # a store that failed a supervisor gets no minute more (c10d's, or etcd's)
                 raw_store.op_timeout = END_STORE_TIMEOUT
             try:
-                self._end(coord, code, state)
+                self._end(coord, code, state, self._step_ended())
             except DistError as err:  # the control store went away (node 0's, or etcd without quorum)
                 hint = ("; a store that outlives any node: --rdzv-backend etcd, or `ftrun store` on a host of its own"
                         if cfg.rdzv_backend == "c10d" and not cfg.local_mode else "")
@@ -388,16 +391,22 @@ class Launcher:
             # what supervisors killed before they could clean up left behind (one replaced while the job goes on
             # left its files, same names, to a replacement that may be on this host); in local mode also what a
             # killed earlier run of the job with more nodes left (every node of the job is on this host)
+            # (a node whose SLURM step ended keeps them, and its claim on them, for the next step)
             for node in sorted(set(nodes) | nodes_with_files(self.job_id)) if self.cfg.local_mode else nodes:
-                if self.cfg.local_mode or node not in self.procs or self.procs[node].poll() != EXIT_REPLACED:
+                if self.cfg.local_mode or node not in self.procs or self.procs[node].poll() not in (
+                        EXIT_REPLACED, EXIT_STEP_ENDED):
                     unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
-            if self.slurm is not None:  # nothing left to claim
+            if self.slurm is not None and not self._step_ended():  # nothing left to claim
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(claim_path(self.job_id, self.slurm.node_name))
         return code
 
-    def _end(self, coord: Coordinator, code: int, state: str) -> None:
+    def _step_ended(self) -> bool:
+        """Whether this node's supervisor ended with its SLURM step, keeping its snapshots for the next step."""
+        return any(proc.poll() == EXIT_STEP_ENDED for proc in self.procs.values())
+
+    def _end(self, coord: Coordinator, code: int, state: str, step_ended: bool) -> None:
         """Record the end of the run, show the summary, and leave."""
         cfg = self.cfg
         if cfg.local_mode or self.signalled is not None or code in (0, EXIT_FAILED):
@@ -409,9 +418,12 @@ class Launcher:
             self.view.close(f"job ended: {state}; output of every node and trainer in {self.output_dir}")
         elif self.output_dir is not None:  # --tui on a node of a SLURM step that does not show the view
             print(f"ftrun: node {coord.node_rank}'s output in {self.output_dir}", file=sys.stderr, flush=True)
-        print_summary(coord, code, self.job_id, verdict=(
-            f"goes on without node {coord.node_rank}, which a spare replaced (exit code {code})"
-            if code == EXIT_LEFT else None))
+        verdict = None
+        if code == EXIT_LEFT:
+            verdict = f"goes on without node {coord.node_rank}, which a spare replaced (exit code {code})"
+        elif step_ended:
+            verdict = f"ended its SLURM step (exit code {code}): run the step again to resume from RAM"
+        print_summary(coord, code, self.job_id, verdict=verdict)
         if coord.get(WATCHED) is not None:  # an `ftrun status` view follows the job: let it see the end
             time.sleep(2 * LIVE_POLL_INTERVAL)
         if code == EXIT_LEFT and self.store_server is not None:
@@ -644,11 +656,16 @@ class Launcher:
                     vacant[node] = code  # seen as lost while alive: a spare took its rank
                     fenced.discard(node)
                     continue
-                lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED)
+                lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED,
+                                    EXIT_STEP_ENDED)
                 if lost and self.signalled is None:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
                     try:
                         held = owner(coord, node)[1]
+                        if not self.cfg.local_mode:  # a replacement follows: under srun the other nodes wait for
+                            # it only when told so (Supervisor._unreplaced), as no other ftrun can join the step
+                            coord.store.set(coord.key("node", node, "replacing"),
+                                            str(held.incarnation if held is not None else 0))
                         raw, won = coord.bump(coord.current_raw(), Failure(
                             "node-lost", reason, node, None, "launcher",
                             incarnation=held.incarnation if held is not None else None))

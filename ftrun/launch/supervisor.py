@@ -33,6 +33,10 @@ A hung trainer's peers block in their next collective and fall silent too; the r
 Likewise a trainer that dies of a broken connection to another node waits for that node's loss to be declared,
 if it is lost (:meth:`Supervisor._wait_for_lost_node`). A supervisor checks that it still owns its node rank
 before it joins a generation and before it starts trainers: one that was cut off and replaced leaves.
+
+Under srun no ftrun joins a running step: a lost node whose own launcher starts no replacement (it is gone too)
+and whose rank no spare takes ends the step (:meth:`Supervisor._unreplaced`), each node keeping its snapshots in
+RAM for the next step, instead of the job waiting out ``--rdzv-timeout`` for a node that cannot come.
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
-from ftrun.control.ownership import Owner, claim, owner, take
+from ftrun.control.ownership import Owner, claim, owner, spares, take
 from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_env, trainer_threads
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
@@ -71,9 +75,9 @@ from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
 from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper, describe_exit, die_with_parent,
                                     kill_descendants, kill_left_by_user, left_by_user, oom_kills, reap,
                                     set_process_name, signal_group)
-from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STOPPED,
-                                EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, run_dir_prefix,
-                                safe_job_id, shm_path, shm_place, unlink_node_files)
+from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED,
+                                EXIT_STOPPED, EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STEP_END_KIND,
+                                STOP_KIND, run_dir_prefix, safe_job_id, shm_path, shm_place, unlink_node_files)
 from ftrun.control.generation_watch import GenerationWatch, Wakeup
 from ftrun.control.store import C10dStore, host_store
 from ftrun.launch.output import Output, OutputSettings
@@ -131,6 +135,11 @@ class JobFailed(Exception):
 
 class Replaced(Exception):
     """This node was seen as lost and another supervisor (a spare) owns its node rank now."""
+
+
+class StepEnded(Exception):
+    """Under srun, the step cannot go on (:data:`STEP_END_KIND`); the node's snapshots stay in RAM for the job's
+    next step."""
 
 
 @dataclass
@@ -221,7 +230,9 @@ class Supervisor:
         self._stop_signal = signal.SIGTERM
         self._trainers_started = 0.0  # time.monotonic() when this generation's trainers were started
         self._oom_kills: int | None = None  # the host's count of OOM kills then (None: not counted)
-        self._replaced_here = False  # a supervisor with this process's /dev/shm took this node's rank
+        # the node's files stay when it ends: a supervisor with this process's /dev/shm took this node's rank (they
+        # are its now), or the SLURM step ended (StepEnded: the next step adopts them)
+        self._keep_files = False
         self._suspects_sent = -1  # the generation whose silent trainers this node reported
         self.output = Output(OutputSettings(  # where the trainers' stdout/stderr go
             spec.redirects, spec.tee, spec.local_ranks_filter, tuple(spec.duplicate_stdout_filters),
@@ -275,6 +286,11 @@ class Supervisor:
         except Replaced as err:
             self.events.emit("replaced", f"leaving the job: {err}", node=self.node)
             return EXIT_REPLACED
+        except StepEnded as err:
+            self.events.emit("step_ended", f"{err}; this node's snapshots stay in its RAM for the next step (an "
+                             "`ftrun sbatch-template` script runs it)", node=self.node)
+            self._keep_files = True
+            return EXIT_STEP_ENDED
         except DistError as err:
             self.events.emit("failed", f"control store lost: {str(err).splitlines()[0]}", node=self.node)
             return EXIT_JOB_FAILED
@@ -282,12 +298,12 @@ class Supervisor:
             self._stop_trainers()
             if self.zygote is not None:
                 self.zygote.close()
-            # replaced by a supervisor on this host (this /dev/shm): the node's files are its replacement's now
-            self._stop_keeper(unlink=not self._replaced_here)
+            # replaced by a supervisor on this host (this /dev/shm), or the SLURM step ended: the files stay
+            self._stop_keeper(unlink=not self._keep_files)
             if beater is not None:
                 beater.stop()
             if self.heartbeats is not None:
-                self.heartbeats.close(unlink=not self._replaced_here)
+                self.heartbeats.close(unlink=not self._keep_files)
             self._end_descendants(succeeded)
             if self.spec.log_dir is None:
                 shutil.rmtree(self.run_dir, ignore_errors=True)
@@ -474,6 +490,8 @@ class Supervisor:
                                             detected_by="replacement supervisor"))
         while True:
             gen = Generation.decode(seen)
+            if gen.kind == STEP_END_KIND:
+                raise StepEnded(gen.reason)
             if gen.kind == STOP_KIND:
                 self._publish_status("stopped", gen.gen, now=True)
                 return self._stopped()
@@ -557,7 +575,9 @@ class Supervisor:
         self.coord.rejoin(self.incarnation)
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
-        tell_at = time.monotonic() + self.spec.node_timeout if self.node == 0 else math.inf
+        # once, after --node-timeout: node 0 says which nodes the job waits for; under srun every node looks for a
+        # lost node that nothing will replace
+        tell_at = time.monotonic() + self.spec.node_timeout if self.node == 0 or self.spec.slurm_step else math.inf
         peers = self._peer_watch()
         next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
         pause = RDZV_FIRST_POLL
@@ -566,12 +586,19 @@ class Supervisor:
             if self._everyone_ready(gen):
                 self._check_owner()  # taken over while it waited: its trainers must not start
                 return None
-            if time.monotonic() > tell_at:  # once, by node 0: a lost node's replacement (or a late node) is awaited
+            if time.monotonic() > tell_at:  # a lost node's replacement (or a late node) is awaited
                 tell_at = math.inf
                 missing = self._not_ready(gen)
-                self.events.emit("rendezvous_wait", f"generation {gen} waits for node(s) {missing} to join; it "
-                                 f"gives up {self.spec.rdzv_timeout:g}s after it began (--rdzv-timeout)",
-                                 node=self.node, generation=gen, missing=missing)
+                unreplaced = self._unreplaced(missing) if self.spec.slurm_step else None
+                if unreplaced is not None:
+                    return self.coord.bump(seen, Failure(
+                        STEP_END_KIND, f"node {unreplaced} lost and nothing replaces it (its ftrun is gone, no "
+                        "--standby waits, and no ftrun joins a running SLURM step): ending the step",
+                        unreplaced, None, f"node {self.node}"))[0]
+                if self.node == 0:
+                    self.events.emit("rendezvous_wait", f"generation {gen} waits for node(s) {missing} to join; it "
+                                     f"gives up {self.spec.rdzv_timeout:g}s after it began (--rdzv-timeout)",
+                                     node=self.node, generation=gen, missing=missing)
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw
@@ -596,6 +623,22 @@ class Supervisor:
             return False
         self.coord.store.set(self.coord.key("gen", gen, "go"), "1")
         return True
+
+    def _unreplaced(self, missing: list[int]) -> int | None:
+        """Under srun: the first of the ``missing`` nodes that nothing will replace: declared lost, its rank still
+        held by the lost supervisor, and its launcher did not start a replacement (it is gone with it: the
+        launcher of a live node marks ``node/<r>/replacing`` as it starts one), while no spare waits to take it.
+        No new ftrun can join a running step, so waiting for one (``--rdzv-timeout``) would only idle the job."""
+        if not missing or any(doc.state == "waiting" for doc in spares(self.coord)):
+            return None
+        for node in missing:
+            held = owner(self.coord, node)[1]
+            if held is None:
+                continue
+            lost = str(held.incarnation).encode()  # the owner that a node-lost generation named, if not replaced
+            if self.coord.get("node", node, "lost") == lost and self.coord.get("node", node, "replacing") != lost:
+                return node
+        return None
 
     def _not_ready(self, gen: int) -> list[int]:
         """The nodes that have not joined generation ``gen`` (one round trip per node: only when it is told)."""
@@ -800,12 +843,12 @@ class Supervisor:
         if taker is None:
             raise JobFailed(f"node {self.node}'s owner key holds no authentic owner: its replacement cannot take it")
         replaced = self._replaced(taker)
-        if not self._replaced_here:
+        if not self._keep_files:
             unlink_node_files(self.spec.job_id, self.node)
         raise replaced
 
     def _replaced(self, taker: Owner) -> Replaced:
-        self._replaced_here = bool(taker.shm) and taker.shm == shm_place()
+        self._keep_files = bool(taker.shm) and taker.shm == shm_place()
         return Replaced(f"node rank {self.node} was taken by "
                         f"{f'spare {taker.spare}' if taker.spare else 'another supervisor'}"
                         f"{' on ' + taker.host if taker.host else ''} (incarnation {taker.incarnation}) after this "

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from ftrun.control.coordination import Coordinator, Generation
 from ftrun.control.ownership import SpareDoc, spares
-from ftrun.control.spec import STOP_KIND
+from ftrun.control.spec import STEP_END_KIND, STOP_KIND
 from ftrun.ui.durable import disk_state, newest_committed
 
 
@@ -52,10 +52,10 @@ def recoveries(coord: Coordinator, history: list[Generation] | None = None,
 
 
 def restart_count(rows: list[Recovery], max_restarts: object) -> int:
-    """The failures that restarted the trainers: not a fatal error, nor the one past ``max_restarts`` (the
-    job's limit, as in its ``job`` document) that ended the job."""
+    """The failures that restarted the trainers: not a fatal error, nor the end of a SLURM step, nor the one past
+    ``max_restarts`` (the job's limit, as in its ``job`` document) that ended the job."""
     limit = max_restarts if isinstance(max_restarts, int) else None
-    return sum(row.kind != "fatal" and (limit is None or row.gen <= limit) for row in rows)
+    return sum(row.kind not in ("fatal", STEP_END_KIND) and (limit is None or row.gen <= limit) for row in rows)
 
 
 def print_summary(coord: Coordinator, exit_code: int, job_id: str, verdict: str | None = None) -> None:
