@@ -246,3 +246,28 @@ def test_a_launcher_killed_under_srun_ends_the_step_at_once_and_the_batch_script
         assert restore is not None and int(restore.group(1)) >= 20, text
         assert out.read_text().strip() == gpt_baselines(2, 2), text
         assert not job_segments(f"slurm-{job}")
+
+
+def test_node_0_s_launcher_killed_under_srun_leaves_every_node_s_ram_to_the_next_step(slurm, gpt_baselines,
+                                                                                      tmp_path):
+    """Node 0's ftrun SIGKILLed: the c10d control store goes with it, and the step cannot go on. The other nodes
+    failed "for good" (exit 3) and removed their snapshots, so with 3 nodes (k=2, m=1) the next step had node
+    0's RAM alone, two nodes more lost than parity covers, and started again from step 0. They now keep their
+    snapshots for the next step, which resumes from RAM on every node."""
+    args, out = gpt_args(tmp_path, "store", "--step-time", STEP_TIME)
+    output = tmp_path / "batch.out"
+    script = batch_script(tmp_path, "store", 3, 0, ["--nproc-per-node", "1", *args])
+    with slurm_job(slurm) as jobs:
+        # the baseline's threads: its 3 simulated nodes share this host's cores (1 each), a SLURM node has them all
+        job = sbatch(slurm, script, output, "--export=ALL,OMP_NUM_THREADS=1")
+        jobs.append(job)
+        wait_for_line(output, r"step 30 loss")
+        launcher_of(job, "n1").kill()
+        assert wait_for_job_end(slurm, job) == "COMPLETED 0:0", output.read_text()
+        text = output.read_text()
+        assert "control store lost" in text and "attempt 2 of" in text, text
+        assert re.search(r"\[node [12]\] control store lost: .*: node 0's ftrun, which hosts it, is gone", text), text
+        restore = re.search(r"generation 0: trainers restore step (\d+) from RAM \(held by all 3 ranks\)", text)
+        assert restore is not None and int(restore.group(1)) >= 20, text
+        assert out.read_text().strip() == gpt_baselines(3, 1), text
+        assert not job_segments(f"slurm-{job}")

@@ -28,8 +28,8 @@ EXIT_JOB_FAILED = 3
 EXIT_STOPPED = 4
 EXIT_STOPPED_UNSAVED = 5  # stopped, but the final persist to the checkpoint directory did not complete
 EXIT_REPLACED = 6  # this node was seen as lost and a spare took its node rank: it left the job
-# Under srun: the step cannot go on (a lost node that nothing replaces); the node's snapshots stay in its RAM for
-# the next step of the job, which adopts them
+# Under srun: the step cannot go on (a lost node that nothing replaces, or node 0's c10d control store gone); the
+# node's snapshots stay in its RAM for the next step of the job, which adopts them
 EXIT_STEP_ENDED = 7
 # The kind of a generation that stops the whole job: a supervisor was told to stop (SIGTERM, SIGINT), and every
 # node follows. Its ``detected_by`` is the signal's name (SIGTERM: the job exits 143 like a signalled launcher).

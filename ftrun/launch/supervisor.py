@@ -139,7 +139,7 @@ class Replaced(Exception):
 
 class StepEnded(Exception):
     """Under srun, the step cannot go on (:data:`STEP_END_KIND`); the node's snapshots stay in RAM for the job's
-    next step."""
+    next step, as they do when node 0's ftrun, and the c10d control store with it, is gone (a ``DistError``)."""
 
 
 @dataclass
@@ -292,7 +292,13 @@ class Supervisor:
             self._keep_files = True
             return EXIT_STEP_ENDED
         except DistError as err:
-            self.events.emit("failed", f"control store lost: {str(err).splitlines()[0]}", node=self.node)
+            lost = f"control store lost: {str(err).splitlines()[0]}"
+            if self.spec.slurm_step and self.spec.rdzv_backend == "c10d":  # node 0's ftrun hosted it: gone
+                self.events.emit("step_ended", f"{lost}: node 0's ftrun, which hosts it, is gone, and the SLURM step "
+                                 "with it; this node's snapshots stay in its RAM for the next step", node=self.node)
+                self._keep_files = True
+                return EXIT_STEP_ENDED
+            self.events.emit("failed", lost, node=self.node)
             return EXIT_JOB_FAILED
         finally:
             self._stop_trainers()
