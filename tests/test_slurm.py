@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -271,3 +272,33 @@ def test_node_0_s_launcher_killed_under_srun_leaves_every_node_s_ram_to_the_next
         assert restore is not None and int(restore.group(1)) >= 20, text
         assert out.read_text().strip() == gpt_baselines(3, 1), text
         assert not job_segments(f"slurm-{job}")
+
+
+def test_a_standby_step_takes_the_rank_of_a_node_whose_launcher_was_killed(slurm, gpt_baselines, tmp_path):
+    """A hot spare kept as a step of its own (``srun -w n3 ftrun --standby --rdzv-endpoint ...``): was refused
+    ("drop --node-rank", a flag never given). It joins the training step's job, and when a node's ftrun is
+    SIGKILLed it takes that node's rank, while the other node waits for it instead of ending the step."""
+    args, out = gpt_args(tmp_path, "standby", "--step-time", STEP_TIME)
+    ftrun = shlex.join([*FTRUN, "--nproc-per-node", "2", "--node-timeout", "2"])
+    script = tmp_path / "standby.sh"
+    script.write_text(f"""#!/bin/bash
+#SBATCH --nodes=3 --ntasks-per-node=1 --no-kill
+srun -N2 -n2 -w n1,n2 {ftrun} {shlex.join(args)} &
+train=$!
+srun -N1 -n1 -w n3 {ftrun} --standby --rdzv-endpoint 127.0.0.1:$((20000 + SLURM_JOB_ID % 20000)) {shlex.join(args)}
+echo "standby exited $?"
+wait $train
+""")
+    output = tmp_path / "batch.out"
+    with slurm_job(slurm) as jobs:
+        job = sbatch(slurm, script, output)
+        jobs.append(job)
+        wait_for_line(output, r"waiting for a lost node")
+        wait_for_line(output, r"step 30 loss")
+        launcher_of(job, "n2").kill()
+        wait_for_job_end(slurm, job)
+        text = output.read_text()
+        assert re.search(r"spare standby-\S+ took node rank 1 \(generation 1: node 1 lost", text), text
+        assert "ending the step" not in text and "standby exited 0" in text, text
+        assert re.search(r"generation 1: trainers restore step \d+ from RAM", text), text
+        assert out.read_text().strip() == gpt_baselines(2, 2), text
