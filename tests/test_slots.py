@@ -670,7 +670,8 @@ def test_a_commit_of_a_generation_that_is_over_is_stale_and_not_held(shm):
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("thread, broken", [("ftrun-seal", "checksum"), ("ftrun-allocate", "allocate_other"),
-                                            ("ftrun-persist", "_write_step"), ("ftrun-parity", "_encode_due")])
+                                            ("ftrun-persist", "_write_step"), ("ftrun-parity", "_encode_due"),
+                                            ("ftrun-peer-server", "_accept_loop")])
 def test_a_keeper_whose_background_thread_fails_exits_for_its_supervisor_to_restart_it(shm, tmp_path, monkeypatch,
                                                                                       capsys, thread, broken):
     """A background thread that died of an unexpected error left a keeper that answers pings and does nothing
@@ -678,7 +679,7 @@ def test_a_keeper_whose_background_thread_fails_exits_for_its_supervisor_to_rest
     the job's protected step stopped with nothing saying why. Now the keeper prints the traceback and one line,
     and exits (without touching its files) with THREAD_FAILED: its supervisor restarts it, training goes on."""
     ckpt = str(tmp_path / "ckpt") if thread == "ftrun-persist" else None
-    parity = {"nnodes": 2, "ec_group": 2, "ec_parity": 1} if thread == "ftrun-parity" else {}
+    parity = {"nnodes": 2, "ec_group": 2, "ec_parity": 1} if thread in ("ftrun-parity", "ftrun-peer-server") else {}
     keeper = Keeper(dataclasses.replace(spec(1), log_dir=str(tmp_path), ckpt_dir=ckpt, **parity), [])
     if parity:
         keeper.enable_redundancy(b"k" * 32, socket.create_server(("127.0.0.1", 0)))
@@ -686,7 +687,8 @@ def test_a_keeper_whose_background_thread_fails_exits_for_its_supervisor_to_rest
     exited = threading.Event()
     monkeypatch.setattr(keeper_module.os, "_exit", lambda code: (exits.append(code), exited.set()))
     # broken before the threads start: a thread may hold the method it calls next while it waits
-    monkeypatch.setattr(keeper_module if broken == "checksum" else keeper, broken, lambda *args: 1 // 0)
+    owner = {"checksum": keeper_module, "_accept_loop": keeper.redundancy.server if keeper.redundancy else None}
+    monkeypatch.setattr(owner.get(broken, keeper), broken, lambda *args: 1 // 0)
     server = listen(f"ftrun-hg-test-{os.getpid()}-{time.monotonic_ns()}")
     serving = threading.Thread(target=keeper.serve, args=(server,), daemon=True)
     serving.start()

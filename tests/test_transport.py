@@ -242,6 +242,65 @@ def test_handler_error_is_an_error_reply_and_the_connection_stays(make_server, m
     assert events.lines == []
 
 
+def test_a_bug_in_a_connection_thread_closes_that_connection_in_one_line(make_server, make_client,
+                                                                       monkeypatch) -> None:
+    """An error the server does not expect in a connection's thread (here the sink's ``done``; a reply the socket
+    cannot send, ...) ended the thread with a traceback on stderr and nothing in the events. Now it closes that
+    connection with one line naming the peer and the error, and the server answers the next one."""
+    uncaught: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+
+    def sink(request: dict[str, Any], length: int) -> tuple[memoryview, Callable[[bool], None]]:
+        def done(received: bool) -> None:
+            raise RuntimeError("a bug in done")
+
+        return memoryview(bytearray(length)), done
+
+    server, events = make_server(max_payload=1 << 10, sink=sink)
+    with pytest.raises(PeerUnavailable):
+        make_client(server).request("echo", payload=b"x" * 100)
+    line = events.wait_for("internal error")
+    assert line.startswith("peer 127.0.0.1:") and line.endswith(
+        ": internal error (RuntimeError: a bug in done); connection closed"), line
+    assert_serves(make_client, server)
+    assert uncaught == []
+
+
+def test_a_connection_that_gets_no_thread_is_closed_and_the_server_accepts_the_next(make_server, make_client,
+                                                                                   monkeypatch) -> None:
+    """A connection whose thread could not start (the process at its thread limit) ended the accept loop: the
+    server took no connection for the rest of the job, and its peers' requests timed out. Now that connection is
+    closed (its client connects again, as to a server at its limit) and reported in one line."""
+    start = threading.Thread.start
+    refused: list[str] = []
+
+    def start_unless_first_connection(thread: threading.Thread) -> None:
+        if thread.name.startswith("ftrun-peer-127.") and not refused:
+            refused.append(thread.name)
+            raise RuntimeError("can't start new thread")
+        start(thread)
+
+    server, events = make_server()
+    monkeypatch.setattr(threading.Thread, "start", start_unless_first_connection)
+    assert make_client(server, timeout=CLOSE_WITHIN).request("echo", text="in")[1] == b"in"
+    assert refused and events.wait_for("can't start new thread; connection closed")
+
+
+def test_serve_raises_what_it_cannot_handle_and_close_waits_for_it(make_server) -> None:
+    """:meth:`PeerServer.serve` raises an error it does not expect, for its caller to act on (the keeper exits
+    and is restarted), and :meth:`PeerServer.close` returns once it has ended."""
+
+    class Broken(socket.socket):
+        def accept(self) -> tuple[socket.socket, Any]:
+            raise ValueError("a bug in accept")
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = PeerServer(SECRET, handler, listener=Broken(fileno=listener.detach()))
+    with pytest.raises(ValueError, match="a bug in accept"):
+        server.serve()
+    server.close()
+
+
 def test_wrong_secret_is_refused_and_reported(make_server, make_client) -> None:
     server, events = make_server()
     with pytest.raises(PeerUnavailable, match="authentication failed"):

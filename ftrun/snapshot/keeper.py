@@ -922,7 +922,7 @@ class Keeper:
         if self.spec.ckpt_dir is not None:
             self._background("ftrun-persist", self.persist_forever)
         if self.redundancy is not None:
-            self.redundancy.server.start()
+            self._background("ftrun-peer-server", self.redundancy.server.serve)
             self._background("ftrun-parity", self.encode_forever)
         while not self._stopping:
             try:

@@ -267,8 +267,10 @@ class PeerServer:
     bounded on their own: beyond ``max_connections`` of them a new one evicts the oldest, and one that has not
     completed the handshake after ``handshake_timeout`` seconds is dropped; so whoever reaches the port without
     the secret (silent or slow connections, opened as fast as they are dropped) never locks the peers out, whose
-    handshakes take one round trip. The socket is bound at construction (``address``), served from
-    :meth:`start`. ``on_event`` runs on server threads; an exception from it is ignored.
+    handshakes take one round trip. Any other error of a connection's thread (a bug of the server, its handler or
+    its sink) closes that connection and is reported in one line; the server goes on. The socket is bound at
+    construction (``address``), served by :meth:`serve` (in a thread of the caller's) or :meth:`start`.
+    ``on_event`` runs on server threads; an exception from it is ignored.
 
     ``sink(fields, length)`` gives the memory a request's payload is received into and a ``done`` callback,
     called once the payload is in (True) or the connection failed during it (False); ``done`` is called
@@ -308,10 +310,11 @@ class PeerServer:
         self._pending: dict[socket.socket, None] = {}  # those in their handshake, oldest first
         self._serving: set[socket.socket] = set()  # those authenticated
         self._closed = False
-        self._thread = threading.Thread(target=self._accept_loop, name="ftrun-peer-server", daemon=True)
+        self._accepting = threading.Lock()  # held by serve() while it runs
 
     def start(self) -> None:
-        self._thread.start()
+        """:meth:`serve` in a daemon thread of its own (an unexpected error ends it with a traceback)."""
+        threading.Thread(target=self.serve, name="ftrun-peer-server", daemon=True).start()
 
     def close(self) -> None:
         """Stops accepting and shuts every open connection down (their threads then close them); idempotent."""
@@ -326,8 +329,8 @@ class PeerServer:
             except OSError:
                 pass
         self._listener.close()
-        if self._thread.is_alive():
-            self._thread.join()
+        with self._accepting:  # serve() has returned
+            pass
 
     def _report(self, message: str) -> None:
         if self.on_event is not None:
@@ -336,6 +339,15 @@ class PeerServer:
             except Exception:
                 pass
 
+    def serve(self) -> None:
+        """Accept connections, each served by a daemon thread of its own, until :meth:`close`. A connection that
+        cannot be accepted or given its thread (out of file descriptors or threads) is reported, and the next one
+        accepted after a pause. Any other error is a bug and raised: the caller must not go on as if peers were
+        served (the keeper exits for its supervisor to restart it, :meth:`Keeper._background
+        <ftrun.snapshot.keeper.Keeper._background>`)."""
+        with self._accepting:
+            self._accept_loop()
+
     def _accept_loop(self) -> None:
         while True:
             try:
@@ -343,8 +355,7 @@ class PeerServer:
             except OSError as exc:
                 if self._closed:
                     return
-                self._report(f"peer server {self.address[0]}:{self.address[1]}: accept failed: {exc}")
-                time.sleep(0.1)  # e.g. out of file descriptors: let some connections end
+                self._pause(f"accept failed: {exc}")
                 continue
             peer = f"{addr[0]}:{addr[1]}"
             evicted = None
@@ -368,7 +379,18 @@ class PeerServer:
                 if not self._closed:
                     self._report(f"peer {peer}: refused, {self.max_connections} connections already open")
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"ftrun-peer-{peer}", daemon=True).start()
+            try:
+                threading.Thread(target=self._serve, args=(conn, peer), name=f"ftrun-peer-{peer}",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # can't start new thread
+                self._forget(conn)
+                self._pause(f"peer {peer}: {exc}; connection closed")
+
+    def _pause(self, message: str) -> None:
+        """Report a connection that could not be taken in, then give those open a moment to end (and free their
+        descriptors or threads)."""
+        self._report(f"peer server {self.address[0]}:{self.address[1]}: {message}")
+        time.sleep(0.1)
 
     def _forget_closed(self) -> None:
         """Forget the connections their peers have closed, whose threads have not yet seen it (under the lock): a
@@ -409,12 +431,18 @@ class PeerServer:
         except OSError as exc:
             if not self._closed:
                 self._report(f"peer {peer}: {exc}; connection closed")
+        except Exception as exc:  # noqa: BLE001 - a bug of the server, its handler or its sink: this connection ends
+            self._report(f"peer {peer}: internal error ({_describe(exc)}); connection closed")
         finally:
-            with self._lock:
-                self._connections.discard(conn)
-                self._pending.pop(conn, None)
-                self._serving.discard(conn)
-            conn.close()
+            self._forget(conn)
+
+    def _forget(self, conn: socket.socket) -> None:
+        """Close ``conn`` and drop it from every set of connections."""
+        with self._lock:
+            self._connections.discard(conn)
+            self._pending.pop(conn, None)
+            self._serving.discard(conn)
+        conn.close()
 
     def _handshake(self, conn: socket.socket) -> None:
         deadline = time.monotonic() + self.handshake_timeout
