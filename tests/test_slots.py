@@ -340,6 +340,30 @@ def test_allocate_ahead_fills_a_sparse_slot_in_order_and_a_full_directory_is_an_
     assert not sparse.allocated
 
 
+def test_allocate_ahead_stopped_by_any_error_is_an_error_for_the_writer(shm, monkeypatch):
+    """An allocation that failed with anything but an OSError ended the allocating thread with a traceback and
+    told the writer that every page was allocated: a rebuild then wrote into pages never allocated (on a full
+    /dev/shm, a SIGBUS). Any error stops the writer (ready raises it) short of the pages it did not allocate."""
+    uncaught: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    real = os.posix_fallocate
+
+    def break_at_the_second_step(fd: int, offset: int, length: int) -> None:
+        if offset >= ALLOCATE_STEP:
+            raise RuntimeError("a bug in allocate")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", break_at_the_second_step)
+    size = HEADER_SIZE + 3 * ALLOCATE_STEP
+    sparse = SlotFile(os.path.join(shm, "s0"), size, allocate=False)
+    memory = AheadAllocator([(sparse, size)])
+    memory.ready(ALLOCATE_STEP)
+    for end in (ALLOCATE_STEP + 1, memory.total):
+        with pytest.raises(RuntimeError, match="a bug in allocate"):
+            memory.ready(end)
+    assert not sparse.allocated and uncaught == []
+
+
 def test_a_slot_a_failed_rebuild_left_sparse_is_allocated_before_a_trainer_gets_it(shm):
     keeper = Keeper(spec(), [])
     keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})

@@ -229,7 +229,7 @@ class AheadAllocator:
         self.total = sum(length for _, length in self.files)
         self.waited = 0.0  # seconds spent in ready()
         self._prepared = 0
-        self._failure: OSError | None = None
+        self._failure: Exception | None = None
         self._done = self._stopping = False
         self._cond = threading.Condition()
         self._thread = threading.Thread(target=self._run, name="ftrun-allocate-ahead", daemon=True)
@@ -247,7 +247,7 @@ class AheadAllocator:
                         self._prepared = begin + min(offset + ALLOCATE_STEP, length)
                         self._cond.notify_all()
                 begin += length
-        except OSError as err:
+        except Exception as err:  # noqa: BLE001 - whatever it is, the writer must not write past what is allocated
             self._failure = err
         finally:
             with self._cond:
@@ -261,7 +261,8 @@ class AheadAllocator:
 
     def ready(self, end: int) -> None:
         """Wait until positions ``[0, end)`` may be written (``end`` = :attr:`total`: every file is allocated
-        whole); re-raises the allocation's ``OSError`` (ENOSPC: the directory is full)."""
+        whole); re-raises the error that stopped the allocation short of ``end`` (``OSError`` ENOSPC: the directory is
+        full)."""
         t0 = time.perf_counter()
         with self._cond:
             self._cond.wait_for(lambda: self._done or self._covers(end))
