@@ -14,8 +14,10 @@ import shutil
 import stat
 import subprocess
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -617,4 +619,59 @@ def test_a_node_0_replaced_and_back_leaves_the_persist_rounds_of_the_job_alone(t
     old_node_1.tick({}, 4)
     assert Round.decode(store.get(live.coord.key("persist", "round"))) == Round(2, 1, 6)
     assert stale.open is None and stale.persist == (0, 0) and old_node_1.persist == (0, 0)
+    del server
+
+
+class AfterRead:
+    """A raw control store that runs ``then`` once, right after a read of ``key`` has returned its value."""
+
+    def __init__(self, store: C10dStore, key: str) -> None:
+        self.store, self.key = store, key
+        self.then: Callable[[], None] | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        values = self.store.get_many(keys)
+        if self.key in keys and self.then is not None:
+            then, self.then = self.then, None
+            then()
+        return values
+
+
+def test_a_stale_node_0_never_writes_its_round_over_one_the_live_node_0_wrote_after_its_read(tmp_path):
+    """The stale node 0 of the test above checked that the round document was not a newer generation's, then wrote
+    it: when the live node 0 opened its round between that read and that write (the stale one stopped in between,
+    or its write held up in a partition), the document went back to the stale round. The other nodes never saw the
+    live round, so they never answered its hold, and the live node 0 waited for them for the rest of the
+    generation: nothing more was persisted. The write is a compare-and-set from the bytes read."""
+    server = host_store(0)
+    secret = "0123456789abcdef" * 4
+    store = SignedStore(C10dStore(server), secret)
+    key = "ftrun/job/1/persist/round"
+    interleaved = AfterRead(C10dStore(server), key)
+    spec = NodeSpec("job", 0, 2, 1, "127.0.0.1", 1, "127.0.0.1", "x.py", [], False, False, "/", 1, 0, 1.0, 1.0, 1.0,
+                    1.0, 1.0, 1.0, False, ckpt_dir=str(tmp_path / "ckpt"), persist_every=1)
+    events = EventLog("test", None, stream=None)
+
+    def node(rank: int, generation: int, raw: Any = None) -> Durability:
+        signed = store if raw is None else SignedStore(raw, secret)
+        made = Durability(replace(spec, node_rank=rank), Coordinator(signed, "job", rank, 2, run=1), events)
+        made.begin(generation)
+        made.snapshot_passed(1)
+        return made
+
+    stale, old_node_1 = node(0, 0, interleaved), node(1, 0)
+    assert stale.coord.key("persist", "round") == key
+    stale.tick({}, 4)  # opens round 1 and waits for node 1's hold
+    old_node_1.tick({}, 4)
+    live, node_1 = node(0, 1), node(1, 1)  # generation 1: node 0 was lost, a spare took its rank
+    interleaved.then = lambda: live.tick({}, 6)  # the live node 0 opens round 2 right after the stale one's read
+    stale.tick({}, 4)  # round 1 has every hold it waited for: it would name step 4
+    assert Round.decode(store.get(key)) == Round(2, 1) and stale.open is None
+    node_1.tick({}, 6)
+    live.tick({}, 6)
+    node_1.tick({}, 6)
+    assert node_1.persist == (2, 6)
     del server

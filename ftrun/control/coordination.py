@@ -71,7 +71,7 @@ from ftrun.errors import UsageError, same_failure
 
 RUN_STALE_AFTER = 1.5  # seconds without any beat of a run that did not end before a new launcher starts a new run
 _LIVENESS_POLL = 0.05
-_CAS_TRIES = 200  # compare-and-set attempts on a key someone keeps rewriting before giving up (a store under attack)
+CAS_TRIES = 200  # compare-and-set attempts on a key someone keeps rewriting before giving up (a store under attack)
 _RUN_PROBE = 8  # runs looked ahead for newer ones (a launcher that died before creating its run leaves a gap)
 
 
@@ -205,7 +205,7 @@ def open_run(store: SignedStore, job_id: str, token: str | None, stale_after: fl
     """The run this launcher belongs to: the current one if it is joinable (same ``token``; without tokens:
     not ended and not dead), else a new one, taken by compare-and-set so that concurrent launchers agree."""
     key = incarnation_key(job_id)
-    for _ in range(_CAS_TRIES):
+    for _ in range(CAS_TRIES):
         raw = store.get_raw(key) or b""
         if store.signed_otherwise(key, raw) and _newest_run(store, job_id, 0):
             raise UsageError(f"the control store holds runs of job {job_id} signed with another secret: every node "
@@ -346,7 +346,7 @@ class Coordinator:
         from the exact bytes ``gen`` holds, so a garbage or replayed value there is replaced, never followed."""
         old = Generation.decode(seen)
         key = self.key("gen")
-        for _ in range(_CAS_TRIES):
+        for _ in range(CAS_TRIES):
             stored = self.store.get_raw(key) or b""
             found = self._generation(key, self.store.open(key, stored) if stored else None)
             if found is not None and found[0].gen > old.gen:

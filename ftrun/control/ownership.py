@@ -29,9 +29,7 @@ from dataclasses import asdict, dataclass
 
 from torch.distributed import DistError
 
-from ftrun.control.coordination import Coordinator
-
-_CAS_TRIES = 200
+from ftrun.control.coordination import CAS_TRIES, Coordinator
 
 
 @dataclass(frozen=True)
@@ -65,7 +63,7 @@ def _advance(coord: Coordinator, key: str, after: Callable[[bytes | None], str])
     while others change it meanwhile; returns the value stored. ``after`` must make a value no other writer could
     make at the same time: the store tells a success by the bytes it holds afterwards (signing is
     deterministic), so two writers storing equal bytes would both believe they won."""
-    for _ in range(_CAS_TRIES):
+    for _ in range(CAS_TRIES):
         raw = coord.store.get_raw(key) or b""
         value = after(coord.store.open(key, raw) if raw else None)
         if coord.store.compare_set(key, raw, value)[0]:

@@ -43,10 +43,12 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from ftrun.control.coordination import Coordinator
+from torch.distributed import DistError
+
+from ftrun.control.coordination import CAS_TRIES, Coordinator
 from ftrun.control.spec import NodeSpec
 from ftrun.errors import error_text
 from ftrun.events import EventLog
@@ -205,10 +207,10 @@ class Durability:
         if opened is None:
             if self._final > self.done and not self._final_opened:
                 self._final_opened = True
-                self._open(Round(self._round_number() + 1, self.generation, self._final, final=True))
+                self._open(self._final, final=True)
             elif self._due and self.generation >= 0 and not self._final:
                 self._snapshots = 0
-                self._open(Round(self._round_number() + 1, self.generation))
+                self._open()
             return
         if opened.step is None:  # node 0 answers last, as it names the step: it never holds
             holds = self._answers(opened.round, "hold", first=1)
@@ -222,32 +224,46 @@ class Durability:
                     self._set_round(self.open)
             return
         outcomes = self._answers(opened.round)
-        if outcomes is not None and not self._superseded():
+        if outcomes is not None and not self._superseded(self._read_round()):
             self.open = None
             self._finish(opened, {node: _outcome(raw) for node, raw in outcomes.items()})
 
+    def _document(self) -> tuple[bytes, Round | None]:
+        """The exact bytes of the round document (b"": not set) and the round they hold (None: none authentic)."""
+        key = self.coord.key("persist", "round")
+        raw = self.coord.store.get_raw(key) or b""
+        payload = self.coord.store.open(key, raw) if raw else None
+        return raw, Round.decode(payload) if payload is not None else None
+
     def _read_round(self) -> Round | None:
-        raw = self.coord.get("persist", "round")
-        return Round.decode(raw) if raw is not None else None
+        return self._document()[1]
 
-    def _round_number(self) -> int:
-        current = self._read_round()
-        return current.round if current is not None else 0
+    def _open(self, step: int | None = None, final: bool = False) -> None:
+        """Open this generation's next round (numbered after the document's, as it is when written)."""
+        self.open = self._set_round(Round(0, self.generation, step, final), numbered=True)
 
-    def _open(self, new: Round) -> None:
-        self.open = new
-        self._set_round(new)
+    def _set_round(self, new: Round, numbered: bool = False) -> Round | None:
+        """Write the round document ``new`` (``numbered``: as the round after the document's) unless this node 0
+        is :meth:`_superseded`; returns what it wrote (None: superseded). Invariant: a write never replaces a
+        document it did not read: a compare-and-set from the bytes read, so a newer generation's node 0 that
+        writes between the read and the write (while this one is stalled, or its write delayed in a partition) is
+        never overwritten. Each failed compare-and-set means another node 0 wrote in between: read again."""
+        for _ in range(CAS_TRIES):
+            raw, current = self._document()
+            if self._superseded(current):
+                return None
+            if numbered:
+                new = replace(new, round=(current.round if current is not None else 0) + 1)
+            if self.coord.store.compare_set(self.coord.key("persist", "round"), raw, new.encode())[0]:
+                return new
+        raise DistError("the control store's persist round document keeps changing; giving up")
 
-    def _set_round(self, new: Round) -> None:
-        if not self._superseded():
-            self.coord.store.set(self.coord.key("persist", "round"), new.encode())
-
-    def _superseded(self) -> bool:
-        """Whether the round document is a newer generation's: that generation's node 0 leads the rounds now, and
-        this one was replaced (cut off or stalled, then back for the moments before it reads its owner key). It
-        drops its round instead of finishing it or writing the document: an older round's number there would
-        make the new node 0 number its next rounds from it again and take their old answers for new ones."""
-        current = self._read_round()
+    def _superseded(self, current: Round | None) -> bool:
+        """Whether the round document ``current`` is a newer generation's: that generation's node 0 leads the
+        rounds now, and this one was replaced (cut off or stalled, then back for the moments before it reads its
+        owner key). It drops its round instead of finishing it or writing the document: an older round's number
+        there would make the new node 0 number its next rounds from it again and take their old answers for new
+        ones."""
         if current is None or current.generation <= self.generation:
             return False
         self.open = None
