@@ -10,6 +10,7 @@ import stat
 import struct
 import threading
 import time
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from ftrun.events import read_events
 from ftrun.snapshot import keeper as keeper_module
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot import pinning
-from ftrun.snapshot.protocol import KeeperClient, KeeperUnavailable, LineSocket, listen
+from ftrun.snapshot.protocol import KeeperClient, KeeperError, KeeperUnavailable, LineSocket, listen
 from ftrun.snapshot.link import newest_common
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header,
                                  SlotFile, checksum)
@@ -735,6 +736,95 @@ def test_a_keeper_whose_background_thread_fails_exits_for_its_supervisor_to_rest
         if keeper.redundancy is not None:
             keeper.redundancy.close()
         keeper.unlink_all()
+
+
+class ServingKeeper:
+    """A keeper serving its local socket ``server`` in a thread, until closed."""
+
+    def __init__(self, keeper: Keeper, server: socket.socket) -> None:
+        self.keeper, self.server = keeper, server
+        self.thread = threading.Thread(target=keeper.serve, args=(server,), daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.keeper.stop()
+        self.server.shutdown(socket.SHUT_RDWR)
+        self.thread.join(10)
+        self.server.close()
+        self.keeper.unlink_all()
+
+
+@pytest.mark.timeout(60)
+def test_a_request_the_keeper_fails_on_is_answered_as_an_error_at_once(shm, tmp_path, monkeypatch):
+    """A request whose handling raised an error the keeper did not expect (a bug) ended its connection's thread with
+    a traceback, and its client sent it again on a new connection for a minute (KeeperClient's patience), failing
+    the same way each time, before it said that the keeper was not answering. Now it is answered at once with an
+    error naming the request and the error, in one line, and the keeper serves on."""
+    uncaught: list[threading.ExceptHookArgs] = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    keeper = Keeper(dataclasses.replace(spec(1), log_dir=str(tmp_path)), [])
+    monkeypatch.setattr(keeper, "op_nudge", lambda: 1 // 0)
+    name = f"ftrun-hg-test-{os.getpid()}-{time.monotonic_ns()}"
+    serving = ServingKeeper(keeper, listen(name))
+    client = KeeperClient(name, patience=20)
+    try:
+        with pytest.raises(KeeperError) as failed:
+            client.request("nudge")
+        message = "keeper 0 failed request 'nudge' (ZeroDivisionError: integer division or modulo by zero)"
+        assert str(failed.value) == message
+        assert client.request("ping") is not None  # the same connection, answered
+        assert [e["message"] for e in read_events(str(tmp_path)) if e["event"] == "keeper_request_failed"] == [message]
+        assert uncaught == []
+    finally:
+        client.close()
+        serving.close()
+
+
+class ShortOfDescriptors(socket.socket):
+    """A listening socket whose first accept fails for want of file descriptors (EMFILE)."""
+
+    failed = False
+
+    def accept(self) -> tuple[socket.socket, Any]:
+        if not self.failed:
+            self.failed = True
+            raise OSError(errno.EMFILE, "Too many open files")
+        return super().accept()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("short_of", ["descriptors", "threads"])
+def test_a_keeper_short_of_descriptors_or_threads_for_a_connection_serves_on(shm, tmp_path, monkeypatch, short_of):
+    """accept() failing for want of file descriptors ended the keeper's serving loop, and a connection whose thread
+    could not start (the user at its process limit) raised out of it: either way the keeper then unlinked every
+    snapshot of its node and exited, for a passing shortage. Now that connection is closed (its client connects
+    again) with one line, and the keeper serves on."""
+    keeper = Keeper(dataclasses.replace(spec(1), log_dir=str(tmp_path)), [])
+    name = f"ftrun-hg-test-{os.getpid()}-{time.monotonic_ns()}"
+    server = listen(name)
+    if short_of == "descriptors":
+        server = ShortOfDescriptors(fileno=server.detach())
+    else:
+        start = threading.Thread.start
+        refused: list[threading.Thread] = []
+
+        def start_but_the_first_client(thread: threading.Thread) -> None:
+            if thread.name.endswith("(_serve_connection)") and not refused:  # a client's thread
+                refused.append(thread)
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", start_but_the_first_client)
+    serving = ServingKeeper(keeper, server)
+    client = KeeperClient(name, patience=20, timeout=2.0)
+    try:
+        assert client.request("ping") is not None
+        [event] = [e for e in read_events(str(tmp_path)) if e["event"] == "keeper_connection_failed"]
+        assert event["message"].startswith("keeper 0 ") and event["message"].endswith("; going on")
+        assert serving.thread.is_alive()
+    finally:
+        client.close()
+        serving.close()
 
 
 def _persist_round(keeper: Keeper, number: int, step: int, bound: float) -> dict:

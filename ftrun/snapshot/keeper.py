@@ -102,6 +102,8 @@ POLL_RECHECK = 0.25  # seconds between two looks of a waiting poll for a change 
 SOCKET_WAIT = 10.0  # seconds a starting keeper waits for another keeper of its node to leave (listen_alone)
 MIN_PEER_TIMEOUT = 5.0  # seconds: the least a keeper waits on a peer (see peer_timeout)
 THREAD_FAILED = 70  # the exit status of a keeper one of whose background threads failed (EX_SOFTWARE)
+# accept(2)'s errors for want of resources: passing, unlike those of a listening socket that was shut down
+OUT_OF_RESOURCES = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
 # Seconds the persister waits for the checksum of a slot it writes (the sealer, at background priority, may be
 # behind): past it the round fails (one warning; the next round tries again), where it waited forever.
 SEAL_WAIT = 600.0
@@ -927,12 +929,26 @@ class Keeper:
         while not self._stopping:
             try:
                 conn, _ = server.accept()
-            except OSError:
-                break
+            except OSError as err:
+                if self._stopping or err.errno not in OUT_OF_RESOURCES:
+                    break
+                self._not_served(f"could not accept a connection ({err})")
+                continue
             if not same_user(conn):
                 conn.close()
                 continue
-            threading.Thread(target=self._serve_connection, args=(LineSocket(conn),), daemon=True).start()
+            try:
+                threading.Thread(target=self._serve_connection, args=(LineSocket(conn),), daemon=True).start()
+            except RuntimeError as err:  # can't start new thread
+                conn.close()  # its client connects again
+                self._not_served(f"closed a connection that could not get a thread ({err})")
+
+    def _not_served(self, what: str) -> None:
+        """One line for a connection the keeper could not take in for want of resources (file descriptors, threads),
+        then a pause for the connections open to end: serving ends only when the keeper stops (its files are
+        unlinked then), never for a passing shortage."""
+        self.events.emit("keeper_connection_failed", f"keeper {self.node} {what}; going on", node=self.node)
+        time.sleep(0.1)
 
     def _background(self, name: str, work: Callable[[], None]) -> None:
         """Run ``work`` in daemon thread ``name``, guarded. Invariant: a keeper serves only while each of its
@@ -962,11 +978,22 @@ class Keeper:
                 request = conn.receive()
                 if request is None:
                     return
-                conn.send(self.handle(request))
+                conn.send(self._answer(request))
         except (OSError, ValueError):
             pass
         finally:
             conn.close()
+
+    def _answer(self, request: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`handle`'s reply; an error it raises (a bug) is an error reply and one line. Invariant: a request
+        is always answered: a connection closed instead has the client send it again for a minute
+        (:class:`~ftrun.snapshot.protocol.KeeperClient`), failing the same way each time."""
+        try:
+            return self.handle(request)
+        except Exception as err:  # noqa: BLE001 - a bug of one request: the keeper and its other clients go on
+            message = f"keeper {self.node} failed request {request.get('op')!r} ({type(err).__name__}: {err})"
+            self.events.emit("keeper_request_failed", message, node=self.node, op=str(request.get("op")))
+            return {"error": message}
 
     def stop(self) -> None:
         with self.cond:
