@@ -172,10 +172,7 @@ def test_a_node_replaced_by_a_standby_on_its_host_leaves_it_the_node_s_files(sta
     job_id = node0.job_id
     node1 = start_job(*common, "--node-rank", "1", *args, job_id=job_id, log_dir=node0.log_dir, env=env)
     standby = start_job("--standby", *common[2:], *args, job_id=job_id, log_dir=node0.log_dir, env=env)
-    node0.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 20, timeout=120)
-    [start] = [e for e in node0.events() if e["event"] == "node_start" and e["node"] == 1]
-    supervisor = psutil.Process(start["pid"])
-    supervisor.send_signal(signal.SIGSTOP)
+    supervisor = kill_supervisor(node0, 1, signal.SIGSTOP)
     try:
         node0.wait_for_event(lambda e: e["event"] == "spare_claimed", timeout=60)
         time.sleep(1)
@@ -245,12 +242,14 @@ def start_two_nodes(start_job, tmp_path, name: str, *extra: str, step_time: floa
     return node0, node1, out, (*common, *args), env
 
 
-def kill_supervisor(node0, node: int) -> None:
-    """SIGKILL ``node``'s supervisor (the OOM killer, a crash) once the job has protected step 20; its launcher
-    lives on."""
+def kill_supervisor(node0, node: int, signum: int = signal.SIGKILL) -> psutil.Process:
+    """SIGKILL ``node``'s supervisor (the OOM killer, a crash), or send it ``signum`` (SIGSTOP: it stalls), once the
+    job has protected step 20; its launcher lives on. Returns the supervisor."""
     node0.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 20, timeout=120)
     [start] = [e for e in node0.events() if e["event"] == "node_start" and e["node"] == node]
-    os.kill(start["pid"], signal.SIGKILL)
+    supervisor = psutil.Process(start["pid"])
+    supervisor.send_signal(signum)
+    return supervisor
 
 
 @pytest.mark.timeout(240)
@@ -299,4 +298,30 @@ def test_a_killed_supervisor_s_replacement_and_a_standby_racing_for_its_rank_one
     # no traceback of ftrun's (a trainer's "[rank0]: Traceback", its gloo peer gone with the killed node, may come)
     assert not [line for line in (node0.output + standby.output).splitlines()
                 if "Traceback" in line and not line.startswith("[rank")], node0.output + standby.output
+    assert_job_left_nothing(node0)
+
+
+@pytest.mark.timeout(240)
+def test_a_stalled_supervisor_killed_after_a_standby_took_its_rank_leaves_the_job_to_it(start_job, tmp_path,
+                                                                                      gpt_baselines):
+    """Multi-node: node 1's supervisor stalls (SIGSTOP) until a --standby took its rank, and is then killed (by the
+    user, or the OOM killer) before it could see that. Its launcher finds the rank's owner key naming the spare:
+    it leaves the job to it (exit code 4) and leaves it the node's files on this host, and the job has one restart
+    and ends bit-for-bit. Before, the launcher declared node 1 lost a second time and started a replacement, which
+    took the rank from the running standby: an extra restart, and the standby's ftrun ended with 4."""
+    node0, node1, out, common, env = start_two_nodes(start_job, tmp_path, "stalled-killed", "--node-timeout", "1")
+    standby = start_job("--standby", *common[2:], job_id=node0.job_id, log_dir=node0.log_dir, env=env)
+    supervisor = kill_supervisor(node0, 1, signal.SIGSTOP)
+    try:
+        node0.wait_for_event(lambda e: e["event"] == "spare_claimed", timeout=60)
+    finally:
+        supervisor.send_signal(signal.SIGKILL)
+    assert node0.wait(180) == 0, node0.output + node1.output + standby.output
+    assert standby.wait(60) == 0, standby.output
+    assert node1.wait(60) == 4, node1.output
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    assert [(f["kind"], f["node"]) for f in primary_failures(node0)] == [("node-lost", 1)], node0.output
+    assert "starting a replacement" not in node1.output, node1.output
+    assert "leaving the job: node rank 1 was taken by spare" in node1.output, node1.output
+    assert f"job {node0.job_id} goes on without node 1, which a spare replaced (exit code 4)" in node1.output
     assert_job_left_nothing(node0)

@@ -46,7 +46,7 @@ from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_text
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
-from ftrun.control.ownership import claim_free_rank, owner, spares
+from ftrun.control.ownership import Owner, claim_free_rank, owner, spares
 from ftrun.control.signed import SignedStore
 from ftrun.launch.clean import claim_nodes
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
@@ -60,7 +60,7 @@ from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, announce_path,
-                                nodes_with_files, split_endpoint, unlink_node_files, write_shm_file)
+                                nodes_with_files, shm_place, split_endpoint, unlink_node_files, write_shm_file)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import Recovery, print_summary
@@ -157,6 +157,8 @@ class Launcher:
         self._next_fence = 0.0  # see _fence
         self._exits = ExitWatch()  # see _pause
         self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
+        # nodes whose files on this host are a spare's now: it took the rank after their killed supervisor stalled
+        self._kept_files: set[int] = set()
         self.signalled: int | None = None
         self.files: list[str] = []  # what this launcher wrote in the shm dir (removed by remove_files())
         self.claims: list[socket.socket] = []  # this host's claim on the job's nodes, held for life (_claim)
@@ -393,8 +395,8 @@ class Launcher:
             # killed earlier run of the job with more nodes left (every node of the job is on this host)
             # (a node whose SLURM step ended keeps them, and its claim on them, for the next step)
             for node in sorted(set(nodes) | nodes_with_files(self.job_id)) if self.cfg.local_mode else nodes:
-                if self.cfg.local_mode or node not in self.procs or self.procs[node].poll() not in (
-                        EXIT_REPLACED, EXIT_STEP_ENDED):
+                if self.cfg.local_mode or node not in self.procs or (self.procs[node].poll() not in (
+                        EXIT_REPLACED, EXIT_STEP_ENDED) and node not in self._kept_files):
                     unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
             if self.slurm is not None and not self._step_ended():  # nothing left to claim
@@ -658,6 +660,10 @@ class Launcher:
                     continue
                 lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED,
                                     EXIT_STEP_ENDED)
+                if lost and self.signalled is None and not self.cfg.local_mode and self._left_to_spare(coord, node,
+                                                                                                        code):
+                    results[node] = EXIT_REPLACED
+                    continue
                 if lost and self.signalled is None:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
                     try:
@@ -731,13 +737,39 @@ class Launcher:
             if node in skip or proc.poll() is not None:
                 continue
             held = owner(coord, node)[1]
-            if held is None or not held.spare or held.spare == self._spare_of.get(node):
+            if not self._taken_by_spare(node, held):
                 continue
+            assert held is not None
             proc.send_signal(signal.SIGKILL)
             killed.add(node)
             self.events.emit("fenced", f"node {node}'s supervisor (pid {proc.pid}) still ran after spare {held.spare} "
                              "took its rank: killed, with its keeper and trainers", node=node, spare=held.spare)
         return killed
+
+    def _taken_by_spare(self, node: int, held: Owner | None) -> bool:
+        """Whether ``held``, ``node``'s owner, is a spare this launcher did not hand the node over to: its own
+        supervisors of the node hold the rank as no spare (its first one, its replacements) or as the spare handed
+        over (:attr:`_spare_of`), so such an owner took the rank from them."""
+        return held is not None and bool(held.spare) and held.spare != self._spare_of.get(node)
+
+    def _left_to_spare(self, coord: Coordinator, node: int, code: int) -> bool:
+        """Multi-node: whether a spare took ``node``'s rank from its supervisor, which died (``code``) before it saw
+        that (stalled until then, say). The launcher then leaves the job to that spare as a supervisor that sees it
+        does (:data:`EXIT_REPLACED`): no node-lost generation, no replacement (it would take the rank from the
+        running spare), and the node's files stay where the spare shares this host's shared memory (same names)."""
+        try:
+            held = owner(coord, node)[1]
+        except DistError:
+            return False  # the control store is gone: as any lost supervisor
+        if not self._taken_by_spare(node, held):
+            return False
+        assert held is not None
+        if held.shm and held.shm == shm_place():
+            self._kept_files.add(node)
+        self.events.emit("replaced", f"leaving the job: node rank {node} was taken by spare {held.spare} (incarnation "
+                         f"{held.incarnation}) before its supervisor here was {describe_exit(code)}", node=node,
+                         spare=held.spare, exit_code=code)
+        return True
 
     def _replace(self, node: int, store_host: str, store_port: int, code: int, replaces: int | None = None) -> None:
         """Start a replacement supervisor for ``node``; ``replaces``: see :attr:`NodeSpec.replaces`."""
