@@ -325,3 +325,29 @@ def test_a_stalled_supervisor_killed_after_a_standby_took_its_rank_leaves_the_jo
     assert "leaving the job: node rank 1 was taken by spare" in node1.output, node1.output
     assert f"job {node0.job_id} goes on without node 1, which a spare replaced (exit code 4)" in node1.output
     assert_job_left_nothing(node0)
+
+
+@pytest.mark.timeout(240)
+def test_a_standby_s_launcher_replaces_its_supervisor_that_died_after_it_took_a_rank(start_job, tmp_path,
+                                                                                  gpt_baselines):
+    """Multi-node with a --standby: node 1 is lost whole (its launcher killed), the standby takes its rank, and
+    then the standby's supervisor dies (the OOM killer) while its ftrun lives. That ftrun replaces it as any
+    node's does: the replacement takes the rank from the incarnation that was lost, its keeper re-adopts the
+    node's slots, and the job ends bit-for-bit with two restarts. Before, the standby's ftrun exited 1 and node 0
+    waited out --rdzv-timeout for a replacement, then failed (exit 3)."""
+    node0, node1, out, common, env = start_two_nodes(start_job, tmp_path, "standby-respawn", "--node-timeout", "2",
+                                                     step_time=0.3)
+    standby = start_job("--standby", *common[2:], job_id=node0.job_id, log_dir=node0.log_dir, env=env)
+    node0.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 20, timeout=120)
+    node1.proc.kill()  # node 1 lost whole: its supervisor, keeper and trainers die with its launcher
+    took = node0.wait_for_event(lambda e: e["event"] == "node_start" and e["node"] == 1 and e["incarnation"] == 2,
+                                timeout=60)
+    node0.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 40, timeout=120)
+    os.kill(took["pid"], signal.SIGKILL)
+    assert node0.wait(180) == 0, node0.output + standby.output
+    assert standby.wait(60) == 0, standby.output
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    assert [(f["kind"], f["node"]) for f in primary_failures(node0)] == [("node-lost", 1)] * 2, node0.output
+    assert "starting a replacement for node 1" in standby.output, standby.output
+    assert "from RAM" in [e for e in node0.events() if e["event"] == "restore" and e["generation"] == 2][0]["message"]
+    assert_job_left_nothing(node0)

@@ -14,6 +14,8 @@
   does, the others join), then each takes the lowest free node rank of the run by compare-and-set
   (:func:`ftrun.control.ownership.claim_free_rank`) before its supervisor gets its spec; one that finds every
   rank taken joins as a hot spare, as ``--standby`` does.
+- A standby (``--standby``): starts a hot spare; once the spare took a lost node's rank, the launcher is that
+  node's and replaces its supervisor as above.
 
 It forwards SIGINT/SIGTERM to the supervisors as a graceful stop, prints the job summary, and, as a child
 subreaper, kills whatever descendant is left before it exits.
@@ -89,6 +91,8 @@ _POLL_INTERVAL = 0.02
 IDLE_LOOK = 1.0
 DIR_OWNER_LOOK = 2.0  # seconds between a standby's looks for whether it took node rank 0 (then it holds --ckpt-dir)
 FENCE_INTERVAL = 0.1  # seconds between two looks for a supervisor whose rank a spare took (local mode, --spares)
+# a supervisor's exit codes that end its node's part of the job; any other is a lost supervisor (killed, crashed)
+SUPERVISOR_ENDS = (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED, EXIT_STEP_ENDED)
 
 
 def is_local_host(host: str) -> bool:
@@ -169,6 +173,7 @@ class Launcher:
         self.bind = self._bind_address()
         self.job_run = 0  # the job's run in the control store (taken or joined in run())
         self.dir_owner: DirOwner | None = None  # node 0's hold on the job's --ckpt-dir directory
+        self.job_spec: NodeSpec | None = None  # a standby's: the job's settings (its document), any node's spec
 
     def _bind_address(self) -> str:
         """The address this node's listening sockets bind: loopback in local mode, else ``--rdzv-bind`` (checked),
@@ -229,6 +234,8 @@ class Launcher:
         return socket.gethostname()
 
     def _node_spec(self, node: int, store_host: str, store_port: int) -> NodeSpec:
+        if self.job_spec is not None:  # a standby's: the job's, not its own command line's
+            return replace(self.job_spec, node_rank=node, spare="")
         cfg = self.cfg
         return NodeSpec(
             job_id=self.job_id, node_rank=node, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
@@ -395,8 +402,8 @@ class Launcher:
             # killed earlier run of the job with more nodes left (every node of the job is on this host)
             # (a node whose SLURM step ended keeps them, and its claim on them, for the next step)
             for node in sorted(set(nodes) | nodes_with_files(self.job_id)) if self.cfg.local_mode else nodes:
-                if self.cfg.local_mode or node not in self.procs or (self.procs[node].poll() not in (
-                        EXIT_REPLACED, EXIT_STEP_ENDED) and node not in self._kept_files):
+                ended = node in self.procs and self.procs[node].poll() == EXIT_STEP_ENDED
+                if self.cfg.local_mode or not (ended or self._files_left_to_spare(node)):
                     unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
             if self.slurm is not None and not self._step_ended():  # nothing left to claim
@@ -445,7 +452,8 @@ class Launcher:
     def _run_standby(self, store: SignedStore, store_host: str, store_port: int, why: str = "") -> int:
         """``--standby``, or a launcher that found every node rank taken (``why`` says so): join the job's current
         (or next) run as a hot spare; the exit code of the node rank it takes, or 0 when the run ends without
-        needing it."""
+        needing it. Once it took a rank, this launcher is that node's: a supervisor of it that dies while the
+        launcher lives is replaced here, as any node's (:meth:`_wait`)."""
         cfg = self.cfg
         assert self.address is not None
         flag = "--standby" if cfg.standby else "spare"
@@ -467,19 +475,21 @@ class Launcher:
             raise UsageError(f"{flag}: {self.target} is not the job's script ({doc.get('target')}: contents "
                              "differ); not joining")
         self.job_run = run
+        cfg.max_restarts = int(doc["max_restarts"])  # the job's: a lost node's replacement (_wait) counts to it
         group, parity, backend = doc["ec"]
         every, keep, ckpt_format = doc["persist"]
         base = self._node_spec(-1, store_host, store_port)
         name = f"standby-{socket.gethostname()}-{os.getpid()}"
-        spec = replace(base, nnodes=int(doc["nnodes"]), args=list(doc["args"]), max_restarts=int(doc["max_restarts"]),
-                       ec_group=int(group), ec_parity=int(parity), ec_backend=str(backend), persist_every=int(every),
-                       keep=int(keep), ckpt_format=str(ckpt_format), ckpt_dir=doc["ckpt_dir"], spare=name)
+        spec = replace(base, nnodes=int(doc["nnodes"]), args=list(doc["args"]), ec_group=int(group),
+                       ec_parity=int(parity), ec_backend=str(backend), persist_every=int(every), keep=int(keep),
+                       ckpt_format=str(ckpt_format), ckpt_dir=doc["ckpt_dir"], spare=name)
         self.events.emit("start", f"job {self.job_id}: {why}standby {name} joins run {run} as a hot spare "
                          f"({doc['nnodes']} node(s) x {cfg.nproc_per_node} trainer(s)), control store "
                          f"{self.address.endpoint}", job_id=self.job_id, spare=name, run=run,
                          all_ranks_taken=bool(why))
         self._handle_signals()
-        code: int | None = None
+        exit_code: int | None = None
+        node: int | None = None  # the node rank its spare took, once its supervisor was lost
         coord = Coordinator(store, self.job_id, -1, int(doc["nnodes"]), run=run)
         next_look = time.monotonic() + DIR_OWNER_LOOK
         try:
@@ -490,18 +500,47 @@ class Launcher:
                     next_look = time.monotonic() + DIR_OWNER_LOOK
                     self._hold_if_node_0(coord, name, spec.ckpt_dir, str(doc.get("run_id")))
             code = proc.returncode
+            node = self._node_taken(coord, name) if code not in SUPERVISOR_ENDS else None
+            if node is None or self.signalled is not None:
+                exit_code = self._spare_exit(code)
+            else:  # its supervisor died after it took node's rank: this launcher is that node's now
+                self.procs[node] = self.procs.pop(-1)
+                self.job_spec, self.node_rank, coord.node_rank = spec, node, node
+                self._spare_of[node] = name
+                if spec.ckpt_dir and self.dir_owner is None:
+                    self._hold_if_node_0(coord, name, spec.ckpt_dir, str(doc.get("run_id")))
+                exit_code = self._wait(coord, store_host, store_port)
         finally:
             if self.dir_owner is not None:
                 self.dir_owner.close()
             signal.signal(signal.SIGINT, signal.SIG_IGN)
-            kill_descendants(spare=left_by_user if code == EXIT_DONE else None)
-        if self.store_server is not None:  # this spare hosts the store (rank_by_store): the nodes still need it
+            kill_descendants(spare=left_by_user if exit_code == 0 else None)
+            if node is not None and not self._files_left_to_spare(node):
+                unlink_node_files(self.job_id, node)  # what its killed supervisors left
+        if self.store_server is not None and self.job_spec is not None:  # it hosts the store (rank_by_store)
+            self._leave(coord)  # as the node it took
+        elif self.store_server is not None:
             self._leave_as_spare(store, name, int(doc["nnodes"]))
+        assert exit_code is not None
+        return exit_code
+
+    def _spare_exit(self, code: int) -> int:
+        """The exit code of a standby whose supervisor exited with ``code`` (it ran no node, or it ended its
+        node's part of the job)."""
         if code == EXIT_DONE:
             return 0
         if code in (EXIT_STOPPED, EXIT_STOPPED_UNSAVED) or self.signalled is not None:
             return EXIT_UNSAVED if code == EXIT_STOPPED_UNSAVED else 128 + (self.signalled or signal.SIGTERM)
         return EXIT_FAILED if code == EXIT_JOB_FAILED else EXIT_LEFT if code == EXIT_REPLACED else 1
+
+    def _node_taken(self, coord: Coordinator, spare: str) -> int | None:
+        """The node rank that ``spare`` took, as the spares' registry says (it stays so after another spare took
+        the rank from it); None when it took none, or the control store is gone."""
+        try:
+            docs = spares(coord)
+        except DistError:
+            return None
+        return next((doc.node for doc in docs if doc.name == spare and doc.state == "took"), None)
 
     def _hold_if_node_0(self, coord: Coordinator, spare: str, root: str, run_id: str) -> None:
         """A spare that took node rank 0 holds the job's checkpoint directory for the run from then on."""
@@ -631,10 +670,11 @@ class Launcher:
     def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:
         """Wait for the supervisors; in local mode a lost node's rank goes to a hot spare, or (none left) to a
         replacement supervisor. So does the node's rank in a multi-node job (``--node-rank``, the form without it,
-        ``srun``): a supervisor that died while this launcher lives (the OOM killer, a crash) is replaced here, its
-        keeper re-adopting the node's slots, unless a ``--standby`` claims the rank first (the replacement takes it
-        only from the lost incarnation, as a spare does: one of them gets it, and a replacement that lost leaves,
-        exit code :data:`EXIT_REPLACED`). Returns the job's exit code."""
+        ``srun``, a standby's once it took one): a supervisor that died while this launcher lives (the OOM killer, a
+        crash) is replaced here, its keeper re-adopting the node's slots, unless a ``--standby`` claims the rank
+        first (the replacement takes it only from the lost incarnation, as a spare does: one of them gets it, and a
+        replacement that lost leaves, exit code :data:`EXIT_REPLACED`), or had taken it before the supervisor died
+        (:meth:`_left_to_spare`). Returns the job's exit code."""
         results: dict[int, int] = {}
         vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
         fenced: set[int] = set()  # nodes whose supervisor this launcher killed after a spare took their rank
@@ -658,8 +698,7 @@ class Launcher:
                     vacant[node] = code  # seen as lost while alive: a spare took its rank
                     fenced.discard(node)
                     continue
-                lost = code not in (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED,
-                                    EXIT_STEP_ENDED)
+                lost = code not in SUPERVISOR_ENDS
                 if lost and self.signalled is None and not self.cfg.local_mode and self._left_to_spare(coord, node,
                                                                                                         code):
                     results[node] = EXIT_REPLACED
@@ -770,6 +809,13 @@ class Launcher:
                          f"{held.incarnation}) before its supervisor here was {describe_exit(code)}", node=node,
                          spare=held.spare, exit_code=code)
         return True
+
+    def _files_left_to_spare(self, node: int) -> bool:
+        """Whether ``node``'s files on this host are not this launcher's to remove at its end: its supervisor left
+        the job to a spare (:data:`EXIT_REPLACED`; it removed them itself unless the spare shares them), or died
+        after a spare that shares them took the rank."""
+        proc = self.procs.get(node)
+        return (proc is not None and proc.poll() == EXIT_REPLACED) or node in self._kept_files
 
     def _replace(self, node: int, store_host: str, store_port: int, code: int, replaces: int | None = None) -> None:
         """Start a replacement supervisor for ``node``; ``replaces``: see :attr:`NodeSpec.replaces`."""
