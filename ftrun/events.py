@@ -4,8 +4,9 @@ Every process of a job (launcher, supervisors) appends to the same file; each ev
 ``O_APPEND`` descriptor, so lines from different processes never interleave. Fields common to all events:
 ``time`` (wall clock, seconds), ``event`` (a name from the list below), ``source`` ("launcher", "node N",
 "keeper N" or "spare NAME"), ``message`` (the terminal text). Event names: start, node_start, keeper_start,
-trainers_started, failure (with the failed rank's last ``step``), generation, restore (the agreed ``step`` and
-``restored_from``: "ram", "disk", "parity" (with ``rebuilt``: node -> the nodes it rebuilds from) or "none"),
+trainers_started, failure (with the failed rank's last ``step``), generation, restore (per node: the agreed ``step``,
+``restored_from``: "ram", "disk", "parity" (with ``rebuilt``: node -> the nodes it rebuilds from) or "none", and
+``verified``: bytes of the node's slots of that step whose checksums its keeper verified, in ``verify_seconds``),
 restored (per rank: bytes, seconds), stopped, stop (a supervisor was told to stop, by ``signal``: every node
 stops, persists and exits), all_running, first_heartbeat, recovered, keeper_failed,
 keeper_thread_failed (a keeper's background ``thread`` failed; the keeper exits to be restarted), store_kept (a

@@ -288,6 +288,39 @@ def test_keeper_plan_discards_newer_steps_of_older_generations_and_readopts(shm)
     assert os.listdir(shm) == []
 
 
+def test_a_generation_start_verifies_the_checksums_of_the_step_it_restores_not_of_every_slot(shm, tmp_path):
+    """``held`` reads headers only; ``verify`` checks the checksums of the agreed step's slots (sealing one the
+    sealer had not reached): a restart reads the bytes it restores, not every slot of every rank (at 1 GiB per
+    rank the keeper read 4 GiB before the job could agree). A slot that fails is dropped and logged, never
+    restored: the job then plans an older step."""
+    keeper = Keeper(dataclasses.replace(spec(), log_dir=str(tmp_path)), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    for step in (10, 20):
+        for rank in (0, 1):
+            commit_via_keeper(keeper, rank, step)
+        keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": step})
+    slots = {(rank, step): keeper.ranks[rank].files[keeper.ranks[rank].index_of(step)]
+             for rank in (0, 1) for step in (10, 20)}
+    for (rank, step), slot in slots.items():
+        if step == 10 or rank == 0:  # rank 1's newest stays unsealed: its seal is still queued
+            slot.seal(checksum(slot.map, slot.header()))
+    for rank in (0, 1):
+        slots[rank, 10].map[HEADER_SIZE + 5] ^= 0x01  # the older step of both ranks goes bad in RAM
+    assert keeper.handle({"op": "held", "generation": 1})["held"] == {"0": [10, 20], "1": [10, 20]}
+    reply = keeper.handle({"op": "verify", "generation": 1, "step": 20})
+    assert reply["problems"] == {} and reply["bytes"] == 2000, reply
+    assert slots[1, 20].header().sealed
+    reply = keeper.handle({"op": "verify", "generation": 1, "step": 10})
+    assert set(reply["problems"]) == {"0", "1"} and "checksum mismatch" in reply["problems"]["0"], reply
+    assert [rank.held() for rank in keeper.ranks] == [{20}, {20}]
+    assert all(slots[rank, 10].header().state == EMPTY for rank in (0, 1))
+    invalid = [e for e in read_events(str(tmp_path)) if e["event"] == "slot_invalid"]
+    assert [(e["local_rank"], e["step"]) for e in invalid] == [(0, 10), (1, 10)]
+    assert keeper.handle({"op": "verify", "generation": 1, "step": 10})["problems"] == {
+        "0": "step 10 not held", "1": "step 10 not held"}
+    keeper.unlink_all()
+
+
 def test_slots_of_an_earlier_run_count_as_older_than_its_first_generation(shm):
     """A new SLURM step starts again at generation 0: a step only some ranks held in the earlier run is dropped."""
     keeper_with_rank_0_ahead()  # then the step is killed

@@ -26,9 +26,10 @@ one as its newest writes its next snapshot over it.
 A rank's first commit (or restored slot) has its other slot allocated, below the trainers' priority, before the
 trainer asks for it (``allocate_other``): only a rank's first snapshot waits for /dev/shm pages.
 
-Per generation: the supervisor asks which steps every local rank holds (``held``: every committed slot's
-checksum is verified, bad ones are discarded and logged), agrees the restore step with the other nodes, and
-tells it (``plan``); restoring trainers wait for the plan. Slots of newer steps written by an older
+Per generation: the supervisor asks which steps every local rank holds (``held``: committed slots, by their
+headers), agrees the restore step with the other nodes, has the checksums of that step's slots verified
+(``verify``: bad ones are discarded and logged, and the nodes agree again from what is left), and tells it
+(``plan``); restoring trainers wait for the plan. Slots of newer steps written by an older
 generation are then discarded: that future did not happen for every rank.
 
 With erasure coding (``--ec-parity`` > 0) the keeper also holds parity for its EC group
@@ -66,6 +67,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -80,7 +82,8 @@ from ftrun.snapshot.protocol import (PEER_LOST, POLL_WAIT, LineSocket, listen, r
 from ftrun.snapshot.redundancy import GroupPlace, Redundancy, RedundancyError, parity_name
 from ftrun.snapshot.persist import CorruptStep, image_size, load_rank, partial_dir, write_rank
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, RESTORED, SLOTS_PER_RANK, SPARE_SLOT,
-                                 WRITING, SlotFile, checksum, slot_capacity, slot_name)
+                                 WRITING, Header, SlotFile, checksum, checksum_threads, slot_capacity,
+                                 slot_name)
 from ftrun.snapshot.transport import PeerError, PeerUnavailable
 
 ENV_KEEPER_FAULTS = "FTRUN_KEEPER_FAULTS"
@@ -409,24 +412,70 @@ class Keeper:
             return {"error": f"bad request {op}: {err}"}
 
     def op_held(self, generation: int) -> dict[str, Any]:
+        """The steps every local rank holds in a committed slot, by its header (the checksums of the step the job
+        agrees to restore are verified next, by :meth:`op_verify`: not every slot's), and the parity steps held."""
         held: dict[str, list[int]] = {}
         with self.cond:
             self.generation = max(self.generation, generation)
             for local, rank in enumerate(self.ranks):
                 for index, step in enumerate(rank.steps):
                     slot = rank.files[index]
-                    if step is None or slot is None:
-                        continue
-                    problem = slot.verify()
-                    if problem is not None:
-                        rank.steps[index] = None
-                        slot.set_state(EMPTY)
-                        self.events.emit("slot_invalid", f"rank {self.global_rank(local)} slot {index} (step {step}) "
-                                         f"not loadable: "
-                                         f"{problem}; using an older snapshot", node=self.node,
-                                         local_rank=local, slot=index, step=step, problem=problem)
+                    if step is not None and slot is not None and (problem := slot.problem()) is not None:
+                        self._drop_invalid(local, index, problem, "using an older snapshot")
                 held[str(self.global_rank(local))] = sorted(rank.held())
         return {"held": held, **self._redundancy_state()}
+
+    def op_verify(self, generation: int, step: int) -> dict[str, Any]:
+        """Verify the checksum of every local rank's slot of ``step``, the step the job is about to restore from
+        RAM (sealing one the sealer had not reached yet), as many slots at once as the cores take (each checksum
+        runs on :func:`checksum_threads`) and outside the lock: trainers wait
+        for the plan, so nothing writes a slot of ``step`` meanwhile; one that changed anyway (a stale trainer's
+        ``corrupt``) counts as not verified. A slot that fails is dropped (never loaded); ``problems``: global
+        rank -> why, empty when every local rank holds ``step`` verified."""
+        t0 = time.perf_counter()
+        problems: dict[str, str] = {}
+        todo: list[tuple[int, int, SlotFile, Header]] = []
+        with self.cond:
+            self._check_current(generation)
+            for local, rank in enumerate(self.ranks):
+                index = rank.index_of(step)
+                slot = rank.files[index] if index is not None else None
+                if index is None or slot is None:
+                    problems[str(self.global_rank(local))] = f"step {step} not held"
+                else:
+                    todo.append((local, index, slot, slot.header()))
+        at_once = max(1, min(len(todo), len(os.sched_getaffinity(0)) // checksum_threads()))  # a thread per core
+        with ThreadPoolExecutor(at_once) as pool:
+            crcs = list(pool.map(lambda t: checksum(t[2].map, t[3]), todo))
+        with self.cond:
+            for (local, index, slot, header), crc in zip(todo, crcs):
+                if self.ranks[local].steps[index] != step or slot.header() != header:
+                    problem: str | None = "changed while it was verified"
+                elif not header.sealed:
+                    problem = None
+                    slot.seal(crc)
+                else:
+                    problem = None if crc == header.checksum else \
+                        f"checksum mismatch (stored {header.checksum:08x}, computed {crc:08x})"
+                if problem is not None:
+                    problems[str(self.global_rank(local))] = problem
+                    if self.ranks[local].steps[index] == step:
+                        self._drop_invalid(local, index, problem, "using an older snapshot")
+            self.cond.notify_all()  # the encoder waits for seals
+        verified = sum(header.payload_len for _, _, _, header in todo)
+        return {"problems": problems, "bytes": verified, "seconds": time.perf_counter() - t0}
+
+    def _drop_invalid(self, local: int, index: int, problem: str, then: str) -> None:
+        """Slot ``index`` of ``local`` cannot be loaded (``problem``): emptied, and logged with what ``then``
+        happens; caller holds the lock."""
+        step = self.ranks[local].steps[index]
+        self.ranks[local].steps[index] = None
+        file = self.ranks[local].files[index]
+        if file is not None:
+            file.set_state(EMPTY)
+        self.events.emit("slot_invalid", f"rank {self.global_rank(local)} slot {index} (step {step}) not loadable: "
+                         f"{problem}; {then}", node=self.node, local_rank=local, slot=index, step=step,
+                         problem=problem)
 
     def _redundancy_state(self) -> dict[str, Any]:
         if self.redundancy is None:
@@ -696,14 +745,7 @@ class Keeper:
 
     def op_corrupt(self, rank: int, slot: int, reason: str) -> dict[str, Any]:
         with self.cond:
-            step = self.ranks[rank].steps[slot]
-            self.ranks[rank].steps[slot] = None
-            file = self.ranks[rank].files[slot]
-            if file is not None:
-                file.set_state(EMPTY)
-        self.events.emit("slot_invalid", f"rank {self.global_rank(rank)} found its slot {slot} (step {step}) "
-                         f"not loadable: {reason}; never loaded", node=self.node, local_rank=rank, slot=slot,
-                         step=step, problem=reason)
+            self._drop_invalid(rank, slot, reason, "found by its trainer, never loaded")
         return {}
 
     def op_restored(self, rank: int, step: int, nbytes: int, seconds: float) -> dict[str, Any]:

@@ -2,11 +2,14 @@
 
 Per generation g, keys under ``ftrun/<job>/gen/<g>/``:
 
-- ``held/<node>``: JSON :class:`Holdings`: the verified snapshot steps of every rank of the node, the steps
-  its keeper holds complete parity of, and the address its keeper serves peers on; published once at the
-  start of g. Every node computes the same :class:`RestorePlan` from all of them (:func:`plan_restore`): the
-  restore chain: the newest step that every rank holds in RAM, else can get rebuilt from its EC group's
-  parity, else loads from disk, else step 0. The nodes that lack a parity step rebuild it first (their keepers,
+- ``held/<node>``: JSON :class:`Holdings`: the committed snapshot steps of every rank of the node (by their
+  headers), the steps its keeper holds complete parity of, and the address its keeper serves peers on;
+  published at the start of g. Every node computes the same :class:`RestorePlan` from all of them
+  (:func:`plan_restore`): the restore chain: the newest step that every rank holds in RAM, else can get rebuilt
+  from its EC group's parity, else loads from disk, else step 0. The nodes that hold a RAM or parity step first
+  verify the checksums of its slots, of that step only (``verify/<step>.<try>/<node>``: "ok" or why not); if one
+  fails (its keeper dropped the slot), every node publishes its holdings again (``held.<try>/<node>``) and plans
+  anew. The nodes that lack a parity step rebuild it first (their keepers,
   from the group's nodes that hold the step and its parity; ``rebuild/<step>[.<try>]/<node>``: "ok" or why not); for a
   disk step every node's keeper loads and verifies it first (``load/<step>/<node>``). If any of them fails,
   every node excludes that source for that step and plans again within g: a failed source is never tried
@@ -53,6 +56,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from typing import Any
 from dataclasses import dataclass, field
 
@@ -306,6 +310,7 @@ class KeeperLink(threading.Thread):
         self._halt = threading.Event()
         self._interval = max(LINK_INTERVAL, self.coord.store.poll_interval)
         self._pending = True  # the last poll's answer left steps for the job to secure (see _quiet)
+        self._verified = (0, 0.0)  # bytes and seconds of this node's last checksum verification (op_verify)
 
     def begin(self, generation: int) -> None:
         """A new generation starts: agree its restore step before anything else."""
@@ -386,20 +391,13 @@ class KeeperLink(threading.Thread):
             pass  # only a head start: the rebuild allocates what it needs itself
 
     def _agree(self, gen: int) -> None:
-        reply = self.keeper.request("held", generation=gen)
-        disk = self.durability.disk_steps() if self.durability is not None else set()
-        mine = Holdings({int(r): set(s) for r, s in reply["held"].items()}, set(reply["parity"]), self.address, disk)
-        self.coord.store.set(self.coord.key("gen", gen, "held", self.node), mine.encode())
-        while (marked := self.coord.marked(gen, "held")) is None:
-            if self._halt.is_set() or self._generation != gen:
-                return
-            time.sleep(self._interval)
-        held = {node: Holdings.decode(raw) for node, raw in marked.items()}
-        if self.parity:
-            self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
-        plan = self._plan(gen, held)
-        if plan is None:
+        held = self._gather(gen, "held")
+        if held is None:
             return
+        agreed = self._plan(gen, held)
+        if agreed is None:
+            return
+        plan, held = agreed
         self.keeper.request("poll", generation=gen, plan=plan.step, restorable=plan.step, committed=plan.step,
                             peers=self._peers)
         self._plans[gen] = plan.step
@@ -411,20 +409,54 @@ class KeeperLink(threading.Thread):
             self.durability.begin(gen)
         self._report(gen, plan, held)
 
-    def _plan(self, gen: int, held: dict[int, Holdings]) -> RestorePlan | None:
-        """The generation's plan, down the restore chain: RAM, else peers' parity, else disk, else step 0.
+    def _gather(self, gen: int, what: str) -> dict[int, Holdings] | None:
+        """Publish this node's :class:`Holdings` as ``what`` and read every node's; None when the generation moved
+        on (or the link halts) meanwhile."""
+        reply = self.keeper.request("held", generation=gen)
+        disk = self.durability.disk_steps() if self.durability is not None else set()
+        mine = Holdings({int(r): set(s) for r, s in reply["held"].items()}, set(reply["parity"]), self.address, disk)
+        self.coord.store.set(self.coord.key("gen", gen, what, self.node), mine.encode())
+        while (marked := self.coord.marked(gen, what)) is None:
+            if self._halt.is_set() or self._generation != gen:
+                return None
+            time.sleep(self._interval)
+        held = {node: Holdings.decode(raw) for node, raw in marked.items()}
+        if self.parity:
+            self._peers = {str(n): held[n].address for n in group_of(self.node, self.group)}
+        return held
 
-        A parity step is first rebuilt by the nodes that lack it, a disk step first loaded by every node (and
-        verified); if any of them fails, every node marks that source bad for that step (never tried again by
-        this node) and plans again, within the same generation: a failed source never costs a restart. A rebuild
-        that failed only because a survivor became unreachable (:data:`PEER_LOST`) marks nothing: the nodes wait
-        for the generation that its loss starts (the survivors' RAM and parity are still good). If none comes
-        within twice the node timeout, the survivor lives (its keeper was frozen a while, or its supervisor
-        restarted it): they rebuild again, up to :data:`PEER_LOST_TRIES` times in all, before the step is marked
-        bad. None when the generation moved on meanwhile."""
+    def _plan(self, gen: int, held: dict[int, Holdings]) -> tuple[RestorePlan, dict[int, Holdings]] | None:
+        """The generation's plan, down the restore chain: RAM, else peers' parity, else disk, else step 0; with the
+        holdings it was made from.
+
+        The nodes that restore a step from their own RAM first verify the checksums of its slots (``verify``:
+        only that step's, not every slot's; a slot that fails is dropped by its keeper): if any fails, every node
+        publishes its holdings again (``held.<try>``) and plans anew, so a corrupt slot is never loaded and the
+        job falls through to the next source without a restart. A parity step is then rebuilt by the nodes
+        that lack it, a disk step first loaded by every node (and verified); if any of them fails, every node
+        marks that source bad for that step (never tried again by this node) and plans again, within the same
+        generation: a failed source never costs a restart. A rebuild that failed only because a survivor became
+        unreachable (:data:`PEER_LOST`) marks nothing: the nodes wait for the generation that its loss starts
+        (the survivors' RAM and parity are still good). If none comes within twice the node timeout, the survivor
+        lives (its keeper was frozen a while, or its supervisor restarted it): they rebuild again, up to
+        :data:`PEER_LOST_TRIES` times in all, before the step is marked bad. None when the generation moved on
+        meanwhile."""
         tries: dict[int, int] = {}  # parity step -> rebuilds that failed only because a survivor did not answer
+        verifies = 0  # verify rounds that found a corrupt slot
         while True:
             plan = plan_restore(held, self.group, self.parity, frozenset(self._bad_disk), frozenset(self._bad_parity))
+            if plan.source in ("ram", "parity"):
+                verified = self._outcomes(gen, f"verify/{plan.step}.{verifies}", set(held) - set(plan.rebuild),
+                                          lambda: self._verify(gen, plan.step))
+                if verified is None:
+                    return None
+                if any(outcome != "ok" for outcome in verified.values()):
+                    verifies += 1
+                    regathered = self._gather(gen, f"held.{verifies}")
+                    if regathered is None:
+                        return None
+                    held = regathered
+                    continue
             if plan.source == "disk":
                 what, workers = f"load/{plan.step}", set(held)
             elif plan.source == "parity":
@@ -432,16 +464,13 @@ class KeeperLink(threading.Thread):
                 again = tries.get(plan.step, 0)
                 what, workers = f"rebuild/{plan.step}" + (f".{again}" if again else ""), set(plan.rebuild)
             else:
-                return plan
-            if self.node in workers:
-                self.coord.store.set(self.coord.key("gen", gen, what, self.node), self._fetch(gen, plan))
-            while (outcomes := self.coord.marked(gen, what, workers)) is None:
-                if self._halt.is_set() or self._generation != gen:
-                    return None
-                time.sleep(self._interval)
+                return plan, held
+            outcomes = self._outcomes(gen, what, workers, lambda: self._fetch(gen, plan))
+            if outcomes is None:
+                return None
             problems = {node: o for node, o in outcomes.items() if o != "ok"}
             if not problems:
-                return plan
+                return plan, held
             if plan.source == "parity" and all(o.startswith(PEER_LOST) for o in problems.values()):
                 # a survivor was lost during the rebuild: its loss starts the next generation, which plans again
                 # without it; this step's parity is not to blame
@@ -464,6 +493,24 @@ class KeeperLink(threading.Thread):
                              console=self.node == 0, generation=gen, step=plan.step, source=plan.source,
                              problems=problems)
 
+    def _outcomes(self, gen: int, what: str, workers: set[int], work: Callable[[], str]) -> dict[int, str] | None:
+        """Run ``work`` here if this node is one of ``workers`` and publish its outcome as ``what``; every worker's
+        outcome once all are published, None when the generation moved on (or the link halts) meanwhile."""
+        if self.node in workers:
+            self.coord.store.set(self.coord.key("gen", gen, what, self.node), work())
+        while (outcomes := self.coord.marked(gen, what, workers)) is None:
+            if self._halt.is_set() or self._generation != gen:
+                return None
+            time.sleep(self._interval)
+        return outcomes
+
+    def _verify(self, gen: int, step: int) -> str:
+        """Verify the checksums of this node's slots of ``step``: "ok", or why not (the keeper dropped them)."""
+        reply = self.keeper.request("verify", generation=gen, step=step)
+        self._verified = (reply["bytes"], reply["seconds"])
+        problems = reply["problems"]
+        return "; ".join(f"rank {rank}: {why}" for rank, why in sorted(problems.items())) if problems else "ok"
+
     def _fetch(self, gen: int, plan: RestorePlan) -> str:
         """This node's part of ``plan`` before it can be told: load the disk step, or rebuild from parity;
         "ok" or why not."""
@@ -483,7 +530,9 @@ class KeeperLink(threading.Thread):
     def _report(self, gen: int, plan: RestorePlan, held: dict[int, Holdings]) -> None:
         leader = self.node == 0
         every = {rank: steps for holdings in held.values() for rank, steps in holdings.ranks.items()}
-        fields = {"generation": gen, "step": plan.step}
+        fields = {"generation": gen, "step": plan.step, "verified": self._verified[0],
+                  "verify_seconds": self._verified[1]}
+        self._verified = (0, 0.0)
         if plan.source == "disk":
             assert self.durability is not None
             self.events.emit("restore", f"generation {gen}: trainers restore step {plan.step} from disk "

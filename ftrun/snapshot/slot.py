@@ -45,6 +45,7 @@ MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14; Py
 ALLOCATE_STEP = 8 << 20  # AheadAllocator's unit
 RESTORED = -1  # the generation a keeper records for a slot loaded from disk or rebuilt: older than any
 CHUNK = 64 << 20
+CHECKSUM_THREADS = 4  # the most threads one checksum runs on
 # Spare room a slot is allocated with beyond its payload: the JSON section varies by a few bytes between saves
 # (python's RNG state alone), so a slot sized for one save fits the next ones.
 META_HEADROOM = 64 << 10
@@ -88,11 +89,17 @@ def slot_capacity(payload_len: int) -> int:
     return payload_len + META_HEADROOM
 
 
+def checksum_threads() -> int:
+    """The threads one :func:`checksum` runs on: :data:`CHECKSUM_THREADS`, or fewer if this process may use fewer
+    cores."""
+    return min(CHECKSUM_THREADS, len(os.sched_getaffinity(0)))
+
+
 def checksum(buf: memoryview | mmap.mmap, header: Header, threads: int | None = None) -> int:
     """CRC-32 of the payload (in parallel 64 MiB chunks) folded with the header's identity fields."""
     view = memoryview(buf)[HEADER_SIZE:HEADER_SIZE + header.payload_len]
     starts = range(0, len(view), CHUNK)
-    workers = threads or min(4, len(os.sched_getaffinity(0)))
+    workers = threads or checksum_threads()
     if len(starts) > 1 and workers > 1:
         with ThreadPoolExecutor(workers) as pool:
             crcs = list(pool.map(lambda s: crc32(view[s:s + CHUNK]), starts))
