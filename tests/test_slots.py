@@ -909,3 +909,29 @@ def test_the_persister_waits_for_a_seal_only_while_one_can_come(shm, tmp_path, m
     finally:
         keeper.stop()
         keeper.unlink_all()
+
+
+def test_a_slot_the_sealer_seals_while_it_is_verified_stays_held(shm, monkeypatch):
+    """The background sealer may seal the agreed step's slot while ``verify`` reads it (it lags under load): the
+    seal changes the header, not the bytes, so the slot is verified, not dropped as changed (which would throw
+    the newest snapshot away and restore an older one)."""
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    for rank in (0, 1):
+        commit_via_keeper(keeper, rank, 10)
+    slots = [keeper.ranks[rank].files[keeper.ranks[rank].index_of(10)] for rank in (0, 1)]
+    assert not any(slot.header().sealed for slot in slots)
+    plain = keeper_module.checksum
+
+    def sealed_meanwhile(buf: Any, header: Any, threads: int | None = None) -> int:
+        crc = plain(buf, header, threads)
+        for slot in slots:  # the sealer got there first
+            if slot.map is buf:
+                slot.seal(crc)
+        return crc
+
+    monkeypatch.setattr(keeper_module, "checksum", sealed_meanwhile)
+    reply = keeper.handle({"op": "verify", "generation": 1, "step": 10})
+    assert reply["problems"] == {}, reply
+    assert [rank.held() for rank in keeper.ranks] == [{10}, {10}]
+    keeper.unlink_all()
