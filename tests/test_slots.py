@@ -935,3 +935,25 @@ def test_a_slot_the_sealer_seals_while_it_is_verified_stays_held(shm, monkeypatc
     assert reply["problems"] == {}, reply
     assert [rank.held() for rank in keeper.ranks] == [{10}, {10}]
     keeper.unlink_all()
+
+
+def test_the_sealer_does_not_checksum_a_slot_sealed_already(shm, monkeypatch):
+    """A commit queues its slot's seal; a generation start's ``verify`` may seal it first (the sealer lags under
+    load): the sealer then skips it rather than read the whole slot once more."""
+    keeper = Keeper(spec(), [])
+    keeper.handle({"op": "poll", "generation": 0, "plan": 0, "restorable": 0})
+    for rank in (0, 1):
+        commit_via_keeper(keeper, rank, 10)
+    assert keeper.handle({"op": "verify", "generation": 1, "step": 10})["problems"] == {}  # seals rank 0's and 1's
+    calls: list[int] = []
+    plain = keeper_module.checksum
+    monkeypatch.setattr(keeper_module, "checksum", lambda buf, header, threads=None: (
+        calls.append(header.step), plain(buf, header, threads))[1])
+    commit_via_keeper(keeper, 0, 20)  # unsealed: the sealer's
+    threading.Thread(target=keeper.seal_forever, daemon=True).start()  # blocks on its queue once done
+    newest = keeper.ranks[0].files[keeper.ranks[0].index_of(20)]
+    deadline = time.monotonic() + 30
+    while not newest.header().sealed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert newest.header().sealed and calls == [20], calls
+    keeper.unlink_all()

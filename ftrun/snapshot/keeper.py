@@ -780,9 +780,8 @@ class Keeper:
         while True:
             local, index, step = self.seals.get()
             slot = self.ranks[local].files[index]
-            if slot is None:
+            if slot is None or (header := slot.header()).sealed:  # sealed already (a generation start's verify)
                 continue
-            header = slot.header()
             crc = checksum(slot.map, header)
             with self.cond:
                 if self.ranks[local].steps[index] == step and slot.header() == header and header.state == COMMITTED:
