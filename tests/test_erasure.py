@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -346,6 +347,43 @@ def test_a_corrupt_parity_piece_is_never_used(backend):
     with pytest.raises(CorruptFragment, match="parity fragment 2, piece 1 .* fails its checksum"):
         rebuild_chunk(codec, layout, 0, chunk_len, [1, 2], fetch_into, segments,
                       lambda o, b: out.__setitem__(slice(o, o + len(b)), b), parity_crcs={2: crcs})
+
+
+WRITE_AFTER_FAILURE = 2.0  # seconds a fetch in flight waits for the failed rebuild to return, then writes
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_rebuild_returns_only_once_no_fetch_writes_into_the_slots():
+    """A rebuild that fails on one piece (a survivor lost) had the next piece's fetches still in flight: they
+    wrote into the slots after the keeper had abandoned them (emptied, their allocation stopped, a load or the next
+    rebuild writing the same slots). Every fetch started has ended (or was cancelled before it ran) when the failure
+    is raised."""
+    layout, codec = StripeLayout(3, 1, ALIGN), Codec(2, 1, "isa_l_rs_vand")  # XOR path: fetched into the slot
+    chunk_len = 3 * ALIGN
+    out = bytearray(chunk_len)
+    segments = [Segment(o, n, memoryview(out)[o:o + n]) for o, n in layout.pieces(chunk_len)]
+    returned = threading.Event()
+    late: list[int] = []  # the offsets of the pieces fetched into the slot after the failed first one
+
+    def fetch_into(i: int, offset: int, length: int, into: memoryview) -> None:
+        if offset == 0:
+            if i == 2:
+                raise ConnectionError("survivor lost")
+            return
+        returned.wait(WRITE_AFTER_FAILURE)  # a piece still in flight when the rebuild failed ...
+        into[:] = b"x" * length  # ... writes into the slot here
+        late.append(offset)
+
+    with ThreadPoolExecutor(4) as pool:
+        with pytest.raises(ConnectionError, match="survivor lost"):
+            try:
+                rebuild_chunk(codec, layout, 0, chunk_len, [1, 2], fetch_into, segments,
+                              lambda o, b: out.__setitem__(slice(o, o + len(b)), b), pool)
+            finally:
+                written = list(late)  # when the failure came back
+                returned.set()
+    assert late == written, "fetches wrote into the slots after the rebuild failed"  # the pool has ended
+    del segments
 
 
 def test_rebuild_segments_never_cross_a_coding_piece():

@@ -350,9 +350,11 @@ class Scratch:
 def _pipelined(pool: Executor | None, steps: Sequence[Any], start: Callable[[Any, int], list[Future[Any]]],
                finish: Callable[[Any, int], None]) -> None:
     """For each step: ``start(step, depth)`` (its fetches, as futures), then ``finish`` of the previous step while
-    they run; depth alternates 0/1. A failure waits for every fetch in flight before it is raised (none writes
-    into a buffer after this returns)."""
+    they run; depth alternates 0/1. A failure waits for every fetch in flight before it is raised, the step's
+    started last included (none writes into a buffer after this returns); its fetches not running yet are
+    cancelled."""
     pending: tuple[Any, int, list[Future[Any]]] | None = None
+    started: list[Future[Any]] = []
     try:
         for n, step in enumerate(steps):
             started = start(step, n % 2)
@@ -365,8 +367,9 @@ def _pipelined(pool: Executor | None, steps: Sequence[Any], start: Callable[[Any
             finish(pending[0], pending[1])
             pending = None
     finally:
-        if pending is not None:
-            futures_wait(pending[2])
+        for future in started:  # the last step's, when waiting for or finishing the one before it failed
+            future.cancel()
+        futures_wait(started + (pending[2] if pending is not None else []))
 
 
 def _wait(futures: list[Future[Any]]) -> None:
