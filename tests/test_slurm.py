@@ -249,6 +249,7 @@ def test_a_launcher_killed_under_srun_ends_the_step_at_once_and_the_batch_script
         assert not job_segments(f"slurm-{job}")
 
 
+@pytest.mark.extended  # make test: a node 1's launcher killed under srun (same end of the step, kept RAM)
 def test_node_0_s_launcher_killed_under_srun_leaves_every_node_s_ram_to_the_next_step(slurm, gpt_baselines,
                                                                                       tmp_path):
     """Node 0's ftrun SIGKILLed: the c10d control store goes with it, and the step cannot go on. The other nodes
@@ -274,6 +275,7 @@ def test_node_0_s_launcher_killed_under_srun_leaves_every_node_s_ram_to_the_next
         assert not job_segments(f"slurm-{job}")
 
 
+@pytest.mark.extended  # make test: test_slurm_env's standby in a step, test_spares' standby taking a rank
 def test_a_standby_step_takes_the_rank_of_a_node_whose_launcher_was_killed(slurm, gpt_baselines, tmp_path):
     """A hot spare kept as a step of its own (``srun -w n3 ftrun --standby --rdzv-endpoint ...``): was refused
     ("drop --node-rank", a flag never given). It joins the training step's job, and when a node's ftrun is

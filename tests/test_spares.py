@@ -302,6 +302,7 @@ def test_a_killed_supervisor_s_replacement_and_a_standby_racing_for_its_rank_one
 
 
 @pytest.mark.timeout(240)
+@pytest.mark.extended  # make test: the standby's launcher replacing its supervisor (the same fixture and race)
 def test_a_stalled_supervisor_killed_after_a_standby_took_its_rank_leaves_the_job_to_it(start_job, tmp_path,
                                                                                       gpt_baselines):
     """Multi-node: node 1's supervisor stalls (SIGSTOP) until a --standby took its rank, and is then killed (by the
