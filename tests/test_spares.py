@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import NODES, assert_job_left_nothing, free_port, gpt_args, primary_failures, run_bitwise
-from ftrun.control.coordination import Coordinator, use_job
+from ftrun.control.coordination import Coordinator, Failure, use_job
 from ftrun.control.ownership import claim, enlist, owner, spare_doc, spares, take
 from ftrun.control.store import C10dStore, host_store
 from ftrun.snapshot import keeper
@@ -58,6 +58,29 @@ def test_a_launcher_s_replacement_first_to_a_lost_rank_keeps_the_spares_out():
     assert claim(coord, 1, 1, "spare-0", "spare-0", "h") is None
     held = owner(coord, 1)[1]
     assert held is not None and held.id == "replacement" and held.spare is None
+
+
+def test_a_supervisor_declared_lost_is_not_declared_again_when_its_launcher_finds_it_dead():
+    """A node's launcher that finds its supervisor dead does not declare the loss of an incarnation a peer has
+    declared already: by the current generation's document (whose ``node/<r>/lost`` is written a moment after
+    it), or by ``node/<r>/lost`` when a later generation came (until the supervisor rejoins, alive after all)."""
+    use_job("declared", "a secret long enough for the test")
+    server = host_store(0)
+    coord = Coordinator(C10dStore(server), "declared", 0, 2, run=1)
+    coord.init_job({"nnodes": 2})
+    assert take(coord, 1, "first", "h") == 1
+    start = coord.current_raw()
+    assert not coord.declared_lost(start, 1, 1)
+    lost, won = coord.bump(start, Failure("node-lost", "node 1 lost", 1, None, "node 0", incarnation=1))
+    assert won and coord.declared_lost(lost, 1, 1)
+    assert not coord.declared_lost(lost, 1, 2) and not coord.declared_lost(lost, 0, 1)
+    coord.store.set(coord.key("node", 1, "lost"), "")  # as just before the bump writes it
+    assert coord.declared_lost(lost, 1, 1)
+    coord.store.set(coord.key("node", 1, "lost"), "1")
+    later, won = coord.bump(lost, Failure("crash", "rank 0 exited with code 1", 0, 0, "waitpid"))
+    assert won and coord.declared_lost(later, 1, 1)
+    Coordinator(C10dStore(server), "declared", 1, 2, run=1).rejoin(1)  # it was alive after all
+    assert not coord.declared_lost(later, 1, 1)
 
 
 def test_spares_enlisting_at_once_get_distinct_places():
@@ -325,6 +348,36 @@ def test_a_stalled_supervisor_killed_after_a_standby_took_its_rank_leaves_the_jo
     assert "starting a replacement" not in node1.output, node1.output
     assert "leaving the job: node rank 1 was taken by spare" in node1.output, node1.output
     assert f"job {node0.job_id} goes on without node 1, which a spare replaced (exit code 4)" in node1.output
+    assert_job_left_nothing(node0)
+
+
+@pytest.mark.timeout(240)
+# make test: declared by node 0 first (the launcher first is test_a_multi_node_launcher_replaces_its_killed_...'s)
+@pytest.mark.parametrize("declared_first", [True, pytest.param(False, marks=pytest.mark.extended)])
+def test_a_node_lost_once_is_one_restart_whoever_declares_it_first(start_job, tmp_path, gpt_baselines,
+                                                                   declared_first):
+    """Multi-node, no spare: node 1's supervisor stalls (SIGSTOP) and is killed, either once node 0 has declared
+    it lost (its beats stopped for --node-timeout) or at once (its launcher declares it first). Either way the
+    loss is one node-lost generation: its launcher starts the replacement, which claims the rank from the lost
+    incarnation, and the job ends bit-for-bit with one restart. Before, a launcher whose supervisor died after
+    node 0 had declared it lost declared it a second time: two generations for one loss, both counted against
+    --max-restarts, and every node restarted twice."""
+    node0, node1, out, _, _ = start_two_nodes(start_job, tmp_path, "lost-once", "--node-timeout", "1")
+    supervisor = kill_supervisor(node0, 1, signal.SIGSTOP)
+    try:
+        if declared_first:
+            node0.wait_for_event(lambda e: e["event"] == "failure" and e.get("kind") == "node-lost", timeout=60)
+    finally:
+        supervisor.send_signal(signal.SIGKILL)
+    assert node0.wait(180) == 0, node0.output + node1.output
+    assert node1.wait(60) == 0, node1.output
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    failures = primary_failures(node0)
+    assert [(f["kind"], f["node"], f["generation"]) for f in failures] == [("node-lost", 1, 1)], node0.output
+    seen_by = "(seen by node 0 (supervisor beats))" if declared_first else "(seen by launcher)"
+    assert seen_by in node0.output + node1.output, node0.output + node1.output
+    assert ", 1 restart(s)" in node0.output, node0.output
+    assert "starting a replacement for node 1" in node1.output, node1.output
     assert_job_left_nothing(node0)
 
 

@@ -47,9 +47,10 @@ Protocol of a run, in the order a generation goes through it:
 Liveness: every supervisor writes a growing count to ``node/<r>/beat`` four times a second; each node watches
 the values (never clocks) of the few nodes after it on a ring (:mod:`ftrun.launch.peers`), and a value that
 stops changing for ``node_timeout`` means the node is lost. A node-lost generation also writes
-``node/<r>/lost`` (the lost owner's incarnation): that owner is not declared lost again while the job waits for
-its replacement (which may take minutes on a real cluster; ``--rdzv-timeout`` bounds the wait), and a supervisor
-declared lost while alive clears it when it rejoins (:meth:`Coordinator.rejoin`). A supervisor
+``node/<r>/lost`` (the lost owner's incarnation): that owner is not declared lost again, by its peers or by its
+launcher when it finds it dead (:meth:`Coordinator.declared_lost`), while the job waits for its replacement
+(which may take minutes on a real cluster; ``--rdzv-timeout`` bounds the wait), and a supervisor declared lost
+while alive clears it when it rejoins (:meth:`Coordinator.rejoin`). A supervisor
 that starts as a replacement (incarnation > 1) whose predecessor was part of the current generation bumps the
 generation. Bumping past ``max_restarts`` ends the job: supervisors stop instead of starting the next generation.
 """
@@ -364,6 +365,17 @@ class Coordinator:
                 return encoded.encode(), True
             time.sleep(random.uniform(0.001, 0.01))
         raise DistError(f"the control store's {key} keeps changing; giving up")
+
+    def declared_lost(self, seen: bytes, node: int, incarnation: int) -> bool:
+        """Whether ``node``'s supervisor ``incarnation`` was declared lost already, so that its loss seen again (its
+        launcher finds it dead after a peer found it silent) is no new failure: ``seen``, the current generation's
+        document, names it (a node-lost generation of this node and incarnation), or ``node/<r>/lost`` does (a
+        node-lost generation since its last :meth:`rejoin`). Read ``seen`` before calling: a generation made
+        after it fails a :meth:`bump` from it, and one made before it is in it, although its ``node/<r>/lost`` is
+        written a moment after the generation."""
+        gen = Generation.decode(seen)
+        return ((gen.kind, gen.node, gen.incarnation) == ("node-lost", node, incarnation)
+                or self.get("node", node, "lost") == str(incarnation).encode())
 
     def history(self) -> list[Generation]:
         """Every generation's document, oldest first (one whose ``history/<g>`` is not authentic left out). Each

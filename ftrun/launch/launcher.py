@@ -711,9 +711,12 @@ class Launcher:
                             # it only when told so (Supervisor._unreplaced), as no other ftrun can join the step
                             coord.store.set(coord.key("node", node, "replacing"),
                                             str(held.incarnation if held is not None else 0))
-                        raw, won = coord.bump(coord.current_raw(), Failure(
-                            "node-lost", reason, node, None, "launcher",
-                            incarnation=held.incarnation if held is not None else None))
+                        # a peer that saw it silent (stalled before it died) may have declared the loss already:
+                        # then the replacement follows without a second generation
+                        raw, won = coord.current_raw(), False
+                        if held is None or not coord.declared_lost(raw, node, held.incarnation):
+                            raw, won = coord.bump(raw, Failure("node-lost", reason, node, None, "launcher",
+                                                               incarnation=held.incarnation if held else None))
                     except DistError:  # the control store (node 0's launcher's, etcd) is gone, and the job with it
                         results[node] = code
                         continue
