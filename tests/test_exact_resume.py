@@ -181,6 +181,19 @@ def test_three_ranks_resume_mid_epoch_at_the_same_sample_and_end_bitwise_equal(s
     assert final == expected
 
 
+@pytest.mark.timeout(240)
+def test_an_optimizer_whose_step_runs_the_forward_resumes_bitwise_on_three_ranks(start_job, tmp_path):
+    """LBFGS calls its closure, forward and backward, inside ``step()``. The resume window ended at the step's
+    pre-hook, before that forward, so the DDP warm-up never ran: on 3 ranks the resumed run's first step summed
+    gradients in DDP's initial bucket order, and its final state differed from the run's without failure."""
+    shape, script = ("--nproc-per-node", "3"), ("--optim", "lbfgs", "--steps", "16")
+    _, expected, _ = ddp_run(start_job, tmp_path, "straight", shape, script=script)
+    job, final, _ = ddp_run(start_job, tmp_path, "crash", shape, "--inject", "crash@rank=1,step=8", script=script)
+    assert [(f["kind"], f["rank"]) for f in primary_failures(job)] == [("crash", 1)], job.output
+    assert "restore step 5 from RAM" in job.output
+    assert final == expected
+
+
 @pytest.mark.timeout(180)
 def test_a_script_that_exits_while_a_snapshot_is_copied_exits_cleanly(start_job):
     """Two nodes, a StatefulDataLoader with a worker, a snapshot every step and no wait() at the end: the copy of

@@ -25,7 +25,8 @@ agreed (a slot that fails it falls through to an older step without a restart), 
 once. A slot that fails the checks is reported to the keeper and never loaded; the trainer exits with an
 error and the next generation agrees on an older step.
 
-The *resume window* runs from a restore of a step > 0 to the first optimizer step (or ``save``) after it. In it,
+The *resume window* runs from a restore of a step > 0 to the end of the first optimizer step (or ``save``) after it:
+its end, as an optimizer with a closure (LBFGS) runs the step's forward and backward inside ``step()``. In it,
 the first training forward of each DDP module runs a warm-up that leaves no trace, so the resumed step sums
 gradients in the order the failure-free run did (:mod:`ftrun.snapshot.ddp_buckets`), and the restored data
 loaders draw their resume iterator's seed from a throwaway generator, not from the restored RNG
@@ -48,7 +49,7 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from ftrun.control.heartbeat import ENV_HEARTBEAT_SLOT, heartbeat, training_over
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
@@ -94,7 +95,15 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         snap._before_step()
 
 
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """The first optimizer step after a restore ends the resume window, once it is done: an optimizer with a closure
+    (LBFGS) runs the step's forward, which the window's DDP warm-up must see, inside ``step()``."""
+    for snap in list(_SNAPSHOTTERS):
+        snap._end_resume_window()
+
+
 register_optimizer_step_pre_hook(_before_optimizer_step)  # from import on: the optimizers are seen before a save
+register_optimizer_step_post_hook(_after_optimizer_step)
 
 
 class SnapshotCorrupt(RuntimeError):
@@ -300,9 +309,7 @@ class Snapshotter:
             raise RuntimeError(f"ftrun snapshot failed: {error}") from error
 
     def _before_step(self) -> None:
-        """Every optimizer step waits for the copy (a skipped snapshot is then given up: the state changes); the
-        first one after a restore ends the resume window."""
-        self._end_resume_window()
+        """Every optimizer step waits for the copy (a skipped snapshot is then given up: the state changes)."""
         self._join()
         self._drop_pending()
 

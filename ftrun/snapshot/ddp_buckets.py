@@ -28,7 +28,7 @@ first step use the rebuilt layout, with public torch API only (no DDP internals,
 Invariants: every rank of a DDP group warms up at the same forward, since all of them restored (restarts are
 global) and run the same script. A module is left alone where the layout cannot matter: a group of two ranks
 (a sum of two terms is the same in either order) and ``find_unused_parameters=True`` without a static graph
-(DDP never re-buckets then). The hooks are gone after the warm-up, or at the first optimizer step.
+(DDP never re-buckets then). The hooks are gone after the warm-up, or at the end of the first optimizer step.
 
 Cost: one forward and backward per DDP module per restore; without a restore, one Python call per submodule
 assignment while models are built (the registration hook).

@@ -7,8 +7,8 @@ step past the restored state, so dropout and every random number after it differ
 which made no iterator at that step.
 
 :class:`LoaderSeedGuard` gives every stateful DataLoader of the restored state a throwaway generator for the
-*resume window*, from the restore to the first optimizer step after it, so that draw leaves the RNG alone, and
-then puts the loader's own generator back. Invariant: outside the window every loader has its own generator.
+*resume window*, from the restore to the end of the first optimizer step after it, so that draw leaves the RNG
+alone, and then puts the loader's own generator back. Invariant: outside the window every loader has its own generator.
 
 Limit: a snapshot of the last step of an epoch resumes with an iterator at its end. The script then makes the
 next epoch's iterator inside the window, and the throwaway serves that draw too, which in the run without

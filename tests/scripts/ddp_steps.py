@@ -1,7 +1,7 @@
 """A deterministic DDP script with only the README's three ftrun lines: the hash-matrix tests' trainer.
 
-A small MLP with dropout, AdamW and a step LR schedule, wrapped in a default DistributedDataParallel (no
-warm-up, nothing else for ftrun). Batches come from one of three sources (``--data``):
+A small MLP with dropout, AdamW (``--optim lbfgs``: LBFGS, whose ``step(closure)`` runs the forward and backward)
+and a step LR schedule, wrapped in a default DistributedDataParallel (no warm-up, nothing else for ftrun). Batches come from one of three sources (``--data``):
 
 * ``loop``: drawn from a generator seeded by (step, rank), no loader;
 * ``stateful``: torchdata's StatefulDataLoader over a shuffling DistributedSampler, epoch by epoch, in the
@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--data", choices=("loop", "stateful", "plain"), default="loop")
     parser.add_argument("--workers", type=int, default=0)
+    parser.add_argument("--optim", choices=("adamw", "lbfgs"), default="adamw")
     parser.add_argument("--ids", help="directory for the sample ids of every step, one file per rank")
     parser.add_argument("--out", help="file for the final state hash (rank 0)")
     parser.add_argument("--step-time", type=float, default=0.0)
@@ -90,7 +91,10 @@ def main() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(24, 48), torch.nn.ReLU(), torch.nn.Dropout(0.2),
                                 torch.nn.Linear(48, 48), torch.nn.Tanh(), torch.nn.Linear(48, 1))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if args.optim == "lbfgs":
+        optimizer: torch.optim.Optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=7, gamma=0.7)
     torch.manual_seed(100 + rank)  # per-rank dropout
 
@@ -113,10 +117,18 @@ def main() -> None:
     source = batches(loader, sampler, state["progress"], rank, step)
     while step < args.steps:
         ids, x, y = next(source)
-        loss = torch.nn.functional.mse_loss(ddp(x), y)
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
+
+        def closure() -> torch.Tensor:
+            optimizer.zero_grad()
+            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss.backward()
+            return loss
+
+        if args.optim == "lbfgs":
+            optimizer.step(closure)
+        else:
+            closure()
+            optimizer.step()
         scheduler.step()
         step += 1
         if ids_file:
