@@ -18,7 +18,8 @@ Skeleton: ``{"format": 1, "state": {key: node, ...}, "rng": node}`` ("rng" only 
                                                                DTensor: entry i holds this rank's local shard;
                                                                its mesh, placements, global shape and stride,
                                                                and where the shard starts in the global tensor
-          | {"S": node}                                        stateful object: node is its state_dict()
+          | {"S": node}                                        stateful object: node is its state_dict() (a
+                                                               ZeroRedundancyOptimizer's: its local optimizer's)
           | {"X": "DataLoader"}                                a value whose state is not captured (a plain
                                                                torch DataLoader: restore leaves it as it is)
     key  := node of a str, int, float, bool, None or bytes
@@ -48,6 +49,10 @@ Invariants:
   shapes all match, else refuses it (:class:`LayoutChanged`, one line naming the entry and both layouts). Where
   no live DTensor stands at its place (the state of an optimizer that has not stepped), it is rebuilt with
   ``DTensor.from_local`` on the mesh of a live DTensor of the state with the same ranks and placements.
+* A ``ZeroRedundancyOptimizer`` is stored as this rank's partition: the state dict of its local optimizer (its
+  own ``state_dict()`` is rank 0's consolidation, a collective). Restore loads it into the local optimizer and
+  copies its hyperparameters (``lr``, ...: a scheduler's changes) to the ZeRO optimizer's groups, which its next
+  step copies back to the local one (the groups correspond one to one, in order, as ZeRO keeps them).
 * Restore ``copy_``-s a stored tensor into the live tensor at the same place (same dtype and shape, any
   device; not a lazy module's uninitialized parameter, which ``load_state_dict`` materializes), else into a new
   tensor (on the live counterpart's device, else the CPU), then calls ``load_state_dict``, except on an
@@ -183,6 +188,14 @@ def _live_tensors(obj: Any, path: str, stepped: Callable[[], set[int]]) -> _Live
         prefix = _join(path, "state") + "/"
         return lambda _, p: p.startswith(prefix)
     return lambda t, _: t.untyped_storage().data_ptr() in stepped()
+
+
+def _zero_partition(v: Any) -> torch.optim.Optimizer | None:
+    """The local optimizer of a ``ZeroRedundancyOptimizer`` (this rank's partition), else None (also while its
+    module is not imported: then none exists)."""
+    kind = getattr(sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer"), "ZeroRedundancyOptimizer",
+                   None)
+    return v.optim if kind is not None and isinstance(v, kind) else None
 
 
 def _uncaptured(v: Any) -> bool:
@@ -322,6 +335,7 @@ class _Walker:
         if kind is Borrowed:
             return self.node(dict(v), path, _always)
         if _is_stateful(v):
+            v = _zero_partition(v) or v
             return {"S": self.node(v.state_dict(), path, _live_tensors(v, path, self.stepped) if self.live else _never)}
         if _uncaptured(v):
             self.uncaptured.append(path)
@@ -505,6 +519,11 @@ class _Builder:
         if not _is_stateful(obj):
             raise ValueError(f"cannot restore {path}: the snapshot holds a state_dict(), the live value is a "
                              f"{type(obj).__qualname__}")
+        if (local := _zero_partition(obj)) is not None:
+            self.load(node, local, path)
+            for group, loaded in zip(obj.param_groups, local.param_groups, strict=True):
+                group.update((key, value) for key, value in loaded.items() if key != "params")
+            return obj
         current = obj.state_dict()
         rebuilt = self.value(node, current, path, False)
         in_place = isinstance(rebuilt, Mapping) and rebuilt.keys() == current.keys() and all(
