@@ -138,6 +138,24 @@ for step in range(snap.restore() if snap else 0, 200):
 """
 
 
+@pytest.mark.timeout(180)
+def test_a_first_step_after_a_restore_slower_than_the_hang_timeout_is_not_a_hang(start_job, tmp_path):
+    """A script that compiles its model (torch.compile) compiles again in every new trainer, in the first step after
+    its restore. The restore's beat gave that step only the hang timeout of a step, where the job's first step has
+    --hang-timeout-initial: with a compile longer than --hang-timeout, every restore was followed by a hang and the
+    job failed for good ('hung twice'). Here the first step after the restore takes 4 hang timeouts more (steps of
+    0.2 s before, so the supervisor has seen step intervals; a step timeout of 1 times the slowest, at least the
+    hang timeout)."""
+    config = tmp_path / "ftrun.yaml"
+    config.write_text("hang_step_factor: 1.0\n")
+    job = start_job("--config", str(config), "--nproc-per-node", "2", "--hang-timeout", "2", "--inject",
+                    "crash@rank=1,step=8", str(SCRIPTS / "ddp_steps.py"), "--steps", "12", "--step-time", "0.2",
+                    "--resume-pause", "8")
+    assert job.wait(120) == 0, job.output
+    assert [(f["kind"], f["rank"]) for f in primary_failures(job)] == [("crash", 1)], job.output
+    assert_job_left_nothing(job)
+
+
 @pytest.mark.timeout(120)
 def test_a_restart_kills_trainers_at_once_once_the_job_has_a_snapshot(start_job, tmp_path):
     """A survivor whose SIGTERM handler only sets a flag (as frameworks do) held every restart up for the whole

@@ -17,7 +17,7 @@ import pytest
 from ftrun.launch.config import JobConfig, build_config, load_yaml
 from ftrun.errors import UsageError
 from ftrun.control.faults import Fault, decode_trainer_faults, parse_fault, trainer_faults_env
-from ftrun.control.heartbeat import PHASE_EXITING, Beat, HeartbeatTable, HeartbeatWriter
+from ftrun.control.heartbeat import PHASE_EXITING, PHASE_RESTORED, Beat, HeartbeatTable, HeartbeatWriter
 from ftrun.control.generation_watch import Wakeup
 from ftrun.launch.hangs import HangDetector
 from ftrun.launch.processes import ExitWatch, reap
@@ -132,6 +132,22 @@ def test_hang_detector_uses_initial_timeout_after_restart_and_while_exiting():
     detector.observe(beat(1, 5, 200.0), now=200.0)
     detector.observe(beat(2, 5, 201.0, PHASE_EXITING), now=201.0)
     assert detector.observe(beat(2, 5, 201.0, PHASE_EXITING), now=209.0) is None
+
+
+def test_hang_detector_gives_the_first_step_after_a_restore_the_initial_timeout():
+    """A restored trainer beats at its restore, then compiles and warms up again in its first step, as the job's
+    first step did: that step had only the step timeout (here 2 s, from the intervals of the generation before),
+    and a torch.compile longer than it was a hang at every restore, until the job failed for good."""
+    detector = HangDetector(initial=10, floor=2, factor=5)
+    detector.trainer_started(0.0)
+    for i in range(1, 4):
+        detector.observe(beat(i, i, i * 0.1), now=i * 0.1)
+    detector.trainer_started(100.0)
+    detector.observe(beat(1, 2, 100.0, PHASE_RESTORED), now=100.0)
+    assert detector.timeout == 10 and detector.observe(beat(1, 2, 100.0, PHASE_RESTORED), now=109.0) is None
+    assert "no heartbeat since its restore for 10.5s" in detector.observe(beat(1, 2, 100.0, PHASE_RESTORED), now=110.5)
+    detector.observe(beat(2, 3, 111.0), now=111.0)  # its first step done, not a step interval: the floor again
+    assert detector.timeout == 2 and "no heartbeat for 2.5s" in detector.observe(beat(2, 3, 111.0), now=113.5)
 
 
 def test_a_trainer_stopped_at_its_first_steps_is_a_hang_suspect():

@@ -9,7 +9,8 @@ per local rank::
 
     header: magic b"FTRUNHB1", version u32, slots u32 (padded to 64 bytes)
     slot:   pid i64, step i64 (-1 before the first step), beats u64, monotonic_ns u64, generation i64,
-            phase i64 (0 running, 1 exiting: the script is done and the interpreter is shutting down)
+            phase i64 (0 running, 1 exiting: the script is done and the interpreter is shutting down, 2 restored:
+            the trainer loaded a snapshot and its first step after it is to come)
 
 A trainer maps its slot once; every :func:`ftrun.heartbeat` is then a ``struct.pack_into`` on the mapping,
 no system call (``time.monotonic_ns`` is served by the vDSO). The supervisor zeroes a slot before it starts
@@ -39,6 +40,7 @@ BEAT_FAULTS = ("crash", "hang")  # the injected faults that fire at a heartbeat
 
 PHASE_RUNNING = 0
 PHASE_EXITING = 1
+PHASE_RESTORED = 2
 
 _MAGIC = b"FTRUNHB1"
 _VERSION = 1
@@ -126,10 +128,10 @@ class HeartbeatWriter:
         return cls(path, int(os.environ[ENV_HEARTBEAT_SLOT]), int(os.environ.get(ENV_GENERATION, "0")),
                    decode_trainer_faults(os.environ.get(ENV_TRAINER_FAULTS, "")))
 
-    def beat(self, step: int | None = None) -> None:
+    def beat(self, step: int | None = None, phase: int = PHASE_RUNNING) -> None:
         if step is not None:
             self._step = step
-        self._write(PHASE_RUNNING)
+        self._write(phase)
         if self._faults and self._step >= self._faults[0][1]:
             self._fire(self._faults.pop(0)[0])
 
@@ -163,6 +165,17 @@ def heartbeat(step: int | None = None) -> None:
         _writer = HeartbeatWriter.from_env()
     if _writer is not None:
         _writer.beat(step)  # type: ignore[union-attr]
+
+
+def restored(step: int) -> None:
+    """Beat at ``step``, the snapshot this trainer just loaded: until its next beat, its first step after the restore
+    (a ``torch.compile`` again in this new process, warm-ups, data loader workers starting) has --hang-timeout-initial,
+    as the first step of the job has, not the hang timeout of a step."""
+    global _writer
+    if _writer is _UNSET:
+        _writer = HeartbeatWriter.from_env()
+    if _writer is not None:
+        _writer.beat(step, PHASE_RESTORED)  # type: ignore[union-attr]
 
 
 def training_over() -> None:

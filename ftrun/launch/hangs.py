@@ -9,23 +9,25 @@ import json
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from ftrun.control.heartbeat import PHASE_EXITING, Beat
+from ftrun.control.heartbeat import PHASE_EXITING, PHASE_RESTORED, PHASE_RUNNING, Beat
 
 
 class HangDetector:
     """Decides when one trainer slot counts as hung.
 
     Detection is armed once the slot has beaten in any generation of the job (a script that never beats gets
-    crash detection only). Until the first beat of the current trainer, and once it reports that it is
-    exiting, the allowance is ``initial`` seconds from its start (or from its exit); otherwise it is
+    crash detection only). Until the first beat of the current trainer, from a beat that reports a restore to the
+    next (the first step after it compiles and warms up again, as the job's first step), and once it reports that
+    it is exiting, the allowance is ``initial`` seconds from its start (or from that beat); otherwise it is
     ``max(floor, factor * slowest of the recent step intervals)`` from the last beat, or ``initial`` while no
-    step interval has been seen yet. Step intervals survive restarts. A step interval is the time between two
-    looks' new steps, several steps apart when the trainer steps faster than the looks come: the timeout then
-    allows for the whole span, and :attr:`steps_per_second` divides the steps by it.
+    step interval has been seen yet. Step intervals survive restarts; the first step after a restore is not one. A
+    step interval is the time between two looks' new steps, several steps apart when the trainer steps faster than
+    the looks come: the timeout then allows for the whole span, and :attr:`steps_per_second` divides the steps by
+    it.
     """
 
     def __init__(self, initial: float, floor: float, factor: float, window: int = 20) -> None:
-        self.exiting = False
+        self.phase = PHASE_RUNNING  # of the last beat seen
         self.initial = initial
         self.floor = floor
         self.factor = factor
@@ -42,7 +44,7 @@ class HangDetector:
         self._beats = 0
         self._since = now
         self._seen_this_trainer = False
-        self.exiting = False
+        self.phase = PHASE_RUNNING
         self._step = -1
         self._step_ns = 0
 
@@ -54,7 +56,7 @@ class HangDetector:
 
     @property
     def timeout(self) -> float:
-        if not self._seen_this_trainer or self.exiting or not self._intervals:
+        if not self._seen_this_trainer or self.phase != PHASE_RUNNING or not self._intervals:
             return self.initial
         return max(self.floor, self.factor * max(self._intervals))
 
@@ -78,7 +80,7 @@ class HangDetector:
         timeout or more, the floor standing for ``initial`` while it beats with no step interval seen yet (a
         trainer stopped within its first steps, before two looks saw it step, must not be left out: its peers,
         blocked on it, would be blamed instead)."""
-        unknown = self._seen_this_trainer and not self.exiting and not self._intervals
+        unknown = self._seen_this_trainer and self.phase != PHASE_EXITING and not self._intervals
         return self.armed and self.silence(now) >= (self.floor if unknown else self.timeout) / 2
 
     def observe(self, beat: Beat, now: float) -> str | None:
@@ -87,13 +89,15 @@ class HangDetector:
             self._beats = beat.beats
             self._since = now
             self._seen_this_trainer = True
-            self.exiting = beat.phase == PHASE_EXITING
+            self.phase = beat.phase
             self.armed = True
             if beat.step != self._step:
                 if self._step_ns:
                     self._intervals.append((beat.monotonic_ns - self._step_ns) / 1e9)
                     self._advances.append(max(1, beat.step - self._step))  # a step that went back counts one
                 self._step, self._step_ns = beat.step, beat.monotonic_ns
+            if self.phase == PHASE_RESTORED:  # the first step after a restore is no step interval, as the job's first
+                self._step_ns = 0
             return None
         if not self.armed or now - self._since <= self.timeout:
             return None
@@ -101,8 +105,12 @@ class HangDetector:
 
     def describe(self, now: float) -> str:
         """How long the trainer has been silent, against its timeout."""
-        what = ("no heartbeat since its training was over (its script returned, or a Snapshotter's wait())"
-                if self.exiting else "no heartbeat" if self._seen_this_trainer else "no first heartbeat")
+        if self.phase == PHASE_EXITING:
+            what = "no heartbeat since its training was over (its script returned, or a Snapshotter's wait())"
+        elif self.phase == PHASE_RESTORED:
+            what = "no heartbeat since its restore"
+        else:
+            what = "no heartbeat" if self._seen_this_trainer else "no first heartbeat"
         return f"{what} for {now - self._since:.1f}s (timeout {self.timeout:.1f}s, last step {self._step})"
 
 

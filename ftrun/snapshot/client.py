@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
-from ftrun.control.heartbeat import ENV_HEARTBEAT_SLOT, heartbeat, training_over
+from ftrun.control.heartbeat import ENV_HEARTBEAT_SLOT, heartbeat, restored, training_over
 from ftrun.control.faults import ENV_TRAINER_FAULTS, decode_trainer_faults
 from ftrun.snapshot.ddp_buckets import BucketWarmup
 from ftrun.snapshot.layout import (
@@ -207,7 +207,7 @@ class Snapshotter:
         warmup = BucketWarmup()
         warmup.arm()
         self._window = warmup, LoaderSeedGuard(self.state)
-        heartbeat(step)
+        restored(step)
         return step
 
     # -- save -----------------------------------------------------------------------------------------------

@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--ids", help="directory for the sample ids of every step, one file per rank")
     parser.add_argument("--out", help="file for the final state hash (rank 0)")
     parser.add_argument("--step-time", type=float, default=0.0)
+    parser.add_argument("--resume-pause", type=float, default=0.0,
+                        help="seconds the first step after a restore takes more (a torch.compile in the new process)")
     args = parser.parse_args()
 
     dist.init_process_group("gloo")
@@ -112,6 +114,8 @@ def main() -> None:
 
     snap = ftrun.Snapshotter(state, every=args.every)
     step = snap.restore()
+    if step:
+        time.sleep(args.resume_pause)
     ddp = DistributedDataParallel(model)
     ids_file = open(os.path.join(args.ids, f"rank{rank}.txt"), "a") if args.ids else None
     source = batches(loader, sampler, state["progress"], rank, step)
