@@ -194,6 +194,20 @@ def test_an_optimizer_whose_step_runs_the_forward_resumes_bitwise_on_three_ranks
     assert final == expected
 
 
+@pytest.mark.timeout(240)
+def test_a_compiled_optimizer_step_waits_for_the_snapshot_untraced(start_job, tmp_path):
+    """``torch.compile(optimizer.step)`` (PyTorch's recipe for a faster step) traced ftrun's step hooks too: the
+    wait for the snapshot copy, a thread's join, broke the graph with one Dynamo warning per rank ('Dynamo does not
+    know how to trace the builtin `_thread.get_ident`', a PyTorch issue to file, it said). The hooks run untraced:
+    no warning, and a crash resumes to the state of the run without failure."""
+    shape, script = ("--nproc-per-node", "2"), ("--steps", "12", "--every", "1", "--compile-step")
+    _, expected, _ = ddp_run(start_job, tmp_path, "straight", shape, script=script)
+    job, final, _ = ddp_run(start_job, tmp_path, "crash", shape, "--inject", "crash@rank=1,step=8", script=script)
+    assert [(f["kind"], f["rank"]) for f in primary_failures(job)] == [("crash", 1)], job.output
+    assert "Dynamo" not in job.output and "Warning" not in job.output, job.output
+    assert final == expected
+
+
 @pytest.mark.timeout(180)
 def test_a_script_that_exits_while_a_snapshot_is_copied_exits_cleanly(start_job):
     """Two nodes, a StatefulDataLoader with a worker, a snapshot every step and no wait() at the end: the copy of

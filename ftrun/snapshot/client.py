@@ -88,6 +88,7 @@ def stepped_memory() -> set[int]:
     return found
 
 
+@torch.compiler.disable  # a compiled optimizer step (torch.compile(opt.step)) runs the hooks as they are, untraced
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """Any optimizer's step waits for every Snapshotter's copy (it may change the tensors a copy reads)."""
     _STEPPED.add(optimizer)
@@ -95,6 +96,7 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: 
         snap._before_step()
 
 
+@torch.compiler.disable
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     """The first optimizer step after a restore ends the resume window, once it is done: an optimizer with a closure
     (LBFGS) runs the step's forward, which the window's DDP warm-up must see, inside ``step()``."""

@@ -81,6 +81,7 @@ def main() -> None:
     parser.add_argument("--data", choices=("loop", "stateful", "plain"), default="loop")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--optim", choices=("adamw", "lbfgs"), default="adamw")
+    parser.add_argument("--compile-step", action="store_true", help="torch.compile the optimizer step (eager backend)")
     parser.add_argument("--ids", help="directory for the sample ids of every step, one file per rank")
     parser.add_argument("--out", help="file for the final state hash (rank 0)")
     parser.add_argument("--step-time", type=float, default=0.0)
@@ -113,6 +114,7 @@ def main() -> None:
         state["data"] = loader
 
     snap = ftrun.Snapshotter(state, every=args.every)
+    optimizer_step = torch.compile(optimizer.step, backend="eager") if args.compile_step else optimizer.step
     step = snap.restore()
     if step:
         time.sleep(args.resume_pause)
@@ -132,7 +134,7 @@ def main() -> None:
             optimizer.step(closure)
         else:
             closure()
-            optimizer.step()
+            optimizer_step()
         scheduler.step()
         step += 1
         if ids_file:
