@@ -68,7 +68,7 @@ import time
 import traceback
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from ftrun.errors import error_text
@@ -209,11 +209,6 @@ class RankSlots:
         if older:
             return min(older, key=lambda i: self.steps[i])  # type: ignore[arg-type, return-value]
         return SPARE_SLOT if SPARE_SLOT in usable and self.files[SPARE_SLOT] is None else None
-
-
-def _unsealed(header: Header) -> Header:
-    """``header`` without its seal (the checksum the sealer writes once, beside the bytes it does not change)."""
-    return replace(header, checksum=0, sealed=False)
 
 
 class Keeper:
@@ -454,15 +449,8 @@ class Keeper:
             crcs = list(pool.map(lambda t: checksum(t[2].map, t[3]), todo))
         with self.cond:
             for (local, index, slot, header), crc in zip(todo, crcs):
-                now = slot.header()  # the sealer may have sealed it meanwhile: not a change of its bytes
-                if self.ranks[local].steps[index] != step or _unsealed(now) != _unsealed(header):
-                    problem: str | None = "changed while it was verified"
-                elif not now.sealed:
-                    problem = None
-                    slot.seal(crc)
-                else:
-                    problem = None if crc == now.checksum else \
-                        f"checksum mismatch (stored {now.checksum:08x}, computed {crc:08x})"
+                problem = "changed while it was verified" if self.ranks[local].steps[index] != step else \
+                    slot.judge(header, crc)
                 if problem is not None:
                     problems[str(self.global_rank(local))] = problem
                     if self.ranks[local].steps[index] == step:

@@ -204,12 +204,19 @@ class SlotFile:
         if problem is not None:
             return problem
         h = self.header()
-        crc = checksum(self.map, h)
-        if not h.sealed:
+        return self.judge(h, checksum(self.map, h))
+
+    def judge(self, read: Header, crc: int) -> str | None:
+        """Judge ``crc``, computed over the payload that header ``read`` (read before) described: None when it
+        matches the seal, sealing the slot with it first if it was not sealed; a problem when it does not, or when
+        the header changed meanwhile (not by a seal: the sealer writes it beside bytes it does not change)."""
+        now = self.header()
+        if replace(now, checksum=0, sealed=False) != replace(read, checksum=0, sealed=False):
+            return "changed while it was verified"
+        if not now.sealed:
             self.seal(crc)
-        elif crc != h.checksum:
-            return f"checksum mismatch (stored {h.checksum:08x}, computed {crc:08x})"
-        return None
+            return None
+        return None if crc == now.checksum else f"checksum mismatch (stored {now.checksum:08x}, computed {crc:08x})"
 
     def payload(self) -> memoryview:
         return memoryview(self.map)[HEADER_SIZE:]

@@ -1,7 +1,8 @@
 """A deterministic DDP script with only the README's three ftrun lines: the hash-matrix tests' trainer.
 
 A small MLP with dropout, AdamW (``--optim lbfgs``: LBFGS, whose ``step(closure)`` runs the forward and backward)
-and a step LR schedule, wrapped in a default DistributedDataParallel (no warm-up, nothing else for ftrun). Batches come from one of three sources (``--data``):
+and a step LR schedule, wrapped in a default DistributedDataParallel (no warm-up, nothing else for ftrun).
+Batches come from one of three sources (``--data``):
 
 * ``loop``: drawn from a generator seeded by (step, rank), no loader;
 * ``stateful``: torchdata's StatefulDataLoader over a shuffling DistributedSampler, epoch by epoch, in the
@@ -126,7 +127,7 @@ def main() -> None:
 
         def closure() -> torch.Tensor:
             optimizer.zero_grad()
-            loss = torch.nn.functional.mse_loss(ddp(x), y)
+            loss = torch.nn.functional.mse_loss(ddp(x), y)  # noqa: F821 (called in the loop; ddp is deleted after it)
             loss.backward()
             return loss
 
