@@ -17,10 +17,10 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 run: install
 	$(BIN)/python examples/demo.py
 
-# two pytest processes, each test file whole in one of them (its module fixtures, e.g. an etcd cluster, made once):
-# most of a test is waiting, or one process importing torch: two at once fit 2 cores (here 614-736 s, not 889 s)
+# three pytest processes, each test file whole in one of them (its module fixtures, e.g. an etcd cluster, made
+# once): much of a test is waiting (timeouts, a job's steps), so on 2 cores three at once leave less idle than two
 test: install
-	$(BIN)/python -m pytest -n 2 --dist loadfile
+	$(BIN)/python -m pytest -n 3 --dist loadfile
 
 test-extended: install
 	$(BIN)/python -m pytest -m extended

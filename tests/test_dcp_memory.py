@@ -183,6 +183,7 @@ def run_pair(start_job, tmp_path, shape: tuple[str, ...], flags: tuple[str, ...]
     return job, hashes[1], hashes[0]
 
 
+@pytest.mark.extended  # make test: the dcp.save crash and reshard above
 @pytest.mark.timeout(240)
 def test_dcp_async_save_to_ram_resumes_a_crash_bitwise(start_job, tmp_path):
     job, final, expected = run_pair(start_job, tmp_path, ("--nproc-per-node", "2"),

@@ -201,6 +201,7 @@ def test_a_dcp_job_ends_with_keep_steps_once_its_copies_are_written(start_job, t
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: test_dcp_memory's reshard, this file's shared directories
 @pytest.mark.timeout(300)
 def test_a_run_at_another_world_size_sets_the_earlier_steps_aside_in_one_directory(start_job, tmp_path):
     """A run resumed at another world size (from a DCP copy) moves the earlier world's steps aside as it persists
@@ -251,6 +252,7 @@ def test_a_failed_parity_rebuild_falls_back_to_disk_within_the_generation(start_
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: the full disk and the failed rebuild's fall back to disk (the disk tier's errors)
 @pytest.mark.timeout(300)
 def test_a_checkpoint_dir_that_cannot_be_listed_at_a_restart_restores_from_ram(start_job, tmp_path, gpt_baselines):
     """The job's checkpoint directory cannot be listed as a crash restarts the job (a symbolic link loop stands for

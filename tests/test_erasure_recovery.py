@@ -187,6 +187,7 @@ def test_keepers_refuse_peers_without_the_secret_and_keep_serving(start_job, tmp
     assert_rebuilt(job, {1}, 40)  # the keeper went on serving its peer after the intruders
 
 
+@pytest.mark.extended  # make test: a survivor lost during a rebuild, test_relayed_rebuild's silent survivor
 @pytest.mark.timeout(300)
 def test_a_survivor_frozen_during_a_rebuild_is_restarted_and_the_rebuild_tried_again(start_job, tmp_path,
                                                                                       gpt_baselines):

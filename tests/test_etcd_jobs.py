@@ -67,6 +67,7 @@ def test_etcd_leader_then_node_0_lost_job_ends_bitwise_equal(start_job, tmp_path
     assert_job_left_nothing(node1)
 
 
+@pytest.mark.extended  # make test: the etcd leader then node 0 lost; test_control_integrity's frozen store
 @pytest.mark.timeout(180)
 def test_without_quorum_the_job_pauses_then_resumes_or_stops_with_exit_3(start_job, etcd):
     common = ("--rdzv-backend", "etcd", "--rdzv-endpoint", etcd.endpoints, "--node-timeout", "3")

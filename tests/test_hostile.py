@@ -307,6 +307,7 @@ def test_a_job_whose_file_names_hold_someone_elses_link_refuses_to_start_in_one_
     assert victim.read_text() == "precious" and sorted(os.listdir(shm)) == [link.name]
 
 
+@pytest.mark.extended  # make test: the forged control values and hostile traffic
 @pytest.mark.timeout(300)
 def test_documents_deleted_from_the_control_store_are_written_again(start_job, tmp_path, gpt_baseline):
     """An intruder at the control store deletes the documents through which the nodes secure their snapshots

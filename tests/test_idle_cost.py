@@ -73,6 +73,7 @@ time.sleep(10)
 """
 
 
+@pytest.mark.extended  # make test: the two other idle-cost tests
 @pytest.mark.timeout(120)
 def test_a_script_that_never_beats_is_not_looked_at_eagerly_after_a_restart(start_job, tmp_path):
     """A restart's recovery time is when every trainer beats again: a script that never beats (an unmodified

@@ -60,6 +60,7 @@ def assert_left_nothing(hosts: Hosts, *jobs) -> None:
     assert not left, f"left in the hosts' /dev/shm: {left}"
 
 
+@pytest.mark.extended  # make test: test_relayed_rebuild's relays, the host cut off the network below
 def test_a_lost_host_is_rebuilt_relayed_through_the_survivors_on_a_standby(start_job, hosts, tmp_path, gpt_baselines):
     for i in range(4):
         hosts.shape(i, rate_mbit=400)

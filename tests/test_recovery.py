@@ -106,7 +106,8 @@ def test_script_broken_at_import_reports_the_restarts_it_made(start_job):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how", ["atexit", "thread", "body"])
+@pytest.mark.parametrize("how", [pytest.param("atexit", marks=pytest.mark.extended), "thread",  # make test: thread
+                                 pytest.param("body", marks=pytest.mark.extended)])
 def test_a_rank_slow_to_finish_after_its_loop_is_not_hung(start_job, how):
     """After its loop (``snap.wait()``, or the script's return) a trainer has --hang-timeout-initial to finish and
     exit, not the hang timeout of a step: an atexit handler (``wandb.finish()``, an upload) or a thread that runs
@@ -363,6 +364,7 @@ def test_kill_9_of_ftrun_leaves_files_that_ftrun_clean_removes_but_never_a_live_
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: two starts of one job at the same moment
 @pytest.mark.timeout(180)
 def test_a_second_start_of_a_running_job_id_is_refused_and_touches_nothing(start_job):
     """It used to unlink the running job's snapshots (its keeper gave up after 10 s, its supervisor cleaned up)."""

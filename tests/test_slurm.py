@@ -110,6 +110,7 @@ def test_srun_two_nodes_survive_a_crash_bitwise(slurm, gpt_baselines, tmp_path):
         assert not job_segments(f"slurm-{job}")
 
 
+@pytest.mark.extended  # make test: test_status' TUI in the launcher's terminal, this file's srun jobs
 def test_tui_under_srun_shows_one_view_of_the_job_once(slurm, tmp_path):
     """``srun -N2 ftrun --tui``: srun merges every node's output, and that is no terminal. Every node printed the
     whole view once a second (a 10 s job: 21 tables); now the step's first node prints it once, at the end."""
@@ -191,6 +192,7 @@ def test_sigterm_persists_exits_143_and_the_requeued_job_resumes_from_disk(slurm
         assert out.read_text().strip() == gpt_baselines(2, 2), text
 
 
+@pytest.mark.extended  # make test: test_spares' launcher replacing its killed supervisor
 def test_a_supervisor_killed_under_srun_is_replaced_by_its_launcher_and_the_step_resumes_from_ram(
         slurm, gpt_baselines, tmp_path):
     """One node's supervisor dies while its ftrun lives (the OOM killer, a crash): SLURM does not end the step,

@@ -27,6 +27,7 @@ def zombie_children(pid: int) -> int:
         return 0
 
 
+@pytest.mark.extended  # make test: test_recovery's no orphans at the restart limit, test_spares' lost nodes
 @pytest.mark.timeout(180)
 def test_lost_nodes_leave_no_zombies_in_the_launcher(start_job, tmp_path, gpt_baselines):
     """A lost supervisor's zygote, keeper and trainers die with it and are re-parented to the launcher (a child

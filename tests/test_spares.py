@@ -276,7 +276,7 @@ def kill_supervisor(node0, node: int, signum: int = signal.SIGKILL) -> psutil.Pr
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("node", [0, 1])
+@pytest.mark.parametrize("node", [0, pytest.param(1, marks=pytest.mark.extended)])  # make test: node 0
 def test_a_multi_node_launcher_replaces_its_killed_supervisor_and_the_job_resumes_from_its_ram(
         start_job, tmp_path, gpt_baselines, node):
     """Multi-node, outside SLURM: a node's supervisor dies while its launcher lives. The launcher declares the node
@@ -295,7 +295,7 @@ def test_a_multi_node_launcher_replaces_its_killed_supervisor_and_the_job_resume
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("node", [0, 1])
+@pytest.mark.parametrize("node", [pytest.param(0, marks=pytest.mark.extended), 1])  # make test: node 1
 def test_a_killed_supervisor_s_replacement_and_a_standby_racing_for_its_rank_one_takes_it(
         start_job, tmp_path, gpt_baselines, node):
     """Multi-node with a --standby: a node's supervisor is killed, its launcher starts a replacement and the

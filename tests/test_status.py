@@ -273,6 +273,7 @@ def test_inside_a_slurm_job_status_defaults_to_that_jobs_ftrun_job(tmp_path):
     assert_one_line_error(status(), "several jobs run on this host")
 
 
+@pytest.mark.extended  # make test: the json view during the run and after recovery
 @pytest.mark.timeout(240)
 def test_ended_job_at_a_standalone_store(start_job, tmp_path):
     """With an ``ftrun store`` that outlives the job, ``--once`` and the live view still answer after it ended."""
