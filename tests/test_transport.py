@@ -133,6 +133,16 @@ def raw_connection(server: PeerServer, authenticate: bool = True) -> socket.sock
     return sock
 
 
+def held_connections(server: PeerServer, count: int) -> list[socket.socket]:
+    """``count`` authenticated connections, once the server counts them as serving (it sends its proof, then
+    moves the connection from its handshakes to those it serves: a loaded host lags between the two)."""
+    socks = [raw_connection(server) for _ in range(count)]
+    deadline = time.monotonic() + CLOSE_WITHIN
+    while len(server._serving) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return socks
+
+
 def assert_closed_by_server(sock: socket.socket) -> None:
     """The server closes the connection within CLOSE_WITHIN seconds (whatever it sent before is skipped)."""
     sock.settimeout(CLOSE_WITHIN)
@@ -389,10 +399,7 @@ def test_silent_client_does_not_block_others_and_is_dropped(make_server, make_cl
 
 def test_connections_beyond_the_limit_are_closed_at_once(make_server, make_client) -> None:
     server, events = make_server(max_connections=2)
-    held = [raw_connection(server) for _ in range(2)]
-    deadline = time.monotonic() + CLOSE_WITHIN  # their handshakes done on the server's side (a loaded host lags)
-    while len(server._connections) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    held = held_connections(server, 2)
     try:
         extra = raw_connection(server, authenticate=False)
         assert_closed_by_server(extra)
@@ -431,7 +438,7 @@ def test_a_client_refused_at_the_limit_connects_again_until_its_timeout(make_ser
     """A keeper at its connection limit is busy, not lost: the request waits for a connection to end (within the
     client's timeout); a server that stays full is :class:`PeerBusy` after about that timeout."""
     server, events = make_server(max_connections=1)
-    held = raw_connection(server)
+    [held] = held_connections(server, 1)
     threading.Timer(0.3, held.close).start()
     started = time.monotonic()
     first = make_client(server, timeout=CLOSE_WITHIN)
@@ -442,7 +449,7 @@ def test_a_client_refused_at_the_limit_connects_again_until_its_timeout(make_ser
     deadline = time.monotonic() + CLOSE_WITHIN
     while server._connections and time.monotonic() < deadline:
         time.sleep(0.01)
-    held = raw_connection(server)
+    [held] = held_connections(server, 1)
     try:
         started = time.monotonic()
         with pytest.raises(PeerBusy, match="connection limit"):
