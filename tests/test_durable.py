@@ -188,6 +188,7 @@ def test_jobs_sharing_a_ckpt_dir_write_and_prune_only_their_own_steps(start_job,
         [(a.job_id, 60, "complete", {}), (b.job_id, 60, "complete", {})])
 
 
+@pytest.mark.extended  # make test: test_dcp_memory's durable DCP copy, this file's pruning
 @pytest.mark.timeout(300)
 def test_a_dcp_job_ends_with_keep_steps_once_its_copies_are_written(start_job, tmp_path):
     """--ckpt-format dcp keeps the step being copied and the newest copied beyond --keep; once the final step's

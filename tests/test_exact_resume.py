@@ -194,6 +194,7 @@ def test_an_optimizer_whose_step_runs_the_forward_resumes_bitwise_on_three_ranks
     assert final == expected
 
 
+@pytest.mark.extended  # make test: the optimizer step hooks of every other test (a compiled step: 27 s)
 @pytest.mark.timeout(240)
 def test_a_compiled_optimizer_step_waits_for_the_snapshot_untraced(start_job, tmp_path):
     """``torch.compile(optimizer.step)`` (PyTorch's recipe for a faster step) traced ftrun's step hooks too: the

@@ -213,6 +213,7 @@ def hold_silent_connections(launcher: int, stop: threading.Event, per_port: int 
     return counts
 
 
+@pytest.mark.extended  # make test: test_relayed_rebuild's silent survivor, test_transport's handshake timeout
 @pytest.mark.timeout(300)
 def test_silent_connections_to_the_keepers_do_not_stop_a_rebuild_from_parity(start_job, tmp_path, gpt_baseline):
     """Whoever reaches the keepers' port without the secret holds a hundred silent connections open to each of

@@ -125,6 +125,7 @@ def test_tui_under_srun_shows_one_view_of_the_job_once(slurm, tmp_path):
         assert output.count(f"job slurm-{jobs[0]} succeeded") == 2 and "node 1's output in" in output, output
 
 
+@pytest.mark.extended  # make test: the batch loop's next step after a launcher killed, test_spares' spares
 def test_batch_script_replaces_a_lost_node_with_a_spare_and_resumes_from_ram_and_parity(slurm, gpt_baselines,
                                                                                        tmp_path):
     """Down node n2 mid-training: SLURM kills the step; the batch loop runs ftrun again on n1 (its RAM) and the

@@ -140,6 +140,7 @@ def test_a_dcp_copy_ends_with_a_launcher_killed_by_sigkill(start_job, tmp_path):
                 copy.kill()
 
 
+@pytest.mark.extended  # make test: test_recovery's kill -9 of ftrun and ftrun clean
 @pytest.mark.timeout(240)
 def test_a_rerun_of_another_shape_after_a_sigkill_does_not_restore_the_killed_run_s_ram(start_job, tmp_path,
                                                                                          gpt_baselines):

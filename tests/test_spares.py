@@ -179,6 +179,7 @@ def test_a_stalled_node_whose_rank_a_spare_took_is_killed_and_the_spare_resumes_
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: the standby's launcher replacing its supervisor on the same host
 @pytest.mark.timeout(240)
 def test_a_node_replaced_by_a_standby_on_its_host_leaves_it_the_node_s_files(start_job, tmp_path, gpt_baselines):
     """Multi-node: node 1's supervisor stalls (SIGSTOP) until a --standby on the same host has taken its rank, then
