@@ -99,6 +99,7 @@ def test_a_host_cut_off_the_network_is_replaced_and_cannot_disturb_the_job_when_
     assert_left_nothing(hosts, *nodes, spare)
 
 
+@pytest.mark.extended  # make test: the host cut off the network above (the same shaped NICs, a job across hosts)
 def test_a_slow_network_changes_nothing(start_job, hosts, tmp_path, gpt_baselines):
     for i in range(2):
         hosts.shape(i, rate_mbit=50)

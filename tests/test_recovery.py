@@ -303,7 +303,7 @@ def test_multi_node_mode_lost_node_seen_by_beats_and_replaced(start_job, tmp_pat
     assert_job_left_nothing(node0)
 
 
-@pytest.mark.extended  # make test: test_slurm's srun crash and test_network's slow network (a launcher per node)
+@pytest.mark.extended  # make test: test_slurm's srun crash and test_network's hosts (a launcher per node)
 @pytest.mark.timeout(240)
 def test_multi_node_mode_trains_through_a_crash_bitwise(start_job, tmp_path, baseline_hash):
     endpoint = f"127.0.0.1:{free_port()}"
