@@ -147,7 +147,8 @@ def run(
                                                     envvar="PET_SIGNALS_TO_HANDLE",
                                                     help="Signals that stop the job gracefully as SIGTERM does "
                                                          "(SIGTERM,SIGINT,SIGHUP,SIGQUIT); SIGUSR1 and SIGUSR2 "
-                                                         "listed here are passed on to every trainer instead."),
+                                                         "listed here are passed on to every trainer instead "
+                                                         "(not listed, ftrun ignores them)."),
     virtual_local_rank: Optional[bool] = typer.Option(None, "--virtual-local-rank", "--virtual_local_rank",
                                                       envvar="PET_VIRTUAL_LOCAL_RANK",
                                                       help="Every trainer gets LOCAL_RANK 0 and "

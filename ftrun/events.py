@@ -19,7 +19,8 @@ loaded (a keeper loaded a step from disk), restore_source_failed (a parity rebui
 failed; the next source is planned), no_resume, spare_up (a hot spare is ready), spare_claimed (a spare took a lost
 node's ``node`` rank, ``seconds`` after the failure was seen), spare_took (the local launcher hands that node to
 it), spare_gone, replaced (a supervisor seen as lost found its rank taken by a spare and left), store_outage (the
-control store stopped answering, or answers again).
+control store stopped answering, or answers again), signal_ignored (the launcher got SIGUSR1 or SIGUSR2, SLURM's
+warning, without --signals-to-handle listing it).
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -83,6 +84,23 @@ def launcher_of(job: str, node: str) -> psutil.Process:
     raise AssertionError(f"no ftrun launcher of job {job} on {node}")
 
 
+@contextmanager
+def srun_ftrun(slurm, jobs: list[str], output: Path, *ftrun_args: str) -> Iterator[subprocess.Popen[bytes]]:
+    """``srun -N2 ftrun --nproc-per-node 2 FTRUN_ARGS``, its output in ``output``; its SLURM job id goes in ``jobs``
+    (:func:`slurm_job`'s) once it shows. Killed at the end if it still runs."""
+    with open(output, "wb") as sink:
+        srun = subprocess.Popen(["srun", "-N2", "--ntasks-per-node", "1", *FTRUN, "--nproc-per-node", "2",
+                                 *ftrun_args], env=slurm.env(), cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        wait_for_line(output, r"job slurm-\d+")
+        jobs.append(re.search(r"job slurm-(\d+)", output.read_text()).group(1))  # type: ignore[union-attr]
+        yield srun
+    finally:
+        if srun.poll() is None:
+            srun.kill()
+            srun.wait()
+
+
 def batch_script(tmp_path: Path, name: str, nodes: int, spares: int, ftrun_args: list[str]) -> Path:
     script = subprocess.run([*FTRUN, "sbatch-template", "--nodes", str(nodes), "--spares", str(spares), "--",
                              *ftrun_args], capture_output=True, text=True, timeout=60, check=True).stdout
@@ -108,6 +126,25 @@ def test_srun_two_nodes_survive_a_crash_bitwise(slurm, gpt_baselines, tmp_path):
         assert {e["restored_from"] for e in events if e["event"] == "restore"} == {"ram"}, done.stderr
         assert f"job slurm-{job} succeeded" in done.stderr
         assert not job_segments(f"slurm-{job}")
+
+
+@pytest.mark.extended  # make test: test_torchrun_flags' SIGUSR1 to every process of a local job
+def test_slurm_s_sigusr1_to_every_process_of_the_step_is_ignored_in_one_line_and_the_job_goes_on(
+        slurm, gpt_baselines, tmp_path):
+    """``#SBATCH --signal=USR1@90`` warns of the time limit by SIGUSR1 to every process of the step (here
+    ``scancel --signal=USR1``, the same delivery). Without SIGUSR1 in --signals-to-handle every ftrun launcher died
+    of it (its default action), and the job with them; now each says so in one line and the job goes on. The
+    trainers get SLURM's own copy: this script has no handler, so they die of it and restart from RAM."""
+    args, out = gpt_args(tmp_path, "usr1", "--step-time", STEP_TIME)
+    output = tmp_path / "srun.out"
+    with slurm_job(slurm) as jobs, srun_ftrun(slurm, jobs, output, *args) as srun:
+        wait_for_line(output, r"step 30 loss")
+        subprocess.run(["scancel", "--signal=USR1", jobs[0]], env=slurm.env(), check=True, timeout=30)
+        assert srun.wait(timeout=200) == 0, output.read_text()
+    text = output.read_text()
+    assert text.count("SIGUSR1 ignored: not in --signals-to-handle (SLURM sends it") == 2, text
+    assert re.search(r"generation 1: trainers restore step \d+ from RAM", text), text
+    assert out.read_text().strip() == gpt_baselines(2, 2), text
 
 
 @pytest.mark.extended  # make test: test_status' TUI in the launcher's terminal, this file's srun jobs
@@ -202,26 +239,16 @@ def test_a_supervisor_killed_under_srun_is_replaced_by_its_launcher_and_the_step
     --rdzv-timeout for a node that never comes and failing the job for good (exit 3)."""
     args, out = gpt_args(tmp_path, "supervisor", "--step-time", STEP_TIME)
     output = tmp_path / "srun.out"
-    with slurm_job(slurm) as jobs, open(output, "wb") as sink:
-        srun = subprocess.Popen(["srun", "-N2", "--ntasks-per-node", "1", *FTRUN, "--nproc-per-node", "2",
-                                 "--rdzv-timeout", "60", *args], env=slurm.env(), cwd=ROOT, stdout=sink,
-                                stderr=subprocess.STDOUT)
-        try:
-            wait_for_line(output, r"job slurm-\d+")
-            jobs.append(re.search(r"job slurm-(\d+)", output.read_text()).group(1))  # type: ignore[union-attr]
-            wait_for_line(output, r"step 30 loss")
-            supervisor = re.search(r"\[node 1\] supervisor up \(pid (\d+)", output.read_text())
-            assert supervisor is not None, output.read_text()
-            os.kill(int(supervisor.group(1)), signal.SIGKILL)
-            assert srun.wait(timeout=240) == 0, output.read_text()
-        finally:
-            if srun.poll() is None:
-                srun.kill()
-                srun.wait()
-        text = output.read_text()
-        assert "starting a replacement for node 1" in text, text
-        assert re.search(r"generation 1: trainers restore step \d+ from RAM", text), text
-        assert out.read_text().strip() == gpt_baselines(2, 2), text
+    with slurm_job(slurm) as jobs, srun_ftrun(slurm, jobs, output, "--rdzv-timeout", "60", *args) as srun:
+        wait_for_line(output, r"step 30 loss")
+        supervisor = re.search(r"\[node 1\] supervisor up \(pid (\d+)", output.read_text())
+        assert supervisor is not None, output.read_text()
+        os.kill(int(supervisor.group(1)), signal.SIGKILL)
+        assert srun.wait(timeout=240) == 0, output.read_text()
+    text = output.read_text()
+    assert "starting a replacement for node 1" in text, text
+    assert re.search(r"generation 1: trainers restore step \d+ from RAM", text), text
+    assert out.read_text().strip() == gpt_baselines(2, 2), text
 
 
 def test_a_launcher_killed_under_srun_ends_the_step_at_once_and_the_batch_script_resumes_from_ram(

@@ -3,6 +3,7 @@ the few that cannot apply are refused in one line; the ones with a meaning work 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -11,6 +12,7 @@ import sys
 import time
 import uuid
 
+import psutil
 import pytest
 import typer
 
@@ -311,20 +313,41 @@ def test_a_node_stopped_by_sigint_stops_every_node_s_trainers_with_sigint(start_
     assert_job_left_nothing(job)
 
 
+def wait_for_output(job, *lines: str, timeout: float = 60) -> None:
+    """Until every one of ``lines`` is in the job's output (it must not end before)."""
+    deadline = time.monotonic() + timeout
+    while not all(line in job.output for line in lines):
+        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
+        time.sleep(0.05)
+
+
 @pytest.mark.timeout(120)
 def test_sigusr1_reaches_every_trainer_and_sighup_stops_the_job(start_job):
     job = start_job("--nnodes", "2", "--signals-to-handle", "SIGTERM,SIGINT,SIGHUP,SIGUSR1", "--label-output",
                     HELLO, "--wait-usr1")
-    deadline = time.monotonic() + 60
-    while not ("[rank 0] ready 0" in job.output and "[rank 1] ready 1" in job.output):
-        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
-        time.sleep(0.05)
+    wait_for_output(job, "[rank 0] ready 0", "[rank 1] ready 1")
     os.kill(job.proc.pid, signal.SIGUSR1)
-    while not ("got SIGUSR1 in rank 0" in job.output and "got SIGUSR1 in rank 1" in job.output):
-        assert time.monotonic() < deadline and job.proc.poll() is None, job.output
-        time.sleep(0.05)
+    wait_for_output(job, "got SIGUSR1 in rank 0", "got SIGUSR1 in rank 1")
     os.kill(job.proc.pid, signal.SIGHUP)
     assert job.wait(60) == 128 + signal.SIGHUP, job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_sigusr1_not_listed_to_every_process_of_the_job_is_ignored_by_ftrun_in_one_line(start_job):
+    """SLURM's ``--signal=USR1@90`` reaches every process of a step. Without SIGUSR1 in --signals-to-handle the
+    launcher died of it (its default action), the supervisors with it, and the job; now ftrun's own processes
+    ignore it, the launcher in one line, and the trainers get it."""
+    job = start_job("--nnodes", "2", "--label-output", HELLO, "--wait-usr1")
+    wait_for_output(job, "[rank 0] ready 0", "[rank 1] ready 1")
+    launcher = psutil.Process(job.proc.pid)
+    for proc in [launcher, *launcher.children(recursive=True)]:  # supervisors, keepers, zygotes, trainers
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGUSR1)
+    wait_for_output(job, "got SIGUSR1 in rank 0", "got SIGUSR1 in rank 1",
+                    "SIGUSR1 ignored: not in --signals-to-handle (list it there to pass it on to the trainers)")
+    os.kill(job.proc.pid, signal.SIGTERM)
+    assert job.wait(60) == 128 + signal.SIGTERM, job.output
     assert_job_left_nothing(job)
 
 

@@ -79,11 +79,12 @@ class PendingSupervisor:
 
 
 def prepare_supervisor(launcher: int) -> None:
-    """In a new supervisor process (forked, or before its exec): it dies with ``launcher``, and the signals the
-    launcher forwards are ignored until it handles them (one that comes before is lost, never fatal as it is by
-    default)."""
+    """In a new supervisor process (forked, or before its exec): it dies with ``launcher``, and SIGUSR1/SIGUSR2
+    (SLURM's warnings, sent to every process of a step) and the signals the launcher forwards them as are ignored
+    until it handles them (one that comes before is lost, never fatal as it is by default): so are they in what
+    it starts before (its zygote, a keeper started ahead)."""
     die_with_parent(launcher)
-    for forwarded in FORWARDED_SIGNALS.values():
+    for forwarded in (*FORWARDED_SIGNALS, *FORWARDED_SIGNALS.values()):
         signal.signal(forwarded, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STARTUP_SIGNALS)  # held by a launcher that is starting
 
@@ -155,6 +156,11 @@ def exec_launcher(cfg: JobConfig, begun: Begun, args: list[str]) -> NoReturn:
     # held (blocked, not lost) until the launcher can stop cleanly: its interpreter's start and its imports (1-4 s)
     # would otherwise end in a traceback, or lose the signal in a fork's handlers
     signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
+    # SLURM's warnings (--signal=USR1@90: to every process of a step) are ignored from the exec on, by the
+    # launcher until it handles them and by every ftrun process it starts (prepare_supervisor); trainers get their
+    # default action back (ftrun.launch.zygote, a new interpreter's exec)
+    for warning in FORWARDED_SIGNALS:
+        signal.signal(warning, signal.SIG_IGN)
     env = dict(os.environ)
     env[ENV_JOB_ID] = begun.job_id
     env[ENV_LAUNCH_FD] = str(fd)

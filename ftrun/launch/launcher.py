@@ -168,6 +168,7 @@ class Launcher:
         self.claims: list[socket.socket] = []  # this host's claim on the job's nodes, held for life (_claim)
         self.signalled_at = 0.0  # time.monotonic() of the signal that began the stop
         self.forced = False  # a second signal stopped the job at once
+        self.ignored: list[signal.Signals] = []  # SIGUSR1/SIGUSR2 not in --signals-to-handle, not reported yet
         # signs every control-store value (and authenticates keepers to each other); never given to trainers
         self.secret = local_secret() if cfg.local_mode else shared_secret(self.job_id, cfg.secret_file)
         self.bind = self._bind_address()
@@ -299,13 +300,26 @@ class Launcher:
     def _handle_signals(self) -> None:
         """--signals-to-handle: each listed signal stops the job as SIGTERM does (SIGINT and SIGTERM always do),
         except SIGUSR1 and SIGUSR2, which go on to every trainer (through the supervisors). A signal that stopped
-        the start (main()) and is not listed gets its default action back."""
+        the start (main()) and is not listed gets its default action back. SIGUSR1 and SIGUSR2 not listed are
+        ignored, in one line each (:meth:`_report_ignored`): SLURM sends them (``--signal=USR1@90``) to every
+        process of a step, the trainers included, and their default action ended the job."""
         for sig in STARTUP_SIGNALS - {signal.SIGINT, signal.SIGTERM} - set(self.cfg.signals):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(signal.SIGTERM, self._on_signal)
+        for sig in FORWARDED_SIGNALS:
+            signal.signal(sig, lambda signum, _: self.ignored.append(signal.Signals(signum)))
         for sig in self.cfg.signals:
             signal.signal(sig, self._forward_signal if sig in FORWARDED_SIGNALS else self._on_signal)
+
+    def _report_ignored(self) -> None:
+        """One line for each signal :meth:`_handle_signals` ignored since the last look (its handler only notes
+        it: a line written from a handler could come in the middle of one being written)."""
+        while self.ignored:
+            name = self.ignored.pop(0).name
+            where = ("SLURM sends it to every process of the step, the trainers included" if self.slurm is not None
+                     else "list it there to pass it on to the trainers")
+            self.events.emit("signal_ignored", f"{name} ignored: not in --signals-to-handle ({where})", signal=name)
 
     def _forward_signal(self, signum: int, frame: object) -> None:
         forwarded = FORWARDED_SIGNALS[signal.Signals(signum)]
@@ -760,9 +774,10 @@ class Launcher:
 
     def _pause(self, timeout: float) -> None:
         """Until a supervisor of this launcher exits, or ``timeout`` seconds (:data:`_POLL_INTERVAL` where the
-        kernel has no pidfds to wait on)."""
+        kernel has no pidfds to wait on); then report the signals ignored meanwhile."""
         watched = self._exits.watch_only({proc.pid for proc in self.procs.values() if proc.returncode is None})
         select.select(self._exits.fds(), [], [], timeout if watched else min(timeout, _POLL_INTERVAL))
+        self._report_ignored()
 
     def _fence(self, coord: Coordinator, skip: set[int]) -> set[int]:
         """SIGKILL the supervisor of each node (but ``skip``) whose rank a spare took while it still runs (stalled,

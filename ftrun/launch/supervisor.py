@@ -247,7 +247,7 @@ class Supervisor:
         signal.signal(signal.SIGINT, self._on_signal)
         signal.signal(KEEPER_NODE_LOST, lambda *_: self._lose_node("parity-loss (from the keeper)"))
         # SLURM may send these to every process of a step; the launcher forwards them (--signals-to-handle), so
-        # here they are not fatal
+        # here they are not fatal: a handler, not SIG_IGN (as until now), so that a trainer's exec gets its default
         for slurm_warning in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(slurm_warning, lambda *_: None)
         beater: _Beater | None = None

@@ -250,8 +250,6 @@ def _become_ready(supervisor: int, sock: socket.socket, fds: list[int],
         _close_all(fds)
         for file in files:
             file.close()
-        for forwarded in FORWARDED_SIGNALS.values():  # ignored by the supervisor this was forked from
-            signal.signal(forwarded, signal.SIG_DFL)  # until it handled them; a trainer's own default
         _become_trainer(supervisor)
         sock.sendall(_REPARENTED)
         return _await_request(sock)
@@ -291,6 +289,10 @@ def _become_trainer(supervisor: int) -> None:
 def _run(request: SpawnRequest) -> None:
     """Turn this forked process into the trainer: environment, directory, then the user's code
     (:func:`~ftrun.launch.bootstrap.run_main`: argv, sys.path, a clean traceback and the error file)."""
+    # SLURM's warnings and the signals they are forwarded as, ignored by the supervisor this was forked from until
+    # it handled them (ftrun.launch.handoff.prepare_supervisor), and so until now: a trainer's own default
+    for forwarded in (*FORWARDED_SIGNALS, *FORWARDED_SIGNALS.values()):
+        signal.signal(forwarded, signal.SIG_DFL)
     quieted = os.environ.get(ENV_QUIET_CPP_LOG)  # this process's torch logs C++ warnings at ftrun's ERROR
     os.environ.clear()
     os.environ.update(request.env)
