@@ -279,6 +279,29 @@ def test_a_launcher_killed_under_srun_ends_the_step_at_once_and_the_batch_script
         assert not job_segments(f"slurm-{job}")
 
 
+def test_a_supervisor_stalled_under_srun_is_ended_by_its_launcher_and_the_job_completes_bitwise(
+        slurm, gpt_baselines, tmp_path):
+    """One node's supervisor stopped (SIGSTOP, as a frozen process) while its ftrun lives: the other node declares
+    it lost. Its launcher waited on it for ever, and with it srun, whose step waits for every task, after the other
+    node had ended the step: the batch script never ran its next step. The launcher now kills a supervisor that
+    runs on --node-timeout after the job lost it; the job completes, bit for bit."""
+    args, out = gpt_args(tmp_path, "stalled", "--step-time", STEP_TIME)
+    output = tmp_path / "batch.out"
+    script = batch_script(tmp_path, "stalled", 2, 0, ["--nproc-per-node", "2", "--node-timeout", "2", *args])
+    with slurm_job(slurm) as jobs:
+        job = sbatch(slurm, script, output)
+        jobs.append(job)
+        wait_for_line(output, r"step 30 loss")
+        supervisor = re.search(r"\[node 1\] supervisor up \(pid (\d+)", output.read_text())
+        assert supervisor is not None, output.read_text()
+        os.kill(int(supervisor.group(1)), signal.SIGSTOP)
+        assert wait_for_job_end(slurm, job, timeout=150) == "COMPLETED 0:0", output.read_text()
+        text = output.read_text()
+        assert re.search(r"\[launcher\] node 1's supervisor \(pid \d+\) still ran 2s after the job lost it", text), text
+        assert out.read_text().strip() == gpt_baselines(2, 2), text
+        assert not job_segments(f"slurm-{job}")
+
+
 @pytest.mark.extended  # make test: a node 1's launcher killed under srun (same end of the step, kept RAM)
 def test_node_0_s_launcher_killed_under_srun_leaves_every_node_s_ram_to_the_next_step(slurm, gpt_baselines,
                                                                                       tmp_path):

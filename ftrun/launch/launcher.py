@@ -61,8 +61,9 @@ from ftrun.control.secret import local_secret, secret_path, shared_secret, write
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED, EXIT_STOPPED,
-                                EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STOP_KIND, announce_path,
-                                nodes_with_files, shm_place, split_endpoint, unlink_node_files, write_shm_file)
+                                EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STEP_END_KIND, STOP_KIND,
+                                announce_path, nodes_with_files, shm_place, split_endpoint, unlink_node_files,
+                                write_shm_file)
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import Recovery, print_summary
@@ -163,6 +164,12 @@ class Launcher:
         self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
         # nodes whose files on this host are a spare's now: it took the rank after their killed supervisor stalled
         self._kept_files: set[int] = set()
+        # under srun (_end_stalled): node -> the incarnation its supervisor's replacement replaced (not that one's),
+        # and since when (time.monotonic()) its supervisor runs on though lost to the job; the nodes whose
+        # supervisor it ended after their step had ended (their snapshots stay for the next step, as that one's)
+        self._replaced: dict[int, int] = {}
+        self._stalled: dict[int, float] = {}
+        self._step_over: set[int] = set()
         self.signalled: int | None = None
         self.files: list[str] = []  # what this launcher wrote in the shm dir (removed by remove_files())
         self.claims: list[socket.socket] = []  # this host's claim on the job's nodes, held for life (_claim)
@@ -416,7 +423,7 @@ class Launcher:
             # killed earlier run of the job with more nodes left (every node of the job is on this host)
             # (a node whose SLURM step ended keeps them, and its claim on them, for the next step)
             for node in sorted(set(nodes) | nodes_with_files(self.job_id)) if self.cfg.local_mode else nodes:
-                ended = node in self.procs and self.procs[node].poll() == EXIT_STEP_ENDED
+                ended = node in self._step_over or (node in self.procs and self.procs[node].poll() == EXIT_STEP_ENDED)
                 if self.cfg.local_mode or not (ended or self._files_left_to_spare(node)):
                     unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
@@ -427,7 +434,7 @@ class Launcher:
 
     def _step_ended(self) -> bool:
         """Whether this node's supervisor ended with its SLURM step, keeping its snapshots for the next step."""
-        return any(proc.poll() == EXIT_STEP_ENDED for proc in self.procs.values())
+        return bool(self._step_over) or any(proc.poll() == EXIT_STEP_ENDED for proc in self.procs.values())
 
     def _end(self, coord: Coordinator, code: int, state: str, step_ended: bool) -> None:
         """Record the end of the run, show the summary, and leave."""
@@ -692,7 +699,11 @@ class Launcher:
         results: dict[int, int] = {}
         vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
         fenced: set[int] = set()  # nodes whose supervisor this launcher killed after a spare took their rank
+        # under srun a look at least four times per --node-timeout (_end_stalled)
+        idle = min(IDLE_LOOK, self.cfg.node_timeout / 4) if self.slurm is not None else IDLE_LOOK
         while len(results) < len(self.procs):
+            if self.slurm is not None and self.signalled is None:
+                self._end_stalled(coord)
             if self.pool is not None and self.cfg.local_mode and self.signalled is None:
                 fenced |= self._fence(coord, fenced | set(vacant) | set(results))
             for node, code in list(vacant.items()):
@@ -720,6 +731,10 @@ class Launcher:
                 if lost and self.signalled is None:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
                     try:
+                        if self.slurm is not None and coord.current().kind == STEP_END_KIND:
+                            self._step_over.add(node)  # the step ended (while it was stalled): nothing to replace
+                            results[node] = code
+                            continue
                         held = owner(coord, node)[1]
                         if not self.cfg.local_mode:  # a replacement follows: under srun the other nodes wait for
                             # it only when told so (Supervisor._unreplaced), as no other ftrun can join the step
@@ -755,7 +770,7 @@ class Launcher:
             if self.view is not None:
                 self._refresh(coord)
             if len(results) < len(self.procs):  # (the last exit needs no wait)
-                self._pause(_POLL_INTERVAL if vacant or self.pool is not None or self.view is not None else IDLE_LOOK)
+                self._pause(_POLL_INTERVAL if vacant or self.pool is not None or self.view is not None else idle)
         if self.signalled is None and {EXIT_STOPPED, EXIT_STOPPED_UNSAVED} & set(results.values()):
             self.signalled = _stop_signal(coord)  # a supervisor was told to stop, and the job stopped with it
         if self.signalled is not None:
@@ -803,6 +818,31 @@ class Launcher:
                              "took its rank: killed, with its keeper and trainers", node=node, spare=held.spare)
         return killed
 
+    def _end_stalled(self, coord: Coordinator) -> None:
+        """Under srun: SIGKILL this launcher's supervisor of a node that runs on ``--node-timeout`` after this
+        launcher saw the other nodes declare it lost (``node/<r>/lost`` names its incarnation) or a spare take its
+        rank: it is stalled (stopped, frozen), and no other ftrun can run the node in the step. Waited on, it kept
+        this task, and so the step, running for ever after the other nodes had ended it. Its exit is a lost
+        supervisor's (:meth:`_wait`): replaced here, left to the spare, or (the step ended) the end of this node's
+        part, its snapshots kept for the next step."""
+        now = time.monotonic()
+        for node, proc in self.procs.items():
+            try:
+                held = owner(coord, node)[1] if proc.poll() is None else None
+                lost = held is not None and (self._taken_by_spare(node, held) or (
+                    held.incarnation > self._replaced.get(node, 0)
+                    and coord.get("node", node, "lost") == str(held.incarnation).encode()))
+            except DistError:  # the control store is away: nothing to tell (the supervisor waits for it too)
+                continue
+            if not lost:
+                self._stalled.pop(node, None)
+            elif now - self._stalled.setdefault(node, now) > self.cfg.node_timeout:
+                del self._stalled[node]
+                proc.send_signal(signal.SIGKILL)
+                self.events.emit("stalled", f"node {node}'s supervisor (pid {proc.pid}) still ran "
+                                 f"{self.cfg.node_timeout:g}s after the job lost it (stalled: stopped, frozen?): "
+                                 "killed, with its keeper and trainers", node=node, pid=proc.pid)
+
     def _taken_by_spare(self, node: int, held: Owner | None) -> bool:
         """Whether ``held``, ``node``'s owner, is a spare this launcher did not hand the node over to: its own
         supervisors of the node hold the rank as no spare (its first one, its replacements) or as the spare handed
@@ -838,6 +878,7 @@ class Launcher:
     def _replace(self, node: int, store_host: str, store_port: int, code: int, replaces: int | None = None) -> None:
         """Start a replacement supervisor for ``node``; ``replaces``: see :attr:`NodeSpec.replaces`."""
         self.events.emit("node_lost", f"starting a replacement for node {node}", node=node, exit_code=code)
+        self._replaced[node] = replaces or 0
         self.procs[node] = self._spawn(replace(self._node_spec(node, store_host, store_port), replaces=replaces))
         self._spare_of.pop(node, None)
 
