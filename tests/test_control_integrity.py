@@ -33,6 +33,7 @@ from ftrun.errors import UsageError
 from ftrun.events import EventLog, read_events
 from ftrun.launch.peers import PeerWatch
 from ftrun.launch.slurm import SlurmStep, agree_node_rank
+from ftrun.launch.supervisor import nothing_replaces
 from ftrun.snapshot import link as link_module
 from ftrun.snapshot.link import Commits, Progress, ProgressTracker
 
@@ -208,6 +209,26 @@ def test_a_lost_node_is_declared_once_while_its_replacement_is_awaited(server, s
     peer.beat()  # it was alive after all: it rejoins the generation, and is watched again
     peer.rejoin(2)
     assert silent_for(PeerWatch(watcher, 0, 2, 1.0, me), 3.0)[0] == 1
+
+
+def test_under_srun_a_lost_node_whose_ftrun_beats_is_waited_for_and_one_whose_ftrun_is_gone_ends_the_step(
+        server, signed):
+    """A supervisor stalled past --node-timeout (stopped, frozen) while its ftrun lived was taken for a node whose
+    ftrun is gone: the other nodes ended the SLURM step, though it could come back or its ftrun replace it. They
+    now end it for a lost node only when its ftrun has not beaten since their last look."""
+    store, _ = signed()
+    watcher, peer = coordinator(store, 0), coordinator(store, 1)
+    watcher.init_job({"nnodes": 2})
+    take(watcher, 0, "node0", "h")
+    assert take(peer, 1, "first", "h") == 1
+    peer.beat_launcher(1)
+    watcher.bump(watcher.current_raw(), Failure("node-lost", "node 1 lost", 1, detected_by="test", incarnation=1))
+    launchers = watcher.launcher_beats([1])  # as a rendezvous begins
+    peer.beat_launcher(1)
+    assert nothing_replaces(watcher, [1], launchers) is None  # its ftrun lives: wait
+    assert nothing_replaces(watcher, [1], launchers) == 1  # it stopped beating since the last look: gone
+    store.set(watcher.key("node", 1, "replacing"), "1")
+    assert nothing_replaces(watcher, [1], launchers) is None  # its ftrun starts a replacement: wait for it
 
 
 def counted(server: TCPStore) -> tuple[C10dStore, list[int]]:

@@ -298,6 +298,9 @@ def test_a_supervisor_stalled_under_srun_is_ended_by_its_launcher_and_the_job_co
         assert wait_for_job_end(slurm, job, timeout=150) == "COMPLETED 0:0", output.read_text()
         text = output.read_text()
         assert re.search(r"\[launcher\] node 1's supervisor \(pid \d+\) still ran 2s after the job lost it", text), text
+        # the other node waited for it, its ftrun beating, instead of ending the step
+        assert "ending the step" not in text and "starting a replacement for node 1" in text, text
+        assert re.search(r"generation 1: trainers restore step \d+ from RAM", text), text
         assert out.read_text().strip() == gpt_baselines(2, 2), text
         assert not job_segments(f"slurm-{job}")
 

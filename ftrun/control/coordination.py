@@ -50,7 +50,9 @@ stops changing for ``node_timeout`` means the node is lost. A node-lost generati
 ``node/<r>/lost`` (the lost owner's incarnation): that owner is not declared lost again, by its peers or by its
 launcher when it finds it dead (:meth:`Coordinator.declared_lost`), while the job waits for its replacement
 (which may take minutes on a real cluster; ``--rdzv-timeout`` bounds the wait), and a supervisor declared lost
-while alive clears it when it rejoins (:meth:`Coordinator.rejoin`). A supervisor
+while alive clears it when it rejoins (:meth:`Coordinator.rejoin`). Under srun each launcher also counts in
+``node/<r>/launcher`` (:meth:`Coordinator.beat_launcher`): a lost node whose count still moves has an ftrun that
+lives, which may replace its supervisor, so the others wait for it instead of ending the step. A supervisor
 that starts as a replacement (incarnation > 1) whose predecessor was part of the current generation bumps the
 generation. Bumping past ``max_restarts`` ends the job: supervisors stop instead of starting the next generation.
 """
@@ -268,6 +270,7 @@ class Coordinator:
         self._newest: tuple[Generation, bytes] | None = None  # the newest authentic generation read
         self._beats: list[int] = [0] * nnodes  # the last authentic beat count read of each node
         self._beat: int | None = None  # this node's last beat count written
+        self._launcher_beat = 0  # the last launcher beat count written (beat_launcher)
         self._history: list[Generation] = []  # history() read so far: the documents of generations < _history_next
         self._history_next = 0
 
@@ -476,6 +479,18 @@ class Coordinator:
             self._beat = int(payload) if payload is not None else 0
         self._beat += 1
         self.store.set(key, str(self._beat))
+
+    def beat_launcher(self, node: int) -> None:
+        """Under srun: add to ``node/<r>/launcher``, the beat of ``node``'s ftrun (its launcher): the other nodes
+        wait for a lost supervisor whose ftrun beats, which may come back or be replaced by that ftrun."""
+        self._launcher_beat += 1
+        self.store.set(self.key("node", node, "launcher"), str(self._launcher_beat))
+
+    def launcher_beats(self, nodes: list[int]) -> dict[int, bytes | None]:
+        """The launcher beats of ``nodes`` (None: none, or not authentic), in one round trip."""
+        if not nodes:
+            return {}
+        return dict(zip(nodes, self.store.multi_get([self.key("node", n, "launcher") for n in nodes])))
 
     def rejoin(self, incarnation: int) -> None:
         """This node's supervisor (``incarnation``) joins a generation: if it was declared lost while alive (its

@@ -699,10 +699,13 @@ class Launcher:
         results: dict[int, int] = {}
         vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
         fenced: set[int] = set()  # nodes whose supervisor this launcher killed after a spare took their rank
-        # under srun a look at least four times per --node-timeout (_end_stalled)
+        # under srun a look at least four times per --node-timeout (_beat, _end_stalled), however often the loop runs
         idle = min(IDLE_LOOK, self.cfg.node_timeout / 4) if self.slurm is not None else IDLE_LOOK
+        next_look = 0.0
         while len(results) < len(self.procs):
-            if self.slurm is not None and self.signalled is None:
+            if self.slurm is not None and self.signalled is None and time.monotonic() >= next_look:
+                next_look = time.monotonic() + idle
+                self._beat(coord)
                 self._end_stalled(coord)
             if self.pool is not None and self.cfg.local_mode and self.signalled is None:
                 fenced |= self._fence(coord, fenced | set(vacant) | set(results))
@@ -737,7 +740,7 @@ class Launcher:
                             continue
                         held = owner(coord, node)[1]
                         if not self.cfg.local_mode:  # a replacement follows: under srun the other nodes wait for
-                            # it only when told so (Supervisor._unreplaced), as no other ftrun can join the step
+                            # it only when told so (supervisor.nothing_replaces), as no other ftrun can join the step
                             coord.store.set(coord.key("node", node, "replacing"),
                                             str(held.incarnation if held is not None else 0))
                         # a peer that saw it silent (stalled before it died) may have declared the loss already:
@@ -817,6 +820,14 @@ class Launcher:
             self.events.emit("fenced", f"node {node}'s supervisor (pid {proc.pid}) still ran after spare {held.spare} "
                              "took its rank: killed, with its keeper and trainers", node=node, spare=held.spare)
         return killed
+
+    def _beat(self, coord: Coordinator) -> None:
+        """Under srun: this ftrun lives (:meth:`Coordinator.beat_launcher`), for each node it runs: the other nodes
+        wait for a supervisor of it they lost (it may come back, or :meth:`_end_stalled` replaces it), and end the
+        step for a lost node whose ftrun stopped beating (:func:`ftrun.launch.supervisor.nothing_replaces`)."""
+        with contextlib.suppress(DistError):  # the control store is away: nobody to tell
+            for node in self.procs:
+                coord.beat_launcher(node)
 
     def _end_stalled(self, coord: Coordinator) -> None:
         """Under srun: SIGKILL this launcher's supervisor of a node that runs on ``--node-timeout`` after this

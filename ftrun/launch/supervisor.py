@@ -35,8 +35,10 @@ if it is lost (:meth:`Supervisor._wait_for_lost_node`). A supervisor checks that
 before it joins a generation and before it starts trainers: one that was cut off and replaced leaves.
 
 Under srun no ftrun joins a running step: a lost node whose own launcher starts no replacement (it is gone too)
-and whose rank no spare takes ends the step (:meth:`Supervisor._unreplaced`), each node keeping its snapshots in
-RAM for the next step, instead of the job waiting out ``--rdzv-timeout`` for a node that cannot come.
+and whose rank no spare takes ends the step (:func:`nothing_replaces`), each node keeping its snapshots in RAM for
+the next step, instead of the job waiting out ``--rdzv-timeout`` for a node that cannot come. A lost supervisor
+whose ftrun lives (it beats in the control store) was only stalled: the others wait for it, and its ftrun kills and
+replaces it if it does not come back.
 """
 
 from __future__ import annotations
@@ -582,8 +584,12 @@ class Supervisor:
         self.coord.mark(gen, "ready", self.incarnation)
         deadline = time.monotonic() + self.spec.rdzv_timeout
         # once, after --node-timeout: node 0 says which nodes the job waits for; under srun every node looks for a
-        # lost node that nothing will replace
+        # lost node that nothing will replace, every --node-timeout (whether its ftrun beat since the last look: the
+        # first look compares with what is read here)
         tell_at = time.monotonic() + self.spec.node_timeout if self.node == 0 or self.spec.slurm_step else math.inf
+        told = False
+        launchers = (self.coord.launcher_beats([n for n in range(self.spec.nnodes) if n != self.node])
+                     if self.spec.slurm_step else {})
         peers = self._peer_watch()
         next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
         pause = RDZV_FIRST_POLL
@@ -593,15 +599,16 @@ class Supervisor:
                 self._check_owner()  # taken over while it waited: its trainers must not start
                 return None
             if time.monotonic() > tell_at:  # a lost node's replacement (or a late node) is awaited
-                tell_at = math.inf
+                tell_at = time.monotonic() + self.spec.node_timeout if self.spec.slurm_step else math.inf
                 missing = self._not_ready(gen)
-                unreplaced = self._unreplaced(missing) if self.spec.slurm_step else None
+                unreplaced = nothing_replaces(self.coord, missing, launchers) if self.spec.slurm_step else None
                 if unreplaced is not None:
                     return self.coord.bump(seen, Failure(
                         STEP_END_KIND, f"node {unreplaced} lost and nothing replaces it (its ftrun is gone, no "
                         "--standby waits, and no ftrun joins a running SLURM step): ending the step",
                         unreplaced, None, f"node {self.node}"))[0]
-                if self.node == 0:
+                if self.node == 0 and not told:
+                    told = True
                     self.events.emit("rendezvous_wait", f"generation {gen} waits for node(s) {missing} to join; it "
                                      f"gives up {self.spec.rdzv_timeout:g}s after it began (--rdzv-timeout)",
                                      node=self.node, generation=gen, missing=missing)
@@ -629,22 +636,6 @@ class Supervisor:
             return False
         self.coord.store.set(self.coord.key("gen", gen, "go"), "1")
         return True
-
-    def _unreplaced(self, missing: list[int]) -> int | None:
-        """Under srun: the first of the ``missing`` nodes that nothing will replace: declared lost, its rank still
-        held by the lost supervisor, and its launcher did not start a replacement (it is gone with it: the
-        launcher of a live node marks ``node/<r>/replacing`` as it starts one), while no spare waits to take it.
-        No new ftrun can join a running step, so waiting for one (``--rdzv-timeout``) would only idle the job."""
-        if not missing or any(doc.state == "waiting" for doc in spares(self.coord)):
-            return None
-        for node in missing:
-            held = owner(self.coord, node)[1]
-            if held is None:
-                continue
-            lost = str(held.incarnation).encode()  # the owner that a node-lost generation named, if not replaced
-            if self.coord.get("node", node, "lost") == lost and self.coord.get("node", node, "replacing") != lost:
-                return node
-        return None
 
     def _not_ready(self, gen: int) -> list[int]:
         """The nodes that have not joined generation ``gen`` (one round trip per node: only when it is told)."""
@@ -1194,6 +1185,28 @@ class _LeaderLog:
 
     def finish(self) -> None:
         self.poll()
+
+
+def nothing_replaces(coord: Coordinator, missing: list[int], launchers: dict[int, bytes | None]) -> int | None:
+    """Under srun: the first of the ``missing`` nodes that nothing will replace: declared lost, its rank still
+    held by the lost supervisor, its launcher started no replacement (the launcher of a live node marks
+    ``node/<r>/replacing`` as it starts one) and has not beaten since ``launchers`` was read (its ftrun is gone:
+    it beats while it lives, :meth:`Coordinator.beat_launcher`; ``launchers`` becomes what is read now), while no
+    spare waits to take it. No new ftrun can join a running step, so waiting for one (``--rdzv-timeout``) would
+    only idle the job; a supervisor whose ftrun lives was only stalled, and may come back or be replaced by it."""
+    if not missing or any(doc.state == "waiting" for doc in spares(coord)):
+        return None
+    beats = coord.launcher_beats(missing)
+    seen = {node: launchers.get(node) for node in missing}
+    launchers.update(beats)
+    for node in missing:
+        held = owner(coord, node)[1]
+        if held is None or beats[node] != seen[node]:
+            continue
+        lost = str(held.incarnation).encode()  # the owner that a node-lost generation named, if not replaced
+        if coord.get("node", node, "lost") == lost and coord.get("node", node, "replacing") != lost:
+            return node
+    return None
 
 
 def _early_failure_env(started_by: Generation) -> dict[str, str]:
