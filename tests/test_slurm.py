@@ -279,6 +279,7 @@ def test_a_launcher_killed_under_srun_ends_the_step_at_once_and_the_batch_script
         assert not job_segments(f"slurm-{job}")
 
 
+@pytest.mark.extended  # 55-75 s; make test: nothing_replaces' unit test, the launcher killed under srun
 def test_a_supervisor_stalled_under_srun_is_ended_by_its_launcher_and_the_job_completes_bitwise(
         slurm, gpt_baselines, tmp_path):
     """One node's supervisor stopped (SIGSTOP, as a frozen process) while its ftrun lives: the other node declares
