@@ -227,6 +227,20 @@ def test_a_directory_runs_its_main_as_python_does(start_job, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_the_local_rank_macro_in_the_script_s_arguments_is_each_trainer_s_local_rank(start_job, tmp_path):
+    """torchrun replaces ``${local_rank}`` in the script's arguments (``--local_rank=${local_rank}``, scripts of
+    torch.distributed.launch's days): before, ftrun passed the text itself, and ``type=int`` refused it."""
+    script = tmp_path / "args.py"
+    script.write_text("import os, sys\nprint('hello from rank', os.environ['RANK'], sys.argv[1:])\n")
+    job = start_job("--nnodes", "2", "--nproc-per-node", "2", str(script), "--local_rank=${local_rank}",
+                    "out_${local_rank}_$${local_rank}_${rank}")
+    assert job.wait(90) == 0, job.output
+    for rank in range(4):  # local ranks 0, 1 on both nodes; $$ is a $ and other names are kept, as torchrun's
+        assert (f"hello from rank {rank} ['--local_rank={rank % 2}', 'out_{rank % 2}_${{local_rank}}_${{rank}}']"
+                in job.output), job.output
+
+
+@pytest.mark.timeout(120)
 def test_local_addr_is_taken_by_a_job_of_this_host_alone(start_job):
     """Cluster wrappers pass --local-addr $(hostname -i) to every torchrun: refused before in local mode."""
     job = start_job("--standalone", "--local-addr", "192.0.2.250", "--nproc-per-node", "2", HELLO, "--allreduce")

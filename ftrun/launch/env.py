@@ -18,8 +18,9 @@ from __future__ import annotations
 import ipaddress
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from string import Template
 
 import psutil
 
@@ -139,6 +140,14 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
     if interface is not None:
         env.setdefault("GLOO_SOCKET_IFNAME", interface)
     return env
+
+
+def trainer_args(args: Sequence[str], local_rank: int) -> list[str]:
+    """The script's arguments for the trainer of ``local_rank``: torchrun's ``${local_rank}`` macro replaced by its
+    local rank (the node's, also with ``--virtual-local-rank``), as torchrun's agent replaces it
+    (``string.Template.safe_substitute``: ``$$`` becomes ``$``, any other ``$`` text is kept), so that
+    ``train.py --local_rank=${local_rank}`` gets each trainer's number, not the literal text."""
+    return [Template(arg).safe_substitute(local_rank=str(local_rank)) for arg in args]
 
 
 def gloo_interface(node_addr: str, master_addr: str) -> str | None:

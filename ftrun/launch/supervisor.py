@@ -70,7 +70,7 @@ from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, claim, owner, spares, take
-from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_env, trainer_threads
+from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_args, trainer_env, trainer_threads
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
@@ -668,7 +668,7 @@ class Supervisor:
             self.heartbeats.reset(local)
             stdio = self.output.open(gen, place.rank, local)  # {} unless --redirects, --tee, ... ask
             try:
-                pid = self._spawn(env, stdio)
+                pid = self._spawn(env, stdio, trainer_args(self.spec.args, local))
             finally:
                 self.output.spawned(stdio)
             self.trainers[pid] = Trainer(local, place.rank, pid)
@@ -682,13 +682,13 @@ class Supervisor:
                          f"in {took * 1000:.0f} ms", node=self.node, generation=gen,
                          pids={t.rank: t.pid for t in self.trainers.values()}, seconds=took)
 
-    def _spawn(self, env: dict[str, str], stdio: dict[int, int]) -> int:
-        """Start a trainer; ``stdio`` maps 1 (stdout) and 2 (stderr) to the descriptors it gets instead of this
-        process's."""
+    def _spawn(self, env: dict[str, str], stdio: dict[int, int], args: list[str]) -> int:
+        """Start a trainer with the script's arguments ``args``; ``stdio`` maps 1 (stdout) and 2 (stderr) to the
+        descriptors it gets instead of this process's."""
         spec = self.spec
         if self.zygote is not None:
             try:
-                return self.zygote.spawn(SpawnRequest(spec.target, spec.args, spec.module, env, spec.cwd,
+                return self.zygote.spawn(SpawnRequest(spec.target, args, spec.module, env, spec.cwd,
                                                       stdio=list(stdio)), fds=list(stdio.values()))
             except (OSError, RuntimeError, ValueError) as err:
                 self.events.emit("zygote", f"zygote failed ({err}); starting trainers as new processes",
@@ -696,12 +696,12 @@ class Supervisor:
                 self.zygote.close()
                 self.zygote = None
         if spec.no_python:
-            argv = [spec.target, *spec.args]
+            argv = [spec.target, *args]
         else:
             # `python -u script.py` (or `-m module`), through ftrun's bootstrap: the traceback and error file of a
             # failure are those of a zygote-forked trainer (-P: the user's cwd never shadows ftrun)
             argv = [sys.executable, "-u", "-P", "-m", "ftrun.launch.bootstrap", *(["-m"] if spec.module else []),
-                    spec.target, *spec.args]
+                    spec.target, *args]
         supervisor = os.getpid()
         proc = subprocess.Popen(argv, env=env, cwd=spec.cwd, start_new_session=True, stdout=stdio.get(1),
                                 stderr=stdio.get(2), preexec_fn=lambda: die_with_parent(supervisor))
