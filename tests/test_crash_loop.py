@@ -533,6 +533,7 @@ def test_a_failed_job_leaves_its_cause_in_the_error_file_ftrun_was_given(start_j
     record = json.loads((tmp_path / "launcher-error.json").read_text())
     assert record["message"]["message"] == "ValueError: boom from rank 1"
     assert 'raise ValueError("boom from rank 1")' in record["message"]["extraInfo"]["py_callstack"]
+    assert record["message"]["errorCode"] == 1  # the trainer's exit code, as torchrun's agent adds it
 
 
 def memory_cgroup(limit: int) -> tuple[Path, str] | None:

@@ -232,6 +232,8 @@ class Supervisor:
         self._stop_signal = signal.SIGTERM
         self._trainers_started = 0.0  # time.monotonic() when this generation's trainers were started
         self._oom_kills: int | None = None  # the host's count of OOM kills then (None: not counted)
+        # (generation, global rank) -> exit code of each trainer this node saw fail (the job error file's errorCode)
+        self._exit_codes: dict[tuple[int, int], int] = {}
         # the node's files stay when it ends: a supervisor with this process's /dev/shm took this node's rank (they
         # are its now), or the SLURM step ended (StepEnded: the next step adopts them)
         self._keep_files = False
@@ -739,6 +741,7 @@ class Supervisor:
                     exited_0 = True  # the node's first: a peer's connection error may come of it
                     self.coord.note_exit(g, trainer.rank, self._step_of(trainer))
                 if code != 0:
+                    self._exit_codes[g, trainer.rank] = code
                     message = self._error_message(g, trainer)
                     left = ""
                     if code > 0:
@@ -978,7 +981,8 @@ class Supervisor:
         """A failed job's cause, in torchelastic's error-file format, at the ``TORCHELASTIC_ERROR_FILE`` ftrun was
         started with (as torchrun copies its root-cause child's there, for TorchX and other schedulers): the
         error file of the trainer whose failure ended the job, by the supervisor of its node (of node 0 when no
-        node's failure did), else the failure's reason."""
+        node's failure did), else the failure's reason; with the trainer's exit code as ``errorCode`` when this node
+        saw it (torchrun's agent adds it: a trainer cannot write the signal that killed it)."""
         target = os.environ.get(ENV_ERROR_FILE)
         if not target or (last.node if last.node is not None else 0) != self.node:
             return
@@ -988,6 +992,9 @@ class Supervisor:
         except (OSError, ValueError):
             record = {"message": {"message": last.reason, "extraInfo": {"py_callstack": "",
                                                                          "timestamp": str(int(time.time()))}}}
+        code = self._exit_codes.get((last.gen - 1, last.rank)) if last.rank is not None else None
+        if code and isinstance(record, dict) and isinstance(record.get("message"), dict):
+            record["message"]["errorCode"] = code
         try:
             with open(target, "w") as f:
                 json.dump(record, f)
