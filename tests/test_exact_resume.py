@@ -45,15 +45,17 @@ def ddp_run(start_job, tmp_path: Path, name: str, shape: tuple[str, ...], *flags
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("shape", ["one", "chained"])
+@pytest.mark.parametrize("shape", ["one", "chained", "redirected"])
 def test_a_new_ddp_module_sums_in_another_order_unless_warmed_up(tmp_path, shape):
     """Three gloo ranks, no launcher: a DDP module rebuilt after step 3 ends differently from one kept for all 6
     steps (the drift ftrun removes; if this fails, torch no longer re-buckets and ddp_buckets.py can go), and
     with BucketWarmup armed it ends bit-identically, RNG states and BatchNorm statistics included. Chained: a DDP
     head on a DDP backbone's output, whose warm-up backward went on into the backbone's graph, so the real
-    backward failed ("Trying to backward through the graph a second time") after every restore."""
+    backward failed ("Trying to backward through the graph a second time") after every restore. Redirected:
+    training code called through DDP by a one-shot patch of the module's forward, as Lightning's DDP strategy
+    calls training_step; the warm-up used the patch up, and the real forward raised after every restore."""
     procs = [subprocess.Popen([sys.executable, str(SCRIPTS / "rebucket.py"), str(rank), "3", str(tmp_path / "init"),
-                               str(tmp_path / f"rank{rank}.json"), *(["chained"] if shape == "chained" else [])],
+                               str(tmp_path / f"rank{rank}.json"), *([shape] if shape != "one" else [])],
                               stderr=subprocess.PIPE, text=True)
              for rank in range(3)]
     try:

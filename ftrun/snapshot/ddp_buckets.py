@@ -21,9 +21,11 @@ first step use the rebuilt layout, with public torch API only (no DDP internals,
   backward of zero gradients. That is the iteration DDP re-buckets after, so the real forward re-buckets
   exactly as the failure-free run did after its step 0: the ready order depends on the graph, not on the values;
 * the warm-up leaves no trace: RNG states (``torch.random.fork_rng``, Python's, numpy's), the module's buffers
-  (BatchNorm statistics), every parameter's ``.grad`` and the tensor of a parameter that the forward replaced
-  (MoCo's and BYOL's momentum encoders: ``param_k.data = param_k.data * m + ...``) are put back; no optimizer
-  steps.
+  (BatchNorm statistics), every parameter's ``.grad``, the tensor of a parameter that the forward replaced
+  (MoCo's and BYOL's momentum encoders: ``param_k.data = param_k.data * m + ...``) and the wrapped module's own
+  ``forward`` attribute are put back; no optimizer steps. (Lightning's DDP strategy runs ``training_step``
+  through DDP by setting the LightningModule's ``forward`` to a function that puts the class's back and calls
+  ``training_step``: used up by the warm-up, the real forward reached the class's, which raises.)
 
 Invariants: every rank of a DDP group warms up at the same forward, since all of them restored (restarts are
 global) and run the same script. A module is left alone where the layout cannot matter: a group of two ranks
@@ -172,8 +174,11 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 @contextlib.contextmanager
 def _left_as_found(module: DistributedDataParallel) -> Iterator[None]:
-    """Run the body with gradient sync on, then put back RNG states, buffers, ``.grad``, the sync flag and the
-    tensor of every parameter that the forward replaced (``p.data = ...``: a momentum encoder's update)."""
+    """Run the body with gradient sync on, then put back RNG states, buffers, ``.grad``, the sync flag, the tensor
+    of every parameter that the forward replaced (``p.data = ...``: a momentum encoder's update) and the wrapped
+    module's instance attribute ``forward`` (or its absence): a patch made for one call, which the call undoes."""
+    inner = vars(module.module)
+    forward = inner.get("forward")
     params = list(module.parameters())
     tensors = [p.data for p in params]  # held, so a replaced one's memory is not reused: never is_set_to again
     grads = [p.grad for p in params]
@@ -188,6 +193,10 @@ def _left_as_found(module: DistributedDataParallel) -> Iterator[None]:
             yield
     finally:
         module.require_backward_grad_sync = sync
+        if forward is None:
+            inner.pop("forward", None)
+        else:
+            inner["forward"] = forward
         random.setstate(python_rng)
         np.random.set_state(numpy_rng)
         with torch.no_grad():
