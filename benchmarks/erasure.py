@@ -81,8 +81,8 @@ from typing import Any
 from isal.isal_zlib import crc32
 
 from ftrun.control.spec import shm_dir
-from ftrun.snapshot.erasure import (DEFAULT_BACKEND, Codec, Scratch, Segment, StripeLayout, encode_parity,
-                                    rebuild_chunk)
+from ftrun.snapshot.ec_groups import DEFAULT_BACKEND
+from ftrun.snapshot.erasure import Codec, Scratch, Segment, StripeLayout, encode_parity, rebuild_chunk
 from ftrun.snapshot.gf_kernels import ENV_ISAL_LIBRARY, load_isal
 from ftrun.snapshot.heap import reuse_large_blocks
 from ftrun.snapshot.slot import HEADER_SIZE, AheadAllocator, SlotFile

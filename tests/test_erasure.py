@@ -18,9 +18,9 @@ from isal.isal_zlib import crc32
 
 from ftrun.snapshot import gf_kernels
 from ftrun.snapshot.gf_kernels import ENV_ISAL_LIBRARY, PROBE, Combination, load_isal
-from ftrun.snapshot.erasure import (ALIGN, BACKENDS, CODE_PART, DEFAULT_BACKEND, PIECE, Codec, CorruptFragment,
-                                    Segment, StripeLayout, Terms, default_group, encode_parity, group_problem,
-                                    rebuild_chunk)
+from ftrun.snapshot.ec_groups import BACKENDS, DEFAULT_BACKEND, default_group, group_problem
+from ftrun.snapshot.erasure import (ALIGN, CODE_PART, PIECE, Codec, CorruptFragment, Segment, StripeLayout, Terms,
+                                    encode_parity, rebuild_chunk)
 from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore, rebuild_candidate
 from ftrun.snapshot.redundancy import _BlobWriter
 

@@ -23,7 +23,7 @@ from ftrun.control.faults import parse_faults
 from ftrun.control.spec import DEFAULT_SIGNALS, ETCD_PORT, split_endpoint, with_port
 from ftrun.launch.output import OutputSettings
 from ftrun.launch.slurm import slurm_step
-from ftrun.snapshot.erasure import DEFAULT_BACKEND, default_group, group_problem
+from ftrun.snapshot.ec_groups import DEFAULT_BACKEND, default_group, group_problem
 from ftrun.snapshot.persist import open_regular
 
 # torchrun's static rendezvous: where the store is when only --node-rank (and --master-*) is given

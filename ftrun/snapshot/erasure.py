@@ -37,47 +37,17 @@ import numpy as np
 from isal.isal_zlib import crc32
 from pyeclib.ec_iface import ECDriver
 
+from ftrun.snapshot.ec_groups import DEFAULT_BACKEND
 from ftrun.snapshot.gf_kernels import PROBE, Combination, load_isal
 
 ALIGN = 4096
 PIECE = 8 << 20  # a pipeline step: fetches of piece i + 1 run while piece i is coded
 CODE_PART = 128 << 10  # pyeclib codes a piece in parts this long, which stay in the core's cache (see Codec)
 HEADER_BYTES = 80
-DEFAULT_BACKEND = "isa_l_rs_vand"
-BACKENDS = ("isa_l_rs_vand", "isa_l_rs_cauchy", "liberasurecode_rs_vand")
-MAX_DEFAULT_GROUP = 4
 
 Buffer = bytes | bytearray | memoryview
 FetchInto = Callable[[int, int, int, memoryview], None]  # (fragment index, offset, length, into): fill into
 SendPiece = Callable[[int, memoryview, int], None]  # (offset, piece, its CRC-32): hand a computed piece on
-
-
-def default_group(nnodes: int) -> tuple[int, int]:
-    """(G, m) when the user gave neither: no redundancy on one node, else m = 1 in groups of up to 4 nodes.
-
-    G is the largest divisor of ``nnodes`` in 2..4; a prime node count above 4 forms one group of all nodes.
-    """
-    if nnodes < 2:
-        return 1, 0
-    group = max((g for g in range(2, MAX_DEFAULT_GROUP + 1) if nnodes % g == 0), default=nnodes)
-    return group, 1
-
-
-def group_problem(nnodes: int, group: int, parity: int, backend: str) -> str | None:
-    """Why (G, m, backend) cannot protect ``nnodes`` nodes, in one line; None when it can."""
-    if group < 1 or parity < 0:
-        return f"--ec-group must be >= 1 and --ec-parity >= 0, got {group} and {parity}"
-    if parity == 0:
-        return None
-    if parity >= group:
-        return f"--ec-parity {parity} must be smaller than --ec-group {group} (at least one data node per group)"
-    if group > nnodes:
-        return f"--ec-group {group} is larger than --nnodes {nnodes}"
-    if nnodes % group:
-        return f"--nnodes {nnodes} cannot be divided into groups of --ec-group {group}"
-    if backend not in BACKENDS:
-        return f"--ec-backend {backend!r} is not available (available: {', '.join(BACKENDS)})"
-    return None
 
 
 def align(n: int) -> int:
