@@ -2,6 +2,8 @@
 
 Cases (:mod:`overhead_worker`, gloo on 127.0.0.1, CPU):
 
+- ``empty 1x2``: a script that returns at once (no import at all): what the launcher alone costs, from its start
+  to its exit.
 - ``trivial 1x2`` / ``trivial 2x1``: init_process_group, one all_reduce, destroy; 1 node x 2 trainers, and 2
   nodes x 1 trainer (two launchers on this host, node 0 hosting the store: torchrun's static rendezvous with
   --master-addr/--master-port, ftrun's --rdzv-endpoint). Wall time from starting the launcher(s) until the
@@ -16,7 +18,10 @@ Both launchers get the same command line (``--nproc-per-node``, ``--master-addr`
 ``--nnodes``/``--node-rank``), ftrun also ``--log-dir`` for its event log. For each run: wall, first step
 (slowest rank), exit (the last launcher's exit minus the end of the last trainer's script: the trainers'
 interpreter teardown, about 0.6 s with torch here, is in it for both), ftrun's own exit (after its supervisors
-reaped the last trainer, from its events), steady steps/s (mean over ranks). The table gives medians and ftrun /
+reaped the last trainer, from its events), steady steps/s (mean over ranks), and the CPU seconds (user + sys) of
+the whole process tree of the launcher(s), trainers included: this process is a child subreaper and reaps every
+descendant, so the rusage of its children counts them all (a test suite of a few hundred jobs on a few cores is
+bound by it). The table gives medians and ftrun /
 torchrun ratios with the issue's targets. In the training cases also the launcher's own CPU in the steady state
 (every process of the launchers' sessions but the trainers, in % of one core, over :data:`OWN_WINDOW` seconds
 from the warm-up's end): torchrun's agent against ftrun's launcher, supervisors, zygotes and keepers.
@@ -27,8 +32,10 @@ from the warm-up's end): torchrun's agent against ftrun's launcher, supervisors,
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
+import resource
 import shutil
 import socket
 import statistics
@@ -46,6 +53,7 @@ WORKER = Path(__file__).resolve().parent / "overhead_worker.py"
 BIN_DIR = Path(sys.executable).parent
 TIMEOUT = 300.0
 OWN_WINDOW = 4.0  # seconds of steady training over which the launcher's own CPU is measured
+PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass(frozen=True)
@@ -53,7 +61,7 @@ class Case:
     name: str
     nnodes: int
     nproc: int
-    mode: str  # worker mode: trivial | train
+    mode: str  # worker mode: trivial | train, or empty (a script of its own that returns at once)
     worker_args: tuple[str, ...] = ()
     ftrun_worker_args: tuple[str, ...] = ()  # added for ftrun only (the Snapshotter)
     ftrun_flags: tuple[str, ...] = ()
@@ -68,6 +76,7 @@ class Sample:
     steady: float | None
     own_exit: float | None = None  # ftrun: its exit after its supervisors reaped the last trainer (node_done)
     own_cpu: float | None = None  # % of one core the launcher's own processes used in the steady state
+    cpu: float | None = None  # CPU seconds (user + sys) of the whole process tree, trainers included
 
 
 @dataclass
@@ -84,6 +93,9 @@ def free_port() -> int:
 
 def commands(case: Case, launcher: str, out: str, ckpt: str) -> list[list[str]]:
     worker = [str(WORKER), case.mode, "--out", out, *case.worker_args]
+    if case.mode == "empty":
+        worker = [os.path.join(out, "empty.py")]
+        Path(worker[0]).write_text('"""Returns at once."""\n')
     port = str(free_port())
     if launcher == "torchrun":
         base = [str(BIN_DIR / "torchrun"), "--nproc-per-node", str(case.nproc), "--master-addr", "127.0.0.1",
@@ -105,6 +117,7 @@ def run_once(case: Case, launcher: str) -> Sample | None:
     out = tempfile.mkdtemp(prefix="ftrun-overhead-")
     ckpt = os.path.join(out, "ckpt")
     env = dict(os.environ, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
         t0 = time.time()
         procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
@@ -125,6 +138,11 @@ def run_once(case: Case, launcher: str) -> Sample | None:
             if proc.returncode != 0:
                 print(f"  {launcher}: exit {proc.returncode}: {err.decode()[-2000:]}", file=sys.stderr)
                 return None
+        reap_descendants()
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = after.ru_utime - before.ru_utime + after.ru_stime - before.ru_stime
+        if case.mode == "empty":
+            return Sample(wall=max(ends) - t0, first_step=float("nan"), exit=float("nan"), steady=None, cpu=cpu)
         ranks = [json.loads(Path(out, name).read_text()) for name in sorted(os.listdir(out))
                  if name.startswith("rank")]
         if len(ranks) != case.nnodes * case.nproc:
@@ -137,9 +155,23 @@ def run_once(case: Case, launcher: str) -> Sample | None:
         return Sample(wall=max(ends) - t0, first_step=max(r["first_step"] for r in ranks) - t0,
                       exit=max(ends) - max(r["end"] for r in ranks),
                       steady=statistics.mean(steady) if steady else None,
-                      own_exit=max(ends) - max(done) if done else None, own_cpu=own[0] if own else None)
+                      own_exit=max(ends) - max(done) if done else None, own_cpu=own[0] if own else None,
+                      cpu=cpu)
     finally:
+        reap_descendants()  # also after a failed run: nothing of it is counted in the next
         shutil.rmtree(out, ignore_errors=True)
+
+
+def reap_descendants(timeout: float = 30.0) -> None:
+    """Reap every process the launchers left to this child subreaper, waiting up to ``timeout`` for those still
+    running: their CPU then counts in ``RUSAGE_CHILDREN``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                time.sleep(0.02)
+        except ChildProcessError:
+            return
 
 
 def measure_own_cpu(procs: list[subprocess.Popen[bytes]], out: str, result: list[float]) -> None:
@@ -180,19 +212,21 @@ def median(values: list[float]) -> float:
 def report(case: Case, result: Result) -> list[str]:
     rows = []
     med = {name: {key: median([getattr(s, key) for s in samples if getattr(s, key) is not None])
-                  for key in ("wall", "first_step", "exit", "steady", "own_exit", "own_cpu")}
+                  for key in ("wall", "first_step", "exit", "steady", "own_exit", "own_cpu", "cpu")}
            for name, samples in result.samples.items()}
     t, f = med["torchrun"], med["ftrun"]
     runs = f"{len(result.samples['ftrun'])}/{len(result.samples['torchrun'])}"
     rows.append(f"| {case.name} | {runs} | {t['wall']:.2f} | {f['wall']:.2f} | {f['wall'] / t['wall']:.2f} | "
                 f"{t['first_step']:.2f} | {f['first_step']:.2f} | {f['first_step'] / t['first_step']:.2f} | "
                 f"{t['exit']:.2f} | {f['exit']:.2f} | {f['own_exit']:.2f} | "
+                f"{t['cpu']:.2f} | {f['cpu']:.2f} | {f['cpu'] / t['cpu']:.2f} | "
                 + (f"{t['steady']:.0f} | {f['steady']:.0f} | {f['steady'] / t['steady']:.3f} | "
                    f"{t['own_cpu']:.1f} | {f['own_cpu']:.1f} |" if case.mode == "train" else "- | - | - | - | - |"))
     return rows
 
 
 CASES = {
+    "empty-1x2": Case("empty 1x2", 1, 2, "empty"),
     "trivial-1x2": Case("trivial 1x2", 1, 2, "trivial"),
     "trivial-2x1": Case("trivial 2x1", 2, 1, "trivial"),
     # steady state from step 700 (about 9 s in): after the one-time start costs of both launchers
@@ -214,9 +248,10 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown case(s) {', '.join(unknown)}: choose from {', '.join(CASES)}")
     header = ["| case | runs f/t | wall torchrun | wall ftrun | ratio | 1st step torchrun | 1st step ftrun | ratio | "
-              "exit torchrun | exit ftrun | ftrun exit after trainers | steps/s torchrun | steps/s ftrun | ratio | "
-              "own CPU % torchrun | own CPU % ftrun |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "exit torchrun | exit ftrun | ftrun exit after trainers | CPU s torchrun | CPU s ftrun | ratio | "
+              "steps/s torchrun | steps/s ftrun | ratio | own CPU % torchrun | own CPU % ftrun |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # see reap_descendants
     lines = []
     for key in args.cases.split(","):
         case = CASES[key]
@@ -231,7 +266,8 @@ def main() -> None:
                     print(f"{case.name} {launcher}: wall {sample.wall:.2f}s first step {sample.first_step:.2f}s "
                           f"exit {sample.exit:.2f}s" + (f" steady {sample.steady:.0f}/s" if sample.steady else "")
                           + (f" own exit {sample.own_exit:.2f}s" if sample.own_exit is not None else "")
-                          + (f" own CPU {sample.own_cpu:.1f}%" if sample.own_cpu is not None else ""),
+                          + (f" own CPU {sample.own_cpu:.1f}%" if sample.own_cpu is not None else "")
+                          + f" CPU {sample.cpu:.2f}s",
                           flush=True)
         lines += report(case, result)
     print("\nmedians (seconds; steps/s); targets: wall and first step ratio <= 1.0, ftrun exit <= 0.3 s without "
