@@ -14,8 +14,9 @@ import pytest
 
 from conftest import NODES, assert_job_left_nothing, free_port, gpt_args, primary_failures, run_bitwise
 from ftrun.control.coordination import Coordinator, Failure, use_job
-from ftrun.control.ownership import claim, enlist, owner, spare_doc, spares, take
+from ftrun.control.ownership import SpareDoc, claim, enlist, owner, spare_doc, spares, take, update_spare
 from ftrun.control.store import C10dStore, host_store
+from ftrun.launch.peers import SpareWatch
 from ftrun.snapshot import keeper
 from ftrun.snapshot.protocol import listen, socket_name
 from ftrun.snapshot.slot import META_HEADROOM
@@ -105,6 +106,49 @@ def test_spares_enlisting_at_once_get_distinct_places():
     assert sorted(places) == list(range(8))
     listed = spares(Coordinator(C10dStore(server), "spares-enlist", 0, 2, run=1))
     assert sorted(d.name for d in listed) == [f"spare-{i}" for i in range(8)]
+
+
+@pytest.mark.timeout(30)
+def test_a_spare_counts_as_waiting_only_while_it_beats():
+    """A spare's record stays "waiting" when the spare is killed while it waits; the nodes that count on it see
+    its beats instead: one whose count stops for the timeout is not waiting, one that took a rank neither."""
+    use_job("spare-beats", "a secret long enough for the test")
+    coord = Coordinator(C10dStore(host_store(0)), "spare-beats", 0, 2, run=1)
+    watch = SpareWatch(coord, timeout=0.2)
+    assert not watch.waiting()  # none enlisted
+    live, dead = (enlist(coord, spare_doc(name, "h", 1)) for name in ("live", "dead"))
+    coord.store.set(coord.key("spares", dead, "beat"), "1")  # beats once, then is killed
+    for beat in range(1, 6):  # the live one beats before every look: always waiting
+        coord.store.set(coord.key("spares", live, "beat"), str(beat))
+        assert watch.waiting()
+        time.sleep(0.05)
+    update_spare(coord, live, SpareDoc("live", "h", 1, "took", node=1))
+    while watch.waiting():  # the dead one counts until its count has not moved for the timeout
+        time.sleep(0.02)
+    coord.store.set(coord.key("spares", dead, "beat"), "2")  # it beats again after all (it was only stalled)
+    assert watch.waiting()
+
+
+@pytest.mark.timeout(90)
+def test_a_standby_killed_while_it_waits_is_not_waited_for_under_srun(start_job, tmp_path):
+    """Under srun, a --standby's ftrun is SIGKILLed while it waits (its host lost), then node 1's: the standby's
+    record in the store still said "waiting", so node 0 waited out --rdzv-timeout for it and failed the job for
+    good (exit 3, no next step of the batch script). A spare counts only while it beats: the step ends after
+    --node-timeout as with no standby (exit 1), node 0 keeping its snapshots in RAM for the next step."""
+    args, _ = gpt_args(tmp_path, "dead-standby", "--step-time", "0.3")
+    common = ("--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node", "1", "--node-timeout", "1",
+              "--rdzv-timeout", "120", *args)
+    step = {"SLURM_JOB_ID": "1", "SLURM_STEP_ID": "0", "SLURM_NNODES": "2", "SLURM_STEP_NODELIST": "localhost"}
+    node0 = start_job(*common, env={**step, "SLURM_NODEID": "0", "SLURMD_NODENAME": "n0"})
+    node1 = start_job(*common, job_id=node0.job_id, log_dir=node0.log_dir,
+                      env={**step, "SLURM_NODEID": "1", "SLURMD_NODENAME": "n1"})
+    standby = start_job("--standby", *common, job_id=node0.job_id, log_dir=node0.log_dir)
+    node0.wait_for_event(lambda e: e["event"] == "spare_up", timeout=60)
+    standby.proc.kill()  # its supervisor, keeper and zygote die with it
+    assert standby.wait(10) == -signal.SIGKILL
+    node1.proc.kill()
+    assert node0.wait(60) == 1, node0.output
+    assert "node 1 lost and nothing replaces it" in node0.output and "did not join" not in node0.output, node0.output
 
 
 @pytest.mark.timeout(240)

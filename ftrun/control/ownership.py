@@ -154,5 +154,15 @@ def spares(coord: Coordinator) -> list[SpareDoc]:
     return [SpareDoc.decode(doc) for doc in docs if doc is not None]
 
 
+def waiting_spares(coord: Coordinator) -> dict[int, bytes | None]:
+    """The beat count (None: not beaten yet) of each spare whose record says it waits, by index: two round trips
+    whatever the number of spares. A record says nothing of whether its spare still lives (one killed while it
+    waits never updates it): its beats do (:class:`~ftrun.launch.peers.SpareWatch`)."""
+    count = _count(coord.get("spares", "count"))
+    values = coord.store.multi_get([coord.key("spares", i, *what) for what in ((), ("beat",)) for i in range(count)])
+    return {i: beat for i, (doc, beat) in enumerate(zip(values[:count], values[count:]))
+            if doc is not None and SpareDoc.decode(doc).state == "waiting"}
+
+
 def spare_doc(name: str, host: str, pid: int) -> SpareDoc:
     return SpareDoc(name, host, pid, "waiting", time=time.time())

@@ -14,6 +14,9 @@ peer's clock: it has ``node_timeout`` from taking the rank to beat.
 
 The same round trip reads this node's own owner key (:mod:`ftrun.control.ownership`), so a supervisor learns
 that a spare took its rank over at no extra cost.
+
+Hot spares are watched the same way where a node counts on one (:class:`SpareWatch`): a spare whose beat count
+does not change for ``node_timeout`` is dead, whatever its record in the store still says.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from __future__ import annotations
 import time
 
 from ftrun.control.coordination import Coordinator
-from ftrun.control.ownership import Owner
+from ftrun.control.ownership import Owner, waiting_spares
 
 WATCHED_PEERS = 3  # nodes each node watches; a loss goes unseen only if all of its watchers are lost too
 
@@ -74,3 +77,30 @@ class PeerWatch:
             elif count and not declared and now - self._changed[node] > self.timeout:  # 0/None: not started
                 return node, now - self._changed[node]
         return None
+
+
+class SpareWatch:
+    """Whether a hot spare still waits to take a rank: its record says so (:func:`~ftrun.control.ownership.
+    waiting_spares`) and its beat count (``spares/<i>/beat``, written every :data:`~ftrun.launch.spare.SPARE_BEAT`)
+    changed within ``timeout`` seconds of this watcher's looks. A spare killed while it waited (its ftrun, its
+    host) leaves its record "waiting" for good; its count stops. A spare first seen has ``timeout`` from then,
+    and time during which this process could not look is not counted against any spare (as :class:`PeerWatch`)."""
+
+    def __init__(self, coord: Coordinator, timeout: float) -> None:
+        self.coord = coord
+        self.timeout = timeout
+        self._counts: dict[int, bytes | None] = {}  # by spare index: the beat count last read
+        self._changed: dict[int, float] = {}  # by spare index: when that count was first read
+        self._last_look = time.monotonic()
+
+    def waiting(self) -> bool:
+        """One look (two round trips): whether a spare waits that has beaten within ``timeout``."""
+        beats = waiting_spares(self.coord)
+        now = time.monotonic()
+        if now - self._last_look > self.timeout / 2:  # this process could not look: nobody is to blame
+            self._changed = dict.fromkeys(self._changed, now)
+        self._last_look = now
+        for index, count in beats.items():
+            if index not in self._counts or count != self._counts[index]:
+                self._counts[index], self._changed[index] = count, now
+        return any(now - self._changed[index] <= self.timeout for index in beats)

@@ -38,7 +38,8 @@ Under srun no ftrun joins a running step: a lost node whose own launcher starts 
 and whose rank no spare takes ends the step (:func:`nothing_replaces`), each node keeping its snapshots in RAM for
 the next step, instead of the job waiting out ``--rdzv-timeout`` for a node that cannot come. A lost supervisor
 whose ftrun lives (it beats in the control store) was only stalled: the others wait for it, and its ftrun kills and
-replaces it if it does not come back.
+replaces it if it does not come back. A spare counts only while it beats (:class:`~ftrun.launch.peers.SpareWatch`):
+one killed while it waited is none.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ from ftrun.errors import error_text
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
-from ftrun.control.ownership import Owner, claim, owner, spares, take
+from ftrun.control.ownership import Owner, claim, owner, take
 from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_args, trainer_env, trainer_threads
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
@@ -83,7 +84,7 @@ from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_
 from ftrun.control.generation_watch import GenerationWatch, Wakeup
 from ftrun.control.store import C10dStore, host_store
 from ftrun.launch.output import Output, OutputSettings
-from ftrun.launch.peers import PeerWatch
+from ftrun.launch.peers import PeerWatch, SpareWatch
 from ftrun.launch.spare import Spare
 from ftrun.launch.bootstrap import ENV_EARLY_FAILURE
 from ftrun.launch.handoff import receive
@@ -594,6 +595,7 @@ class Supervisor:
                      if self.spec.slurm_step else {})
         peers = self._peer_watch()
         next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
+        spare_watch = SpareWatch(self.coord, self.spec.node_timeout)
         pause = RDZV_FIRST_POLL
         while not self._stopping:
             self._publish_status("starting" if gen == 0 else "restarting", gen)
@@ -603,12 +605,14 @@ class Supervisor:
             if time.monotonic() > tell_at:  # a lost node's replacement (or a late node) is awaited
                 tell_at = time.monotonic() + self.spec.node_timeout if self.spec.slurm_step else math.inf
                 missing = self._not_ready(gen)
+                # the spares before the owners: a spare that claims a rank meanwhile has changed its owner
+                spare_waits = self.spec.slurm_step and spare_watch.waiting()
                 unreplaced = nothing_replaces(self.coord, missing, launchers) if self.spec.slurm_step else None
-                if unreplaced is not None:
+                if unreplaced is not None and not spare_waits:
                     return self.coord.bump(seen, Failure(
                         STEP_END_KIND, f"node {unreplaced} lost and nothing replaces it (its ftrun is gone, no "
-                        "--standby waits, and no ftrun joins a running SLURM step): ending the step",
-                        unreplaced, None, f"node {self.node}"))[0]
+                        "--standby waits that still beats, and no ftrun joins a running SLURM step): ending the "
+                        "step", unreplaced, None, f"node {self.node}"))[0]
                 if self.node == 0 and not told:
                     told = True
                     self.events.emit("rendezvous_wait", f"generation {gen} waits for node(s) {missing} to join; it "
@@ -619,6 +623,8 @@ class Supervisor:
                 return now_raw
             if time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
+                if self.spec.slurm_step:  # looks as often as a peer's: a watch not looked at blames no spare
+                    spare_watch.waiting()
                 lost = self._check_peers(peers, seen)
                 if lost is not None:
                     return lost
@@ -1199,9 +1205,10 @@ def nothing_replaces(coord: Coordinator, missing: list[int], launchers: dict[int
     held by the lost supervisor, its launcher started no replacement (the launcher of a live node marks
     ``node/<r>/replacing`` as it starts one) and has not beaten since ``launchers`` was read (its ftrun is gone:
     it beats while it lives, :meth:`Coordinator.beat_launcher`; ``launchers`` becomes what is read now), while no
-    spare waits to take it. No new ftrun can join a running step, so waiting for one (``--rdzv-timeout``) would
-    only idle the job; a supervisor whose ftrun lives was only stalled, and may come back or be replaced by it."""
-    if not missing or any(doc.state == "waiting" for doc in spares(coord)):
+    spare waits to take it (the caller asks :class:`SpareWatch` first). No new ftrun can join a running step, so
+    waiting for one (``--rdzv-timeout``) would only idle the job; a supervisor whose ftrun lives was only stalled,
+    and may come back or be replaced by it."""
+    if not missing:
         return None
     beats = coord.launcher_beats(missing)
     seen = {node: launchers.get(node) for node in missing}
