@@ -130,6 +130,7 @@ def test_a_spare_counts_as_waiting_only_while_it_beats():
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.extended  # make test: test_a_spare_counts_as_waiting_only_while_it_beats (SpareWatch)
 def test_a_standby_killed_while_it_waits_is_not_waited_for_under_srun(start_job, tmp_path):
     """Under srun, a --standby's ftrun is SIGKILLed while it waits (its host lost), then node 1's: the standby's
     record in the store still said "waiting", so node 0 waited out --rdzv-timeout for it and failed the job for
@@ -450,3 +451,27 @@ def test_a_standby_s_launcher_replaces_its_supervisor_that_died_after_it_took_a_
     assert "starting a replacement for node 1" in standby.output, standby.output
     assert "from RAM" in [e for e in node0.events() if e["event"] == "restore" and e["generation"] == 2][0]["message"]
     assert_job_left_nothing(node0)
+
+
+@pytest.mark.timeout(120)
+def test_a_standby_whose_spare_died_while_it_waited_starts_another(start_job, tmp_path):
+    """A --standby's spare (its supervisor) is SIGKILLed while it waits (the OOM killer) and its ftrun lives: that
+    ftrun exited 1 without a word, leaving the spare's record "waiting" and its reserve in /dev/shm, and no spare
+    took the rank of a node lost afterwards. It now says so, marks the record gone, unlinks the reserve and starts
+    another spare, as --spares does, which takes node 1's rank when node 1 is lost and resumes from RAM."""
+    node0, node1, _, common, env = start_two_nodes(start_job, tmp_path, "spare-died", "--node-timeout", "1",
+                                                   step_time=0.3)
+    standby = start_job("--standby", *common[2:], job_id=node0.job_id, log_dir=node0.log_dir, env=env)
+    first = node0.wait_for_event(lambda e: e["event"] == "spare_up", timeout=60)
+    os.kill(first["pid"], signal.SIGKILL)
+    node0.wait_for_event(lambda e: e["event"] == "spare_up" and e["pid"] != first["pid"], timeout=60)
+    node0.wait_for_event(lambda e: e["event"] == "protected", timeout=60)  # a step to restore from RAM
+    node1.proc.kill()  # node 1 lost whole
+    node0.wait_for_event(lambda e: e["event"] == "restore" and e["generation"] == 1, timeout=60)
+    node0.proc.send_signal(signal.SIGTERM)
+    assert node0.wait(60) == 143, node0.output
+    assert standby.wait(60) == 143, standby.output
+    assert "killed by SIGKILL while it waited for a lost node; starting another" in standby.output, standby.output
+    restore = [e for e in node0.events() if e["event"] == "restore" and e["generation"] == 1]
+    assert "from RAM" in restore[0]["message"], node0.output
+    assert "took node rank 1" in node0.output and "hot spare(s) ready" not in node0.output, node0.output

@@ -25,7 +25,7 @@ import json
 import secrets
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from torch.distributed import DistError
 
@@ -145,6 +145,19 @@ def _count(payload: bytes | str | None) -> int:
 
 def update_spare(coord: Coordinator, index: int, doc: SpareDoc) -> None:
     coord.store.set(coord.key("spares", index), doc.encode())
+
+
+def retire_spare(coord: Coordinator, name: str, pid: int) -> bool:
+    """Mark spare ``name``'s record (its process ``pid``, which died) "gone" if it says the spare waits; False when
+    no such record waits (the spare died before it enlisted, or after it took a rank)."""
+    count = _count(coord.get("spares", "count"))
+    docs = coord.store.multi_get([coord.key("spares", i) for i in range(count)])
+    for index, raw in enumerate(docs):
+        doc = SpareDoc.decode(raw) if raw is not None else None
+        if doc is not None and (doc.name, doc.pid, doc.state) == (name, pid, "waiting"):
+            update_spare(coord, index, replace(doc, state="gone", time=time.time()))
+            return True
+    return False
 
 
 def spares(coord: Coordinator) -> list[SpareDoc]:

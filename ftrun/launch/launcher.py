@@ -48,7 +48,7 @@ from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_text
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
-from ftrun.control.ownership import Owner, claim_free_rank, owner, spares
+from ftrun.control.ownership import Owner, claim_free_rank, owner, retire_spare, spares
 from ftrun.control.signed import SignedStore
 from ftrun.launch.clean import claim_nodes
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
@@ -71,7 +71,7 @@ from ftrun.snapshot.dcp_copy import newest_dcp
 from ftrun.snapshot.dir_owner import DirOwner, check as check_dir_owner
 from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, remove_partial,
                                     step_dirs, step_name, steps_text)
-from ftrun.snapshot.reserve import unlink_reserves
+from ftrun.snapshot.reserve import SlotReserve, unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
@@ -515,13 +515,18 @@ class Launcher:
         next_look = time.monotonic() + DIR_OWNER_LOOK
         try:
             proc = self.procs[-1] = self._spawn(spec)
-            while proc.poll() is None:
-                self._pause(IDLE_LOOK)
-                if spec.ckpt_dir and self.dir_owner is None and time.monotonic() > next_look:
-                    next_look = time.monotonic() + DIR_OWNER_LOOK
-                    self._hold_if_node_0(coord, name, spec.ckpt_dir, str(doc.get("run_id")))
-            code = proc.returncode
-            node = self._node_taken(coord, name) if code not in SUPERVISOR_ENDS else None
+            while True:
+                while proc.poll() is None:
+                    self._pause(IDLE_LOOK)
+                    if spec.ckpt_dir and self.dir_owner is None and time.monotonic() > next_look:
+                        next_look = time.monotonic() + DIR_OWNER_LOOK
+                        self._hold_if_node_0(coord, name, spec.ckpt_dir, str(doc.get("run_id")))
+                code = proc.returncode
+                node = self._node_taken(coord, name) if code not in SUPERVISOR_ENDS else None
+                if (node is not None or code in SUPERVISOR_ENDS or self.signalled is not None
+                        or not self._spare_died(coord, name, proc.pid, code)):
+                    break
+                proc = self.procs[-1] = self._spawn(spec)  # a new spare, as --spares starts one
             if node is None or self.signalled is not None:
                 exit_code = self._spare_exit(code)
             else:  # its supervisor died after it took node's rank: this launcher is that node's now
@@ -544,6 +549,20 @@ class Launcher:
             self._leave_as_spare(store, name, int(doc["nnodes"]))
         assert exit_code is not None
         return exit_code
+
+    def _spare_died(self, coord: Coordinator, name: str, pid: int, code: int) -> bool:
+        """A standby's spare (process ``pid``) died (``code``) before it took a rank: the OOM killer, a crash. Its
+        record says "gone" from now on and its reserve is unlinked. True when it had been waiting (then this
+        launcher starts another, as ``--spares`` does); False when it died before it enlisted (it would again)."""
+        SlotReserve(self.job_id, name, self.cfg.nproc_per_node).release()
+        try:
+            waited = retire_spare(coord, name, pid)
+        except DistError:  # the control store is gone, and the job with it
+            waited = False
+        self.events.emit("spare_gone", f"spare {name} (pid {pid}) {describe_exit(code)} while it waited for a lost "
+                         f"node; {'starting another' if waited else 'it never enlisted: this standby ends'}",
+                         spare=name, exit_code=code, restarted=waited)
+        return waited
 
     def _spare_exit(self, code: int) -> int:
         """The exit code of a standby whose supervisor exited with ``code`` (it ran no node, or it ended its
