@@ -59,6 +59,19 @@ def test_more_than_one_task_per_node_is_an_error_that_says_what_to_do():
         slurm_step(env)
 
 
+@pytest.mark.parametrize("job_id", ["abc", "1/../x", "", "-5", "1 2"])
+def test_a_slurm_job_id_that_is_not_a_number_is_a_one_line_error(job_id):
+    """``int(SLURM_JOB_ID)`` for the store's port raised a ValueError traceback from ``ftrun run`` (the flags too:
+    ``--rdzv-endpoint`` given or not)."""
+    from ftrun.launch.config import build_config
+
+    env = {"SLURM_JOB_ID": job_id, "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+           "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "1"}
+    for flags in ({}, {"rdzv_endpoint": "127.0.0.1:29400"}):
+        with pytest.raises(UsageError, match=f"SLURM_JOB_ID={job_id!r} is not a SLURM job id"):
+            build_config(None, flags, env)
+
+
 def test_a_slurm_step_sets_the_job_shape_unless_flags_say_otherwise():
     from ftrun.launch.config import build_config
 

@@ -136,11 +136,15 @@ def own_run_id(env: Mapping[str, str]) -> str | None:
 
 
 def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
-    """The SLURM step this process runs in, or None outside ``srun`` (no job or no step id)."""
+    """The SLURM step this process runs in, or None outside ``srun`` (no job or no step id). A job id that is not
+    a number (it names the control store's port) is a :class:`UsageError`."""
     if "SLURM_JOB_ID" not in env or "SLURM_STEP_ID" not in env:
         return None
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
     tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
+    if not (env["SLURM_JOB_ID"].isascii() and env["SLURM_JOB_ID"].isdigit()):  # it names the store's port
+        raise UsageError(f"SLURM_JOB_ID={env['SLURM_JOB_ID']!r} is not a SLURM job id (a number): unset the SLURM_* "
+                         "variables outside a SLURM job")
     try:
         per_node = max(int(re.match(r"\d+", part)[0]) for part in tasks.split(","))  # type: ignore[index]
         node_id = int(env.get("SLURM_NODEID", "0"))
