@@ -12,7 +12,8 @@ import pytest
 
 from conftest import SCRIPTS, assert_job_left_nothing
 from ftrun.control.spec import ENV_NODE_SPEC
-from ftrun.launch.env import TORCHRUN_VARIABLES, TRAINER_FTRUN_VARIABLES, TrainerPlace, gloo_interface, trainer_env
+from ftrun.launch.env import (TORCHRUN_VARIABLES, TRAINER_FTRUN_VARIABLES, TrainerPlace, gloo_interface, trainer_env,
+                              trainer_threads)
 from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT
 
 
@@ -95,6 +96,24 @@ def test_omp_threads_default_counts_the_cores_ftrun_may_run_on_not_the_host_s(st
                     prefix=("taskset", "-c", str(min(os.sched_getaffinity(0)))))
     assert job.wait() == 0, job.output
     assert read_dumps(dumps)[0, 0]["OMP_NUM_THREADS"] == "1"
+
+
+@pytest.mark.parametrize("value, threads", [("3", 3), ("", None), ("abc", None), ("0", None), ("\u00b2", None),
+                                           ("\u0661", None), ("99999999999999999999", None)])
+def test_the_blas_is_sized_only_from_an_omp_num_threads_that_openmp_reads_as_a_number(value, threads):
+    """A superscript digit (``str.isdigit`` but not ``int``) and a count beyond a C int (threadpoolctl's
+    ``ctypes`` call overflows) ended the launcher in a traceback; OpenMP does not read either as a count."""
+    assert trainer_threads({"OMP_NUM_THREADS": value}, 2) == threads
+
+
+@pytest.mark.timeout(60)
+def test_a_trainer_forked_by_the_zygote_runs_with_an_omp_num_threads_that_is_no_count(start_job):
+    """The zygote sized torch's threads from it as ``int(value)`` after ``str.isdigit``: every trainer of a job with
+    ``OMP_NUM_THREADS=²`` died in ftrun's traceback (exit 1, twice: the job failed). It runs as in a new
+    interpreter, which reads no count there either."""
+    job = start_job("--nproc-per-node", "1", str(SCRIPTS / "hello.py"), env={**os.environ, "OMP_NUM_THREADS": "\u00b2"})
+    assert job.wait() == 0, job.output
+    assert "hello from rank 0" in job.output
 
 
 @pytest.mark.timeout(120)

@@ -74,13 +74,20 @@ class TrainerPlace:
 # fault. ENV_QUIET_CPP_LOG marks that ftrun set it, so that trainers get the user's environment without it.
 CPP_LOG_LEVEL = "TORCH_CPP_LOG_LEVEL"
 ENV_QUIET_CPP_LOG = "FTRUN_QUIET_CPP_LOG"
+C_INT_MAX = 2**31 - 1  # the largest thread count a BLAS's set_num_threads(int) takes
 
 
 def trainer_threads(base: Mapping[str, str], omp_threads: int) -> int | None:
     """The OMP_NUM_THREADS that :func:`trainer_env` gives a trainer, as a number (None: the user's value is not
-    one)."""
-    value = base.get("OMP_NUM_THREADS", str(omp_threads))
-    return int(value) if value.isdigit() and int(value) > 0 else None
+    one, see :func:`thread_count`)."""
+    return thread_count(base.get("OMP_NUM_THREADS", str(omp_threads)))
+
+
+def thread_count(value: str) -> int | None:
+    """``value`` of OMP_NUM_THREADS as the thread count OpenMP reads in it, or None when it reads none: ASCII
+    digits only (not ``²``, which ``str.isdigit`` accepts), from 1 to what a C int holds (BLAS and torch take an
+    int)."""
+    return int(value) if value.isascii() and value.isdigit() and 0 < int(value) <= C_INT_MAX else None
 
 
 def default_omp_threads(trainers_on_host: int) -> int:

@@ -58,7 +58,7 @@ from threadpoolctl import ThreadpoolController
 
 from ftrun.control.spec import FORWARDED_SIGNALS
 from ftrun.launch.bootstrap import run_main
-from ftrun.launch.env import CPP_LOG_LEVEL, ENV_QUIET_CPP_LOG
+from ftrun.launch.env import CPP_LOG_LEVEL, ENV_QUIET_CPP_LOG, thread_count
 from ftrun.launch.processes import READY_NAME, ZYGOTE_NAME, die_with_parent, set_process_name
 from ftrun.snapshot.protocol import receive_handoff, send_handoff
 
@@ -302,11 +302,11 @@ def _run(request: SpawnRequest) -> None:
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, write_through=True)  # type: ignore[attr-defined]
     _fresh_randomness()
-    threads = request.env.get("OMP_NUM_THREADS", "")
-    if threads.isdigit() and int(threads) > 0:
+    threads = thread_count(request.env.get("OMP_NUM_THREADS", ""))
+    if threads is not None:
         import torch
 
-        torch.set_num_threads(int(threads))
+        torch.set_num_threads(threads)
     # as `python script.py` would: a failure's traceback shows the user's frames only, and exits 1
     run_main(request.target, request.args, request.module)
 
