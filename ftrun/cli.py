@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 from typer.exceptions import TyperException
 
-from ftrun.errors import USAGE_EXIT_CODE, UsageError, stopped_while_starting
+from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_line, stopped_while_starting
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   rich_markup_mode=None, help="Fault-tolerant launcher for PyTorch training (drop-in torchrun).",
@@ -456,7 +456,7 @@ def main(argv: list[str] | None = None) -> None:
         code = 130
     except (TyperException, UsageError) as err:
         message = err.format_message() if isinstance(err, TyperException) else str(err)
-        print(f"ftrun: error: {message}{from_environment(message, args)}", file=sys.stderr)
+        print(error_line(message + from_environment(message, args), [*args, *os.environ.values()]), file=sys.stderr)
         sys.exit(USAGE_EXIT_CODE)
     finally:
         if previous is not None:

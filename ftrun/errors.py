@@ -6,15 +6,38 @@ Every check of user input (flags, YAML, scripts, ports, endpoints) raises :class
 
 import os
 import re
+import reprlib
 import sys
+from collections.abc import Iterable
 
 USAGE_EXIT_CODE = 2
+SHORT = reprlib.Repr()  # a value shown in an error: bounded however large (an anchor bomb, a pasted file) it is
+SHORT.maxlevel, SHORT.maxlist, SHORT.maxdict, SHORT.maxstring, SHORT.maxother = 2, 4, 4, 60, 60
+LONG_VALUE = 200  # characters: a value of the command line or the environment longer than this is cut in errors
 # numbers in a failure's message, but not an IPv4 address (another peer is another failure; its port is not)
 _NUMBER = re.compile(r"(\d{1,3}(?:\.\d{1,3}){3})|0x[0-9a-fA-F]+|\d+")
 
 
 class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2, nothing started or left behind."""
+
+
+def error_line(message: str, given: Iterable[str]) -> str:
+    """``ftrun: error: <message>``, the line bad input gets, with every long value it shows cut as :data:`SHORT`
+    cuts a long string (a YAML key's bad value is): a 5000-character flag value was echoed whole. Long: more than
+    :data:`LONG_VALUE` characters, a value of ``given`` (the command line's arguments, ``--flag=value``'s value, the
+    environment's values) as given or as ``repr`` shows it, and any run of characters without a space (a piece of
+    such a value)."""
+    values = {part for value in given for part in (value, value.partition("=")[2]) if len(part) > LONG_VALUE}
+    for value in sorted(values, key=len, reverse=True):  # a long value inside a longer one: the longer one first
+        message = message.replace(value, _cut(value)).replace(repr(value)[1:-1], _cut(repr(value)[1:-1]))
+    return "ftrun: error: " + re.sub(rf"\S{{{LONG_VALUE + 1},}}", lambda run: _cut(run[0]), message)
+
+
+def _cut(text: str) -> str:
+    """``text``'s start and end around ``...``, :data:`SHORT`'s ``maxstring`` characters in all."""
+    head = (SHORT.maxstring - 3) // 2
+    return text[:head] + "..." + text[len(text) - (SHORT.maxstring - 3 - head):]
 
 
 def error_text(err: BaseException) -> str:

@@ -91,6 +91,21 @@ def test_bad_flags(args, fragments):
     assert_one_line_error(*run_ftrun(*args)[:2], *fragments)
 
 
+@pytest.mark.parametrize("args, env", [
+    (["--nnodes", "x" * 5000], {}),
+    (["--rdzv-backend=" + "x" * 5000], {}),
+    (["--inject", "crash@rank=0,step=" + "x" * 5000], {}),
+    ([], {"PET_NPROC_PER_NODE": "x" * 5000}),
+    ([], {"FTRUN_SHM_DIR": "/" + "x" * 5000}),
+])
+def test_a_very_long_value_is_shortened_in_the_error_line(args, env):
+    """A 5000-character value of a flag or variable was echoed whole in the one-line error (a YAML key's is cut by
+    reprlib): now cut the same way, its start and end kept."""
+    code, stderr, _ = run_ftrun(*args, str(SCRIPTS / "hello.py"), env=env)
+    assert_one_line_error(code, stderr, "xxx...xxx")
+    assert len(stderr) < 400, stderr
+
+
 def test_a_directory_without_main_and_a_file_as_directory(tmp_path):
     (tmp_path / "app").mkdir()
     assert_one_line_error(*run_ftrun(str(tmp_path / "app"))[:2], f"cannot run directory {tmp_path / 'app'}",

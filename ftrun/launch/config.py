@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import reprlib
 import signal
 import types
 import typing
@@ -18,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ftrun.errors import UsageError
+from ftrun.errors import SHORT, UsageError
 from ftrun.control.faults import parse_faults
 from ftrun.control.spec import DEFAULT_SIGNALS, ETCD_PORT, split_endpoint, with_port
 from ftrun.launch.output import OutputSettings
@@ -412,11 +411,7 @@ def _check_value(name: str, value: Any, annotation: Any, source: str) -> Any:
         if typing.get_origin(kind) is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
             return list(value)
     names = " or ".join("null" if k is type(None) else getattr(k, "__name__", str(k)) for k in allowed)
-    raise UsageError(f"{source}: key '{name}' must be {names}, got {_SHORT.repr(value)}")
-
-
-_SHORT = reprlib.Repr()  # a value shown in an error: bounded however large (an anchor bomb) it is
-_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxother = 2, 4, 4, 60, 60
+    raise UsageError(f"{source}: key '{name}' must be {names}, got {SHORT.repr(value)}")
 
 
 class _DuplicateKey(yaml.constructor.ConstructorError):

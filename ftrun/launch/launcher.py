@@ -44,7 +44,7 @@ from rich.console import Console
 from torch.distributed import DistError, TCPStore
 
 from ftrun.launch.config import JobConfig
-from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_text
+from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_line, error_text
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
@@ -1029,7 +1029,7 @@ def main() -> None:
         launcher = Launcher(cfg, begun, args, pending)
         code = launcher.run()  # it has cleaned up after the whole job
     except UsageError as err:
-        print(f"ftrun: error: {err}", file=sys.stderr)
+        print(error_line(str(err), [*sys.argv[1:], *os.environ.values()]), file=sys.stderr)
         if launcher is not None:  # refused while it started: what it wrote (the job's secret) goes
             launcher.remove_files()
         code = USAGE_EXIT_CODE
