@@ -56,6 +56,12 @@ def listening_port():
     (["--no-python", "no-such-executable-ftrun"], ["executable not found"]),
     (["--rdzv-endpoint", "host:99999", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
     (["--rdzv-endpoint", "nohostport", str(TRAIN_PLAIN)], ["host 'nohostport' does not resolve"]),  # port 29400
+    # a typo: resolving it raised a UnicodeError traceback (idna: a label empty or over 63 characters)
+    (["--rdzv-endpoint", "node0..cluster:29400", str(TRAIN_PLAIN)],
+     ["--rdzv-endpoint host 'node0..cluster' is not a host name"]),
+    (["--nnodes", "2", "--node-rank", "1", "--master-addr", "x" * 64, "--master-port", "1", str(TRAIN_PLAIN)],
+     ["is not a host name"]),
+    (["--rdzv-backend", "etcd", "--rdzv-endpoint", "e1:2379,e2..x", str(TRAIN_PLAIN)], ["'e2..x' is not a host name"]),
     (["--nnodes", "2", "--rdzv-endpoint", "localhost:0", str(TRAIN_PLAIN)],
      ["port 0 (any free port) is for a job of this host alone"]),
     (["--rdzv-bind", "127.0.0.1", str(TRAIN_PLAIN)], ["--rdzv-bind is for multi-node jobs"]),

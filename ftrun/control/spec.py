@@ -111,11 +111,17 @@ class NodeSpec:
 
 
 def split_endpoint(endpoint: str, any_port: bool = False) -> tuple[str, int]:
-    """``host:port`` (``--rdzv-endpoint``, an etcd member) -> (host, port); a bad one is a :class:`UsageError`.
-    ``any_port``: port 0 (any free one) is one too."""
+    """``host:port`` (``--rdzv-endpoint``, an etcd member) -> (host, port); a bad one is a :class:`UsageError`
+    (also a host that is no host name, which resolving it would raise as a UnicodeError). ``any_port``: port 0 (any
+    free one) is one too."""
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit() or not (0 if any_port else 1) <= int(port) < 65536:
         raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
+    try:
+        host.strip("[]").encode("idna")  # as the socket module encodes a host name to resolve it
+    except UnicodeError:
+        raise UsageError(f"--rdzv-endpoint host {host!r} is not a host name (a label of it is empty or longer than "
+                         "63 characters)") from None
     return host.strip("[]"), int(port)
 
 
