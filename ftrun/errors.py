@@ -22,6 +22,13 @@ class UsageError(Exception):
     """Bad input from the user: printed as one line, exit code 2, nothing started or left behind."""
 
 
+def natural(text: str) -> int | None:
+    """The non-negative integer ``text`` spells in ASCII digits, else None: ``str.isdigit`` also accepts digits
+    that ``int`` does not read (``²``), and ``int`` refuses more digits than ``sys.get_int_max_str_digits()`` (4300),
+    both with a ValueError."""
+    return int(text) if text.isascii() and text.isdigit() and len(text) <= sys.get_int_max_str_digits() else None
+
+
 def error_line(message: str, given: Iterable[str]) -> str:
     """``ftrun: error: <message>``, the line bad input gets, with every long value it shows cut as :data:`SHORT`
     cuts a long string (a YAML key's bad value is): a 5000-character flag value was echoed whole. Long: more than

@@ -51,6 +51,11 @@ def listening_port():
     (["--nnodes", "two", str(TRAIN_PLAIN)], ["Invalid value for '--nnodes'"]),
     (["--inject", "crash@rank=x,step=3", str(TRAIN_PLAIN)], ["crash@rank=x,step=3", "rank must be"]),
     (["--inject", "boom@rank=1,step=3", str(TRAIN_PLAIN)], ["unknown fault kind 'boom'"]),
+    # digits int() does not read (str.isdigit accepts a superscript), or more than it reads: were tracebacks
+    (["--inject", "crash@rank=0,step=\u00b2", str(TRAIN_PLAIN)], ["step must be a non-negative integer"]),
+    (["--inject", "crash@rank=0,step=" + "9" * 5000, str(TRAIN_PLAIN)], ["step must be a non-negative integer"]),
+    (["--rdzv-endpoint", "127.0.0.1:\u00b2", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
+    (["--nproc-per-node", "\u00b2", str(TRAIN_PLAIN)], ["--nproc-per-node must be a number"]),
     (["--inject", "hang@rank=1", str(TRAIN_PLAIN)], ["missing step="]),
     (["--inject", "node-loss@rank=1,step=2", str(TRAIN_PLAIN)], ["unknown key 'rank' for node-loss"]),
     (["--no-python", "no-such-executable-ftrun"], ["executable not found"]),

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ftrun.errors import UsageError
+from ftrun.errors import UsageError, natural
 
 ENV_TRAINER_FAULTS = "FTRUN_INJECT"
 
@@ -69,11 +69,12 @@ def parse_fault(spec: str) -> Fault:
             raise UsageError(f"--inject {spec!r}: {part!r} is not key=value")
         if key not in (_WHERE[kind], "step", "gen"):
             raise UsageError(f"--inject {spec!r}: unknown key {key!r} for {kind}")
-        if not value.strip().isdigit():
+        number = natural(value.strip())
+        if number is None:
             raise UsageError(f"--inject {spec!r}: {key} must be a non-negative integer, got {value!r}")
         if key in values:
             raise UsageError(f"--inject {spec!r}: {key} is given twice")
-        values[key] = int(value)
+        values[key] = number
     for key in (_WHERE[kind], "step"):
         if key not in values:
             raise UsageError(f"--inject {spec!r}: missing {key}=")

@@ -15,7 +15,7 @@ import stat
 import tempfile
 from dataclasses import asdict, dataclass, field
 
-from ftrun.errors import UsageError
+from ftrun.errors import UsageError, natural
 
 ENV_NODE_SPEC = "FTRUN_NODE_SPEC"
 ENV_SHM_DIR = "FTRUN_SHM_DIR"
@@ -114,15 +114,16 @@ def split_endpoint(endpoint: str, any_port: bool = False) -> tuple[str, int]:
     """``host:port`` (``--rdzv-endpoint``, an etcd member) -> (host, port); a bad one is a :class:`UsageError`
     (also a host that is no host name, which resolving it would raise as a UnicodeError). ``any_port``: port 0 (any
     free one) is one too."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not (0 if any_port else 1) <= int(port) < 65536:
+    host, sep, text = endpoint.rpartition(":")
+    port = natural(text)
+    if not sep or not host or port is None or not (0 if any_port else 1) <= port < 65536:
         raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
     try:
         host.strip("[]").encode("idna")  # as the socket module encodes a host name to resolve it
     except UnicodeError:
         raise UsageError(f"--rdzv-endpoint host {host!r} is not a host name (a label of it is empty or longer than "
                          "63 characters)") from None
-    return host.strip("[]"), int(port)
+    return host.strip("[]"), port
 
 
 def with_port(endpoints: str, default: int) -> str:

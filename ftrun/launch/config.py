@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from ftrun.errors import SHORT, UsageError
+from ftrun.errors import SHORT, UsageError, natural
 from ftrun.control.faults import parse_faults
 from ftrun.control.spec import DEFAULT_SIGNALS, ETCD_PORT, split_endpoint, with_port
 from ftrun.launch.output import OutputSettings
@@ -314,8 +314,9 @@ def resolve_nproc(value: int | str) -> int:
     if isinstance(value, int):
         return value
     text = str(value).strip()
-    if text.lstrip("-").isdigit():
-        return int(text)
+    number = natural(text.removeprefix("-"))
+    if number is not None:
+        return -number if text.startswith("-") else number
     if text not in ("auto", "cpu", "gpu", "xpu"):
         raise UsageError(f"--nproc-per-node must be a number or auto, cpu, gpu, xpu; got {text!r}")
     import torch

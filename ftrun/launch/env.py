@@ -26,6 +26,7 @@ import psutil
 
 from ftrun.control.faults import ENV_TRAINER_FAULTS
 from ftrun.control.spec import DEFAULT_SIGNALS, ENV_SHM_DIR
+from ftrun.errors import natural
 from ftrun.control.heartbeat import ENV_HEARTBEAT_FILE, ENV_HEARTBEAT_SLOT
 from ftrun.snapshot.dcp_copy import ENV_DCP_ROOT
 from ftrun.snapshot.protocol import ENV_KEEPER_SOCKET
@@ -85,9 +86,9 @@ def trainer_threads(base: Mapping[str, str], omp_threads: int) -> int | None:
 
 def thread_count(value: str) -> int | None:
     """``value`` of OMP_NUM_THREADS as the thread count OpenMP reads in it, or None when it reads none: ASCII
-    digits only (not ``²``, which ``str.isdigit`` accepts), from 1 to what a C int holds (BLAS and torch take an
-    int)."""
-    return int(value) if value.isascii() and value.isdigit() and 0 < int(value) <= C_INT_MAX else None
+    digits only (:func:`~ftrun.errors.natural`), from 1 to what a C int holds (BLAS and torch take an int)."""
+    count = natural(value)
+    return count if count is not None and 0 < count <= C_INT_MAX else None
 
 
 def default_omp_threads(trainers_on_host: int) -> int:

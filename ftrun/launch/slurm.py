@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ftrun.errors import UsageError
+from ftrun.errors import UsageError, natural
 from ftrun.control.spec import open_shm_file, safe_job_id, shm_dir
 
 if TYPE_CHECKING:
@@ -142,7 +142,7 @@ def slurm_step(env: Mapping[str, str]) -> SlurmStep | None:
         return None
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
     tasks = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or "1"
-    if not (env["SLURM_JOB_ID"].isascii() and env["SLURM_JOB_ID"].isdigit()):  # it names the store's port
+    if natural(env["SLURM_JOB_ID"]) is None:  # it names the store's port
         raise UsageError(f"SLURM_JOB_ID={env['SLURM_JOB_ID']!r} is not a SLURM job id (a number): unset the SLURM_* "
                          "variables outside a SLURM job")
     try:
