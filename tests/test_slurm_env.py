@@ -38,7 +38,8 @@ def test_hostlists_expand_like_scontrol(hostlist, slurm):
     assert expand_hostlist(hostlist) == shown.stdout.split()
 
 
-@pytest.mark.parametrize("bad", ["n[1-", "n[a-b]", "n[3-1]", "n]1["])
+@pytest.mark.parametrize("bad", ["n[1-", "n[a-b]", "n[3-1]", "n]1[", "n[1-\u00b2]",
+                                 "n[1-99999999999]", "a[1-1000]b[1-1000]", ",".join(["n[1-60000]"] * 2)])
 def test_malformed_hostlists_are_one_line_errors(bad):
     with pytest.raises(UsageError, match="malformed SLURM hostlist"):
         expand_hostlist(bad)

@@ -37,15 +37,23 @@ if TYPE_CHECKING:
 PORT_BASE = 20000
 PORT_SPAN = 20000  # store port = PORT_BASE + job id % PORT_SPAN
 _GROUP = re.compile(r"\[([^\[\]]*)\]")
+MAX_HOSTS = 64 * 1024  # hosts a hostlist may name, as SLURM's own MAX_RANGE bounds one range
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
     """The host names of a SLURM hostlist, in order: ``n[1-3,7]``, ``gpu-[01-04]-ib``, ``a[1-2]b[1-2]``, and
-    comma-separated lists of those; ranges keep their zero padding. A malformed list is a :class:`UsageError`."""
+    comma-separated lists of those; ranges keep their zero padding. A malformed list, or one of more than
+    :data:`MAX_HOSTS` hosts (``n[1-99999999999]`` would fill the memory), is a :class:`UsageError`."""
     hosts: list[str] = []
     for item in _split_top(hostlist):
         hosts.extend(_expand_one(item, hostlist))
+        _check_count(len(hosts), hostlist)
     return hosts
+
+
+def _check_count(count: int, hostlist: str) -> None:
+    if count > MAX_HOSTS:
+        raise UsageError(f"malformed SLURM hostlist {hostlist!r} (more than {MAX_HOSTS} hosts)")
 
 
 def _split_top(hostlist: str) -> list[str]:
@@ -69,22 +77,24 @@ def _expand_one(item: str, hostlist: str) -> list[str]:
     if match is None:
         return [item]
     head, tail = item[:match.start()], item[match.end():]
-    return [head + value + rest for value in _ranges(match.group(1), hostlist) for rest in _expand_one(tail, hostlist)]
+    values, rests = _ranges(match.group(1), hostlist), _expand_one(tail, hostlist)
+    _check_count(len(values) * len(rests), hostlist)
+    return [head + value + rest for value in values for rest in rests]
 
 
 def _ranges(spec: str, hostlist: str) -> list[str]:
     values = []
     for part in spec.split(","):
         low, dash, high = part.strip().partition("-")
-        if not low.isdigit() or (dash and not high.isdigit()):
+        first, last = natural(low), natural(high) if dash else natural(low)
+        if first is None or last is None or last < first:
             raise UsageError(f"malformed SLURM hostlist {hostlist!r} (range {part!r})")
+        _check_count(len(values) + last - first + 1, hostlist)
         if not dash:
             values.append(low)
             continue
         width = len(low) if low.startswith("0") else 0
-        if int(high) < int(low):
-            raise UsageError(f"malformed SLURM hostlist {hostlist!r} (range {part!r})")
-        values.extend(str(n).zfill(width) for n in range(int(low), int(high) + 1))
+        values.extend(str(n).zfill(width) for n in range(first, last + 1))
     return values
 
 
