@@ -34,11 +34,12 @@ def error_line(message: str, given: Iterable[str]) -> str:
     cuts a long string (a YAML key's bad value is): a 5000-character flag value was echoed whole. Long: more than
     :data:`LONG_VALUE` characters, a value of ``given`` (the command line's arguments, ``--flag=value``'s value, the
     environment's values) as given or as ``repr`` shows it, and any run of characters without a space (a piece of
-    such a value)."""
+    such a value). A line break a value brings in shows as ``\\n``: the error stays one line."""
     values = {part for value in given for part in (value, value.partition("=")[2]) if len(part) > LONG_VALUE}
     for value in sorted(values, key=len, reverse=True):  # a long value inside a longer one: the longer one first
         message = message.replace(value, _cut(value)).replace(repr(value)[1:-1], _cut(repr(value)[1:-1]))
-    return "ftrun: error: " + re.sub(rf"\S{{{LONG_VALUE + 1},}}", lambda run: _cut(run[0]), message)
+    message = re.sub(rf"\S{{{LONG_VALUE + 1},}}", lambda run: _cut(run[0]), message)
+    return "ftrun: error: " + message.replace("\r", "\\r").replace("\n", "\\n")
 
 
 def _cut(text: str) -> str:

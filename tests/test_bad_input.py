@@ -279,6 +279,12 @@ def test_a_shm_dir_that_is_not_a_writable_directory_is_one_line(tmp_path, where)
                           "directory")
 
 
+def test_a_value_with_a_line_break_is_still_one_error_line():
+    """FTRUN_SHM_DIR='a<newline>b' printed its error on two lines."""
+    code, stderr, _ = run_ftrun(str(SCRIPTS / "hello.py"), env={"FTRUN_SHM_DIR": "/no/such\ndir"})
+    assert_one_line_error(code, stderr, "the shared-memory directory /no/such\\ndir (FTRUN_SHM_DIR) is not")
+
+
 def test_a_shm_dir_where_no_file_can_be_made_is_one_line(small_tmpfs):
     """Room for bytes but no inode left (a tmpfs's nr_inodes, shared by many jobs): os.access passes, a file fails."""
     full = small_tmpfs(64, "nr_inodes=4")
