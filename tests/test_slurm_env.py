@@ -73,6 +73,19 @@ def test_a_slurm_job_id_that_is_not_a_number_is_a_one_line_error(job_id):
             build_config(None, flags, env)
 
 
+def test_a_slurm_node_list_whose_first_host_is_no_host_name_is_a_one_line_error(monkeypatch):
+    """Resolving its first host for the control store (``n..1``, or a label of more than 63 characters) raised a
+    UnicodeError traceback from the idna codec; the endpoint made of it is refused as any other such endpoint."""
+    from ftrun.launch.config import build_config
+
+    monkeypatch.setenv("PATH", "")  # no scontrol to ask for the node's address (a slow timeout without slurmctld)
+    for hosts in ("n..1", "x" * 64):
+        env = {"SLURM_JOB_ID": "99", "SLURM_STEP_ID": "0", "SLURM_NODEID": "0", "SLURM_NNODES": "1",
+               "SLURM_STEP_NODELIST": hosts, "SLURM_STEP_TASKS_PER_NODE": "1"}
+        with pytest.raises(UsageError, match="is not a host name"):
+            build_config(None, {}, env)
+
+
 def test_a_slurm_step_sets_the_job_shape_unless_flags_say_otherwise():
     from ftrun.launch.config import build_config
 

@@ -104,7 +104,7 @@ def node_address(host: str) -> str:
     try:
         socket.getaddrinfo(host, None)
         return host
-    except socket.gaierror:
+    except (socket.gaierror, UnicodeError):  # UnicodeError: no host name (an empty label, or one over 63 characters)
         pass
     try:
         shown = subprocess.run(["scontrol", "show", "node", "-o", host], capture_output=True, text=True, timeout=30)
