@@ -426,6 +426,21 @@ def test_inspect(dirs, states):
     assert lines[3].split()[:3] == ["30", JOB, "partial"]
 
 
+def test_inspect_counts_only_regular_rank_files_of_a_partial_step(dirs, states):
+    """A symbolic link loop named like a rank file in a partial step (nothing ftrun writes) ended ``ftrun inspect`` in
+    an OSError traceback (ELOOP): it is not counted, as nothing but a regular file is."""
+    root, shm = dirs
+    write_step(root, shm, 10, states)
+    partial = root / ".step-00000020.partial"
+    partial.mkdir()
+    (partial / "rank-00000.snap").symlink_to("rank-00000.snap")
+    (partial / "rank-00001.snap").write_bytes(b"x" * 10)
+    result = ftrun("inspect", str(root), "--json")
+    assert result.returncode == 0, result.stderr
+    rows = {row["step"]: row for row in json.loads(result.stdout)["steps"]}
+    assert rows[20]["state"] == "partial" and (rows[20]["ranks"], rows[20]["bytes"]) == (1, 10)
+
+
 def test_inspect_bad_input(tmp_path):
     assert_one_line_error(ftrun("inspect", str(tmp_path / "missing")), "no such checkpoint directory")
     assert_one_line_error(ftrun("inspect", str(tmp_path)), "no checkpoint steps")

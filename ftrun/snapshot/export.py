@@ -98,7 +98,8 @@ def _job_inventory(root: str, verify: bool) -> list[StepInfo]:
     for step in persist.step_dirs(root, partial=True):
         path = persist.partial_dir(root, step)
         with os.scandir(path) as found:
-            files = [e.stat().st_size for e in found if e.name.startswith("rank-") and e.is_file()]
+            files = [e.stat(follow_symlinks=False).st_size for e in found  # links are not ftrun's (a loop: ELOOP)
+                     if e.name.startswith("rank-") and e.is_file(follow_symlinks=False)]
         rows.append(StepInfo(step, path, "partial", os.path.basename(root), None, len(files), sum(files),
                              os.stat(path).st_mtime, None))
     return sorted(rows, key=lambda row: (row.step, row.state != "complete"))
