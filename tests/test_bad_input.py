@@ -249,6 +249,21 @@ def test_at_another_world_size_a_resume_goes_on_when_an_older_step_has_a_dcp_cop
     assert not job_processes(job) and not job_segments(job)
 
 
+@pytest.mark.parametrize("kind", ["file", "link-loop"])
+def test_a_job_directory_in_the_checkpoint_directory_that_is_no_directory_is_one_line(tmp_path, kind):
+    """<ckpt-dir>/<job> a file: the job ran, every persist failed, and it exited 0 with nothing on disk; a link loop:
+    a traceback (ELOOP). Either is refused before anything starts."""
+    job = f"bad{uuid.uuid4().hex[:8]}"
+    if kind == "file":
+        (tmp_path / job).write_text("x")
+    else:
+        (tmp_path / job).symlink_to(job)
+    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, "--ckpt-dir", str(tmp_path),
+                             str(SCRIPTS / "hello.py")], capture_output=True, text=True, timeout=60)
+    assert_one_line_error(result.returncode, result.stderr, f"this job's directory {tmp_path / job} is not a directory")
+    assert not job_processes(job) and not job_segments(job)
+
+
 def test_a_resume_names_newer_step_directories_it_skips_and_removes_unfinished_steps(tmp_path):
     """A step directory whose manifest was edited (or is missing, or another job's) is never loaded: the resume
     says so in one line, where it went past it silently."""

@@ -622,8 +622,12 @@ class Launcher:
             raise UsageError(f"{problem}: stop it first, or choose another --rdzv-id")
 
     def _hold_job_dir(self, root: str, run_id: str) -> None:
-        """Refuse to start beside a live run of this job that holds ``root`` (a UsageError); on node 0, hold it
-        for this run (:mod:`ftrun.snapshot.dir_owner`), after the checks and repairs of a resume."""
+        """Refuse to start beside a live run of this job that holds ``root``, or where ``root`` is there but is no
+        directory (a file, a link to none or a loop: nothing could be persisted), a UsageError; on node 0, hold it for
+        this run (:mod:`ftrun.snapshot.dir_owner`), after the checks and repairs of a resume."""
+        if os.path.lexists(root) and not os.path.isdir(root):
+            raise UsageError(f"--ckpt-dir: this job's directory {root} is not a directory (a file, or a link that "
+                             "leads to none): nothing could be persisted there; move it away")
         dead = check_dir_owner(root, run_id, self.job_id, lambda line: self.events.emit("ckpt_dir", line),
                                self._slurm_job())
         if dead is not None:
