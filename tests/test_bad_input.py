@@ -12,7 +12,7 @@ import uuid
 import pytest
 
 from conftest import SCRIPTS, TRAIN_PLAIN, free_port, job_processes, job_segments
-from ftrun.control.spec import write_shm_file
+from ftrun.control.spec import shm_dir, write_shm_file
 from ftrun.errors import UsageError
 
 
@@ -261,6 +261,23 @@ def test_a_job_directory_in_the_checkpoint_directory_that_is_no_directory_is_one
     result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, "--ckpt-dir", str(tmp_path),
                              str(SCRIPTS / "hello.py")], capture_output=True, text=True, timeout=60)
     assert_one_line_error(result.returncode, result.stderr, f"this job's directory {tmp_path / job} is not a directory")
+    assert not job_processes(job) and not job_segments(job)
+
+
+def test_a_shape_record_of_garbage_bytes_left_in_the_shm_dir_starts_the_job_clean():
+    """The keeper read a node's shape record as UTF-8: bytes that are not (a damaged /dev/shm file) made it fail to
+    start, and the job failed (exit 3) until its files were removed by hand."""
+    job = f"bad{uuid.uuid4().hex[:8]}"
+    path = os.path.join(shm_dir(), f"ftrun-{job}-node0-shape")
+    with open(path, "wb") as f:
+        f.write(b"\x8c\xff garbage")
+    try:
+        result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, str(SCRIPTS / "hello.py")],
+                                capture_output=True, text=True, timeout=60)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    assert result.returncode == 0, result.stderr
     assert not job_processes(job) and not job_segments(job)
 
 

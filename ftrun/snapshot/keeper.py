@@ -301,7 +301,7 @@ class Keeper:
         shape = (f"{spec.nnodes} node(s) x {spec.nproc_per_node} trainer(s), EC groups of {spec.ec_group} with "
                  f"{spec.ec_parity} parity")
         try:
-            with os.fdopen(open_shm_file(path, os.O_RDONLY)) as f:
+            with os.fdopen(open_shm_file(path, os.O_RDONLY), errors="replace") as f:  # garbage: another shape
                 earlier = f.read()
         except OSError:  # none (files of an older ftrun), or not a file of this user's ftrun
             earlier = shape
