@@ -125,7 +125,6 @@ def test_the_ddp_warm_up_puts_back_a_parameter_its_forward_replaced():
             super().__init__()
             self.query, self.key = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
             self.key.requires_grad_(False)
-            self.require_backward_grad_sync = False  # the DDP attribute the warm-up sets and puts back
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             with torch.no_grad():
@@ -133,8 +132,17 @@ def test_the_ddp_warm_up_puts_back_a_parameter_its_forward_replaced():
                     k.data = k.data * 0.9 + q.data * 0.1
             return self.query(x) + self.key(x)
 
+    class Wrapper(torch.nn.Module):  # what the warm-up uses of a DistributedDataParallel
+        def __init__(self, module: torch.nn.Module) -> None:
+            super().__init__()
+            self.module = module
+            self.require_backward_grad_sync = False  # the DDP attribute the warm-up sets and puts back
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.module(x)
+
     torch.manual_seed(0)
-    model = Momentum()
+    model = Wrapper(Momentum())
     before = {name: t.clone() for name, t in model.state_dict().items()}
     with _left_as_found(model):
         model(torch.ones(2, 4)).sum().backward()
