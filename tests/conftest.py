@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import json
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,21 +36,35 @@ def gpt_args(tmp_path: Path, name: str, *extra: str) -> tuple[list[str], Path]:
     return [str(TRAIN_GPT), "--steps", str(STEPS), "--snapshot-every", str(EVERY), "--out", str(out), *extra], out
 
 
+def computed_once(tmp_path_factory, name: str, compute: Callable[[Path], str]) -> str:
+    """``compute(a new temp dir)``, run once per test session: pytest-xdist's workers share its result through a
+    file in the session's temp root, under a lock (a worker that asks while another computes it waits for it)."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    result = root / f"{name}.result"
+    with open(root / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            result.write_text(compute(tmp_path_factory.mktemp(name)))
+        return result.read_text()
+
+
 @pytest.fixture(scope="session")
 def gpt_baselines(tmp_path_factory):
     """``baseline(nnodes, nproc)``: the final state hash of a failure-free train_gpt run of that shape. It depends
-    on the world size only (4 x 1 ends like 2 x 2), so one run per world size."""
-    hashes: dict[int, str] = {}
+    on the world size only (4 x 1 ends like 2 x 2), so one run per world size in the whole session."""
+
+    def run(nnodes: int, nproc: int, tmp: Path) -> str:
+        args, out = gpt_args(tmp, "baseline")
+        result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", f"t{uuid.uuid4().hex[:10]}",
+                                 "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), *args],
+                                capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+        return out.read_text().strip()
 
     def baseline(nnodes: int, nproc: int) -> str:
-        if nnodes * nproc not in hashes:
-            args, out = gpt_args(tmp_path_factory.mktemp("gpt-baseline"), "baseline")
-            result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", f"t{uuid.uuid4().hex[:10]}",
-                                     "--nnodes", str(nnodes), "--nproc-per-node", str(nproc), *args],
-                                    capture_output=True, text=True, timeout=180)
-            assert result.returncode == 0, result.stderr
-            hashes[nnodes * nproc] = out.read_text().strip()
-        return hashes[nnodes * nproc]
+        return computed_once(tmp_path_factory, f"gpt-baseline-{nnodes * nproc}",
+                             lambda tmp: run(nnodes, nproc, tmp))
 
     return baseline
 
@@ -239,13 +255,16 @@ def train_args(tmp_path: Path, name: str, *extra: str, steps: int = TRAIN_STEPS)
 @pytest.fixture(scope="session")
 def baseline_hash(tmp_path_factory) -> str:
     """Final state hash of the failure-free example run (2 nodes x 2 trainers), computed once."""
-    tmp = tmp_path_factory.mktemp("baseline")
-    args, out = train_args(tmp, "baseline")
-    job_id = f"t{uuid.uuid4().hex[:10]}"
-    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job_id, "--nnodes", "2",
-                             "--nproc-per-node", "2", *args], capture_output=True, text=True, timeout=180)
-    assert result.returncode == 0, result.stderr
-    return out.read_text().strip()
+
+    def run(tmp: Path) -> str:
+        args, out = train_args(tmp, "baseline")
+        job_id = f"t{uuid.uuid4().hex[:10]}"
+        result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job_id, "--nnodes", "2",
+                                 "--nproc-per-node", "2", *args], capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stderr
+        return out.read_text().strip()
+
+    return computed_once(tmp_path_factory, "plain-baseline", run)
 
 
 @pytest.fixture(scope="session")

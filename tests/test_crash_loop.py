@@ -425,6 +425,7 @@ def test_same_failure_at_import_twice_stops_the_job_with_one_line(start_job, tmp
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: test_recovery's test_restart_limit_ends_job_with_summary_and_no_orphans
 @pytest.mark.timeout(180)
 def test_a_different_failure_each_generation_restarts_up_to_the_limit(start_job, tmp_path):
     script = write(tmp_path, "different.py", DIFFERENT_AT_IMPORT)

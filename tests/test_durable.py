@@ -224,6 +224,7 @@ def test_a_run_at_another_world_size_sets_the_earlier_steps_aside_in_one_directo
     assert_job_left_nothing(again)
 
 
+@pytest.mark.extended  # make test: test_more_nodes_lost_than_parity_covers_falls_back_to_disk_bitwise
 @pytest.mark.timeout(300)
 def test_a_failed_parity_rebuild_falls_back_to_disk_within_the_generation(start_job, tmp_path, gpt_baselines):
     """Node 1's slots and node 0's parity of them are corrupt: the rebuild fails once, every node plans the

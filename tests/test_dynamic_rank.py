@@ -65,6 +65,7 @@ def test_launchers_without_node_rank_agree_ranks_and_a_late_one_joins_as_spare(s
     assert_job_left_nothing(nodes[0])
 
 
+@pytest.mark.extended  # make test: test_launchers_without_node_rank_agree_ranks (c10d), test_etcd_jobs
 @pytest.mark.timeout(60)
 def test_with_etcd_too_the_launchers_agree_their_node_ranks(start_job, tmp_path, etcd):
     out = tmp_path / "out"

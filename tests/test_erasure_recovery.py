@@ -138,6 +138,7 @@ def test_node_lost_while_parity_of_a_newer_step_is_computed_restores_a_protected
                    if e["node"] == 1 and e["time"] > rebuilt and e["step"] <= plan["step"]), job.output
 
 
+@pytest.mark.extended  # make test: test_node_lost_while_parity_of_a_newer_step_is_computed_..._step[m2-pushed]
 @pytest.mark.timeout(300)
 def test_snapshots_faster_than_parity_are_skipped_not_waited_for_and_a_lost_node_is_rebuilt_bitwise(
         start_job, tmp_path, gpt_baselines):

@@ -45,7 +45,8 @@ def ddp_run(start_job, tmp_path: Path, name: str, shape: tuple[str, ...], *flags
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("shape", ["one", "chained", "redirected"])
+@pytest.mark.parametrize("shape", ["one", pytest.param("chained", marks=pytest.mark.extended),  # make test: one,
+                                   pytest.param("redirected", marks=pytest.mark.extended)])  # and the unit test below
 def test_a_new_ddp_module_sums_in_another_order_unless_warmed_up(tmp_path, shape):
     """Three gloo ranks, no launcher: a DDP module rebuilt after step 3 ends differently from one kept for all 6
     steps (the drift ftrun removes; if this fails, torch no longer re-buckets and ddp_buckets.py can go), and

@@ -455,6 +455,7 @@ def test_a_stop_signal_while_the_job_starts_ends_it_in_one_line(start_job, tmp_p
     assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: test_sigterm_to_one_supervisor_stops_the_whole_job_after_persisting
 @pytest.mark.timeout(180)
 def test_the_same_stop_delivered_twice_still_persists_the_newest_step(start_job, tmp_path):
     """A signal to a process group that a wrapper (timeout) relays reaches the launcher twice: it used to count as

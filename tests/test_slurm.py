@@ -251,6 +251,7 @@ def test_a_supervisor_killed_under_srun_is_replaced_by_its_launcher_and_the_step
     assert out.read_text().strip() == gpt_baselines(2, 2), text
 
 
+@pytest.mark.extended  # make test: test_srun_two_nodes_survive_a_crash_bitwise, the nothing_replaces unit test
 def test_a_launcher_killed_under_srun_ends_the_step_at_once_and_the_batch_script_resumes_from_ram(
         slurm, gpt_baselines, tmp_path):
     """One node's ftrun SIGKILLed (the OOM killer, an admin): its supervisor dies with it, SLURM neither ends the

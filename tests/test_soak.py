@@ -112,6 +112,7 @@ def dcp_copy_of(ckpt: str) -> psutil.Process | None:
     return None
 
 
+@pytest.mark.extended  # make test: test_persist's test_a_dcp_copy_the_disk_cut_short_is_never_published
 @pytest.mark.timeout(120)
 def test_a_dcp_copy_ends_with_a_launcher_killed_by_sigkill(start_job, tmp_path):
     """A launcher killed by SIGKILL takes every process of its job along; the DCP copy of a step (a child of

@@ -427,6 +427,7 @@ def test_a_node_lost_once_is_one_restart_whoever_declares_it_first(start_job, tm
     assert_job_left_nothing(node0)
 
 
+@pytest.mark.extended  # make test: test_a_multi_node_launcher_replaces_its_killed_supervisor_..._ram[0]
 @pytest.mark.timeout(240)
 def test_a_standby_s_launcher_replaces_its_supervisor_that_died_after_it_took_a_rank(start_job, tmp_path,
                                                                                   gpt_baselines):
