@@ -236,6 +236,28 @@ def test_a_peer_that_stops_sending_is_unavailable_within_the_timeout(make_server
         listener.close()
 
 
+@pytest.mark.parametrize("source", ["memory", "file"])
+def test_a_peer_that_stops_reading_a_reply_is_dropped_within_the_timeout(make_server, make_client, tmp_path,
+                                                                         source) -> None:
+    """A peer that asks for more than the sockets buffer and reads none of it (its keeper stopped, or its host
+    gone while its connection stays open) is dropped after the server's timeout, as one that stops sending: it
+    does not hold its thread and its place among ``max_connections`` for good (at the limit, every other peer was
+    refused)."""
+    size = 32 << 20  # more than a loopback connection's socket buffers hold
+    path = tmp_path / "sparse"
+    with open(path, "wb") as file:
+        file.truncate(size)
+    server, events = make_server(handler=lambda request: Reply({}, [FileRange(str(path), 0, size)] if source == "file"
+                                                              else bytes(size)), max_connections=1, timeout=0.5)
+    stalled = raw_connection(server)
+    try:
+        stalled.sendall(frame(b'{"op":"big"}'))
+        events.wait_for("127.0.0.1:", "took none of its reply for 0.5s", "connection closed")
+        assert make_client(server, timeout=CLOSE_WITHIN).request("big", into=bytearray(size))[1] == size
+    finally:
+        stalled.close()
+
+
 def test_handler_error_is_an_error_reply_and_the_connection_stays(make_server, make_client, tmp_path) -> None:
     server, events = make_server()
     client = make_client(server)

@@ -243,14 +243,20 @@ def _head(fields: dict[str, Any], payload_len: int) -> bytes:
 
 
 def _send(sock: socket.socket, head: bytes, pieces: _Outgoing) -> None:
+    """Sends a frame on a blocking socket. With a send timeout (``SO_SNDTIMEO``) each system call waits that long for
+    the peer to take some bytes, then raises BlockingIOError (``socket.sendfile`` would wait on for good)."""
     sock.sendall(head)
     for piece in pieces:
         if isinstance(piece, memoryview):
             sock.sendall(piece)
             continue
         file, offset, length = piece
-        if sock.sendfile(file, offset, length) != length:
-            raise OSError(f"{file.name} shrank while it was being sent")
+        end = offset + length
+        while offset < end:
+            sent = os.sendfile(sock.fileno(), file.fileno(), offset, end - offset)
+            if sent == 0:
+                raise OSError(f"{file.name} shrank while it was being sent")
+            offset += sent
 
 
 def _describe(exc: BaseException) -> str:
@@ -277,6 +283,9 @@ class PeerServer:
     whenever ``sink`` returned. A sink that raises makes the request an error reply (its payload is dropped).
     A sink's payload that stops arriving for ``timeout`` seconds (a peer stopped mid-request, whose kernel keeps the
     connection open) closes the connection: ``done`` comes within one to two timeouts, never waits for the peer.
+    So does a reply the peer takes none of for ``timeout`` seconds (a peer that stopped reading, or whose host is
+    gone): a connection's thread never waits on its peer for good, and neither holds a place among
+    ``max_connections`` beyond that.
     """
 
     def __init__(
@@ -420,6 +429,7 @@ class PeerServer:
                 self._serving.add(conn)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))  # bounds replies (_send)
             for option, value in KEEPALIVE.items():
                 conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
             while (head := _recv_head(conn, self.max_payload)) is not None:
@@ -499,7 +509,10 @@ class PeerServer:
                 head, pieces = _prepare(reply.fields, reply.payload, files)
             except Exception as exc:
                 head, pieces = _prepare({"error": _describe(exc)}, b"", files)
-            _send(conn, head, pieces)
+            try:
+                _send(conn, head, pieces)
+            except BlockingIOError:  # nothing taken for ``timeout`` seconds (SO_SNDTIMEO)
+                raise _Violation(f"took none of its reply for {self.timeout:g}s") from None
 
 
 class PeerClient:
