@@ -614,3 +614,27 @@ def test_a_pool_holds_connections_for_the_requests_in_flight_and_a_few_idle(make
     while server._connections and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not server._connections
+
+
+@pytest.mark.parametrize("sent", [
+    frame(b'{"op":"echo"}')[:8],  # half a header
+    frame(b'{"op":"echo","text":"' + b"x" * 100 + b'"}')[:40],  # a header and part of its JSON
+    frame(b'{"op":"echo"}', 2 << 20) + bytes(1 << 20),  # half a payload that has no place (it is read and dropped)
+], ids=["header", "json", "dropped payload"])
+def test_a_peer_that_stops_midway_through_a_request_is_dropped_within_the_timeout(make_server, make_client,
+                                                                                  sent) -> None:
+    """A peer with the secret that sends part of a request and stalls (a slow-loris, or a keeper stopped mid-push)
+    is dropped after the server's timeout, as a stalled sink payload is: it cannot hold the place of a peer among
+    ``max_connections`` for good. A connection idle between requests stays open however long it idles."""
+    server, events = make_server(max_payload=4 << 20, sink=Sink(0), max_connections=2, timeout=0.5)
+    idle = make_client(server)
+    assert idle.request("echo", text="before")[1] == b"before"
+    stalled = raw_connection(server)
+    try:
+        stalled.sendall(sent)
+        events.wait_for("127.0.0.1:", "request stalled for 0.5s", "connection closed")
+        assert make_client(server).request("echo", text="a new peer")[1] == b"a new peer"
+        time.sleep(1.5)
+        assert idle.request("echo", text="after")[1] == b"after"  # idle for 3 timeouts and more: still open
+    finally:
+        stalled.close()

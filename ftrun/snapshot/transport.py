@@ -141,10 +141,10 @@ def _recv_exact(sock: socket.socket, view: memoryview, deadline: float | None = 
     return got
 
 
-def _timeval(seconds: float | None) -> bytes:
+def _timeval(seconds: float) -> bytes:
     """A bound on each blocking receive or send of a socket (``SO_RCVTIMEO``, ``SO_SNDTIMEO``: a receive that waits
-    longer fails with EAGAIN, one that got part of its bytes returns them); None: no bound."""
-    seconds = 0.0 if seconds is None else max(seconds, 1e-3)  # a zero timeval means no bound
+    longer fails with EAGAIN, one that got part of its bytes returns them)."""
+    seconds = max(seconds, 1e-3)  # a zero timeval means no bound
     return struct.pack("ll", int(seconds), int(seconds % 1 * 1e6))
 
 
@@ -281,11 +281,11 @@ class PeerServer:
     ``sink(fields, length)`` gives the memory a request's payload is received into and a ``done`` callback,
     called once the payload is in (True) or the connection failed during it (False); ``done`` is called
     whenever ``sink`` returned. A sink that raises makes the request an error reply (its payload is dropped).
-    A sink's payload that stops arriving for ``timeout`` seconds (a peer stopped mid-request, whose kernel keeps the
-    connection open) closes the connection: ``done`` comes within one to two timeouts, never waits for the peer.
-    So does a reply the peer takes none of for ``timeout`` seconds (a peer that stopped reading, or whose host is
-    gone): a connection's thread never waits on its peer for good, and neither holds a place among
-    ``max_connections`` beyond that.
+    A request that stops arriving midway for ``timeout`` seconds, in its header, JSON or payload (a peer stopped
+    mid-request, whose kernel keeps the connection open), closes the connection: a sink's ``done`` comes within one
+    to two timeouts, never waits for the peer; a connection idle between requests stays open. So does a reply the
+    peer takes none of for ``timeout`` seconds (a peer that stopped reading, or whose host is gone): a connection's
+    thread never waits on its peer for good, nor holds a place among ``max_connections`` beyond that.
     """
 
     def __init__(
@@ -430,10 +430,11 @@ class PeerServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
             conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.timeout))  # bounds replies (_send)
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout))  # and requests begun
             for option, value in KEEPALIVE.items():
                 conn.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
-            while (head := _recv_head(conn, self.max_payload)) is not None:
-                self._answer(conn, head[0], self._take_payload(conn, *head))
+            while (request := self._receive(conn)) is not None:
+                self._answer(conn, *request)
         except _Violation as exc:
             self._report(f"peer {peer}: {exc}; connection closed")
         except TimeoutError:
@@ -466,6 +467,23 @@ class PeerServer:
         conn.settimeout(max(deadline - time.monotonic(), 1e-3))
         conn.sendall(_mac(self.secret, b"server", nonce_c, nonce_s))
 
+    def _receive(self, conn: socket.socket) -> tuple[dict[str, Any], str | None] | None:
+        """The next request and why its payload has no place (None: it has); None when the peer closed the
+        connection. Between two requests a connection idles at will; a request begun that then pauses for
+        ``timeout`` seconds (``SO_RCVTIMEO``), in its header, JSON or payload, closes it."""
+        while True:
+            try:
+                if conn.recv(1, socket.MSG_PEEK) == b"":
+                    return None
+                break
+            except BlockingIOError:  # idle for ``timeout`` seconds: no request begun, nothing stalled
+                continue
+        try:
+            head = _recv_head(conn, self.max_payload)
+            return None if head is None else (head[0], self._take_payload(conn, *head))
+        except BlockingIOError:  # nothing more of the request for ``timeout`` seconds
+            raise _Violation(f"request stalled for {self.timeout:g}s") from None
+
     def _take_payload(self, conn: socket.socket, fields: dict[str, Any], length: int) -> str | None:
         """Receives a request's payload where the sink says (else drops it); returns why it has no place."""
         if length == 0:
@@ -483,12 +501,7 @@ class PeerServer:
             if len(view) != length:
                 _discard(conn, length)
                 return f"ValueError: the sink gave {len(view)} bytes for a payload of {length}"
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(self.timeout))
-            try:
-                got = _recv_exact(conn, view)
-            except BlockingIOError:  # nothing for ``timeout`` seconds (SO_RCVTIMEO)
-                raise _Violation(f"payload stalled for {self.timeout:g}s") from None
-            conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(None))  # idle between requests at will
+            got = _recv_exact(conn, view)
             if got < length:
                 raise _Violation("connection closed during the frame payload")
             received = True
