@@ -143,8 +143,9 @@ def job_segments(job_id: str) -> list[str]:
 
 
 def events_of(log_dir: Path) -> list[dict]:
+    """The events written so far: every complete line (one being written has no newline yet)."""
     path = log_dir / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().split("\n")[:-1]] if path.exists() else []
 
 
 @dataclass
