@@ -189,6 +189,32 @@ def test_a_directory_that_cannot_hold_a_record_is_a_warning_not_a_failure(tmp_pa
     assert len(said) == 1 and "cannot write" in said[0] and "would not be refused" in said[0], said
 
 
+@pytest.mark.timeout(60)
+def test_a_beat_on_a_full_disk_leaves_no_temporary_record_behind(small_tmpfs):
+    """The disk of the checkpoint directory fills while the job runs: each failed beat left its empty temporary
+    record (``.owner.<host>.<pid>``) in the job's directory, where it stayed after the run. A failed beat removes
+    its temporary record; the warning is said once."""
+    root = small_tmpfs(1) / JOB
+    said = Said()
+    owner = DirOwner(str(root), "run-a", said, refresh=0.05)
+    owner.take()
+    try:
+        with open(root.parent / "filler", "wb", buffering=0) as filler:  # the disk fills
+            with pytest.raises(OSError):
+                while True:
+                    filler.write(b"\0" * 65536)
+                    filler.flush()
+        deadline = time.monotonic() + 10
+        while not said:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        time.sleep(0.3)  # a few more beats fail
+    finally:
+        owner.close()
+    assert len(said) == 1 and "No space left on device" in said[0], said
+    assert os.listdir(root) == [], os.listdir(root)
+
+
 def other_host() -> tuple[str, ...]:
     """The command prefix that runs ftrun as on another host sharing this one's filesystems: a network, a host name
     and a /dev/shm of its own."""

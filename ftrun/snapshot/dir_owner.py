@@ -185,10 +185,16 @@ class DirOwner:
         return replace(holder, beat=0) == replace(self.holder, beat=0)
 
     def _write(self, holder: Holder) -> None:
+        """Rename a whole record into place; a write that fails (a full disk) removes its temporary file."""
         temporary = f"{owner_path(self.root)}.{self.holder.host}.{self.holder.pid}"
-        with open(temporary, "w", opener=private) as f:
-            json.dump(asdict(holder), f)
-        os.replace(temporary, owner_path(self.root))
+        try:
+            with open(temporary, "w", opener=private) as f:
+                json.dump(asdict(holder), f)
+            os.replace(temporary, owner_path(self.root))
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
 
 
 def _busy(root: str, job: str, holder: Holder, age: float) -> str:
