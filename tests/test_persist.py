@@ -37,6 +37,7 @@ from ftrun.snapshot import persist
 from ftrun.snapshot.layout import RNG_KEY, Capture, capture, encode_meta
 from ftrun.snapshot.persist import CorruptStep
 from ftrun.snapshot.slot import EMPTY, HEADER_SIZE, Header, SlotFile
+from ftrun.ui.durable import disk_state
 
 JOB = "jobx"
 
@@ -634,6 +635,54 @@ def test_a_node_0_replaced_and_back_leaves_the_persist_rounds_of_the_job_alone(t
     old_node_1.tick({}, 4)
     assert Round.decode(store.get(live.coord.key("persist", "round"))) == Round(2, 1, 6)
     assert stale.open is None and stale.persist == (0, 0) and old_node_1.persist == (0, 0)
+    del server
+
+
+def test_a_disk_full_for_one_round_then_freed_is_durability_ok_again(dirs, states):
+    """One persist round of a 2-node job fails (its disk is full), then space is freed and the next round writes
+    its step: the summary and ``ftrun status`` said "DEGRADED" for the rest of the job (every failure counted),
+    though the newest step was on disk again. Durability is degraded while the newest persist failed; once a round
+    succeeds it is "ok", naming the failures before."""
+    root, shm = dirs
+    server = host_store(0)
+    store = SignedStore(C10dStore(server), "0123456789abcdef" * 4)
+    spec = NodeSpec(JOB, 0, 2, 1, "127.0.0.1", 1, "127.0.0.1", "x.py", [], False, False, "/", 1, 0, 1.0, 1.0, 1.0,
+                    1.0, 1.0, 1.0, False, ckpt_dir=str(root), persist_every=1)
+    events = EventLog("test", None, stream=None)
+    nodes = [Durability(replace(spec, node_rank=rank), Coordinator(store, JOB, rank, 2, run=1), events)
+             for rank in (0, 1)]
+    nodes[0].coord.init_job({"ckpt_dir": str(root)})
+    outcome: list[dict] = [{}, {}]
+    for node in nodes:
+        node.begin(0)
+
+    def round_of(step: int, error: str | None) -> None:
+        for node in nodes:
+            node.snapshot_passed(1)
+        for _ in range(3):  # open; hold; name the step
+            for rank, node in enumerate(nodes):
+                node.tick(outcome[rank], step)
+        for rank, node in enumerate(nodes):
+            assert node.persist[1] == step
+            done: dict = {"round": node.persist[0], "step": step}
+            if error is None:
+                slot, _ = make_slot(shm / f"slot-{step}-{rank}", states[rank], step)
+                done["entries"] = {str(rank): persist.write_rank(persist.partial_dir(str(root), step), rank, slot)}
+                slot.close()
+            else:
+                done["error"] = f"node {rank}: {error}"
+            outcome[rank] = done
+        for rank in (1, 0):
+            nodes[rank].tick(outcome[rank], step)
+
+    round_of(10, "No space left on device")
+    assert disk_state(nodes[0].coord, 10).describe().startswith("DEGRADED: 1 of 1 persists failed")
+    round_of(20, None)
+    state = disk_state(nodes[0].coord, 20)
+    assert state is not None and state.step == 20 and not state.degraded
+    assert state.describe().startswith("ok: newest step on disk 20 (0 step(s) behind training"), state.describe()
+    assert state.describe().endswith("; 1 of 2 persists failed before (last: node 0: No space left on device; "
+                                     "node 1: No space left on device)"), state.describe()
     del server
 
 

@@ -27,10 +27,7 @@ class DiskState:
     rounds: int  # persists finished, written or failed
     failures: int
     reason: str  # why the last failed persist failed ("" when none did)
-
-    @property
-    def degraded(self) -> bool:
-        return self.failures > 0
+    degraded: bool  # the newest persist failed: no persist has succeeded since (a disk freed again is not)
 
     def where(self) -> str:
         if self.step is None:
@@ -40,12 +37,13 @@ class DiskState:
         return f"newest step on disk {self.step}" + (f" ({', '.join(lag)})" if lag else "")
 
     def describe(self) -> str:
-        """One line: "ok: newest step on disk 60 (0 step(s) behind training, written 1.2s ago)", or "DEGRADED:
-        3 of 9 persists failed (last: No space left on device); newest step on disk 20 (...)"."""
+        """One line: "ok: newest step on disk 60 (0 step(s) behind training, written 1.2s ago)" (with "; 1 of 9
+        persists failed before (last: ...)" when the disk came back), or "DEGRADED: 3 of 9 persists failed (last: No
+        space left on device); newest step on disk 20 (...)"."""
+        failed = f"{self.failures} of {self.rounds} persists failed"
         if self.degraded:
-            return (f"DEGRADED: {self.failures} of {self.rounds} persists failed (last: {self.reason}); "
-                    f"{self.where()}")
-        return f"ok: {self.where()}"
+            return f"DEGRADED: {failed} (last: {self.reason}); {self.where()}"
+        return f"ok: {self.where()}" + (f"; {failed} before (last: {self.reason})" if self.failures else "")
 
 
 def disk_state(coord: Coordinator, committed: int, now: float | None = None) -> DiskState | None:
@@ -66,7 +64,7 @@ def disk_state(coord: Coordinator, committed: int, now: float | None = None) -> 
                      max(0, committed - step) if step is not None and committed else None,
                      int(number(coord.get("persist", "rounds")) or 0),
                      int(number(coord.get("persist", "failures")) or 0),
-                     reason.decode(errors="replace") if reason else "")
+                     reason.decode(errors="replace") if reason else "", bool(coord.get("persist", "degraded")))
 
 
 def newest_committed(coord: Coordinator) -> int:
