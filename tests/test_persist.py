@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 from torch import nn
+from torch.distributed import TCPStore
 
 from ftrun.control.coordination import Coordinator
 from ftrun.control.signed import SignedStore
@@ -638,51 +639,83 @@ def test_a_node_0_replaced_and_back_leaves_the_persist_rounds_of_the_job_alone(t
     del server
 
 
+def two_nodes(root: Path, **settings: Any) -> tuple[list[Durability], TCPStore]:
+    """Node 0 and node 1 of a job of 2 nodes x 1 rank persisting to ``root`` (every snapshot step), in generation 0;
+    and the control store's server (keep it while they run)."""
+    server = host_store(0)
+    store = SignedStore(C10dStore(server), "0123456789abcdef" * 4)
+    spec = NodeSpec(JOB, 0, 2, 1, "127.0.0.1", 1, "127.0.0.1", "x.py", [], False, False, "/", 1, 0, 1.0, 1.0, 1.0,
+                    1.0, 1.0, 1.0, False, ckpt_dir=str(root), persist_every=1, **settings)
+    events = EventLog("test", None, stream=None)
+    nodes = [Durability(replace(spec, node_rank=rank), Coordinator(store, JOB, rank, 2, run=1), events)
+             for rank in (0, 1)]
+    nodes[0].coord.init_job({"ckpt_dir": str(root)})
+    for node in nodes:
+        node.begin(0)
+    return nodes, server
+
+
+def persist_round(nodes: list[Durability], shm: Path, states: list[dict], step: int, error: str | None = None,
+                  final: bool = False) -> None:
+    """One round of ``nodes`` persisting ``step`` (the final one if ``final``): each node's keeper writes its rank's
+    file, or fails with ``error``; node 0 finishes the step."""
+    root = nodes[0].root
+    if final:
+        nodes[0].ask_final(step)
+    for node in nodes:
+        node.snapshot_passed(1)
+    for _ in range(3):  # open; hold; name the step
+        for node in nodes:
+            node.tick({}, step)
+    outcomes = []
+    for rank, node in enumerate(nodes):
+        assert node.persist[1] == step
+        done: dict = {"round": node.persist[0], "step": step}
+        if error is None:
+            slot, _ = make_slot(shm / f"slot-{step}-{rank}", states[rank], step)
+            done["entries"] = {str(rank): persist.write_rank(persist.partial_dir(root, step), rank, slot)}
+            slot.close()
+        else:
+            done["error"] = f"node {rank}: {error}"
+        outcomes.append(done)
+    for rank in (1, 0):
+        nodes[rank].tick(outcomes[rank], step)
+
+
 def test_a_disk_full_for_one_round_then_freed_is_durability_ok_again(dirs, states):
     """One persist round of a 2-node job fails (its disk is full), then space is freed and the next round writes
     its step: the summary and ``ftrun status`` said "DEGRADED" for the rest of the job (every failure counted),
     though the newest step was on disk again. Durability is degraded while the newest persist failed; once a round
     succeeds it is "ok", naming the failures before."""
     root, shm = dirs
-    server = host_store(0)
-    store = SignedStore(C10dStore(server), "0123456789abcdef" * 4)
-    spec = NodeSpec(JOB, 0, 2, 1, "127.0.0.1", 1, "127.0.0.1", "x.py", [], False, False, "/", 1, 0, 1.0, 1.0, 1.0,
-                    1.0, 1.0, 1.0, False, ckpt_dir=str(root), persist_every=1)
-    events = EventLog("test", None, stream=None)
-    nodes = [Durability(replace(spec, node_rank=rank), Coordinator(store, JOB, rank, 2, run=1), events)
-             for rank in (0, 1)]
-    nodes[0].coord.init_job({"ckpt_dir": str(root)})
-    outcome: list[dict] = [{}, {}]
-    for node in nodes:
-        node.begin(0)
-
-    def round_of(step: int, error: str | None) -> None:
-        for node in nodes:
-            node.snapshot_passed(1)
-        for _ in range(3):  # open; hold; name the step
-            for rank, node in enumerate(nodes):
-                node.tick(outcome[rank], step)
-        for rank, node in enumerate(nodes):
-            assert node.persist[1] == step
-            done: dict = {"round": node.persist[0], "step": step}
-            if error is None:
-                slot, _ = make_slot(shm / f"slot-{step}-{rank}", states[rank], step)
-                done["entries"] = {str(rank): persist.write_rank(persist.partial_dir(str(root), step), rank, slot)}
-                slot.close()
-            else:
-                done["error"] = f"node {rank}: {error}"
-            outcome[rank] = done
-        for rank in (1, 0):
-            nodes[rank].tick(outcome[rank], step)
-
-    round_of(10, "No space left on device")
+    nodes, server = two_nodes(root)
+    persist_round(nodes, shm, states, 10, "No space left on device")
     assert disk_state(nodes[0].coord, 10).describe().startswith("DEGRADED: 1 of 1 persists failed")
-    round_of(20, None)
+    persist_round(nodes, shm, states, 20)
     state = disk_state(nodes[0].coord, 20)
     assert state is not None and state.step == 20 and not state.degraded
     assert state.describe().startswith("ok: newest step on disk 20 (0 step(s) behind training"), state.describe()
     assert state.describe().endswith("; 1 of 2 persists failed before (last: node 0: No space left on device; "
                                      "node 1: No space left on device)"), state.describe()
+    del server
+
+
+def test_the_final_persist_copies_its_step_to_dcp_at_once_stopping_an_older_copy(dirs, states):
+    """With --ckpt-format dcp the job's end (or a SIGTERM) waits for the DCP copy of the final step. A copy of an
+    older step still running (a large state, a slow disk) made it wait for that one first: the final step, complete
+    on disk, was reported 'did not complete within 60s' (exit 1 after a SIGTERM). The final step's copy starts at
+    once, stopping the older one (which the final copy supersedes)."""
+    root, shm = dirs
+    nodes, server = two_nodes(root, ckpt_format="dcp")
+    copies = nodes[0].copies
+    assert copies is not None
+    try:
+        persist_round(nodes, shm, states, 10)
+        assert copies.spare() == {10}  # its copy runs (a child process that imports torch: seconds)
+        persist_round(nodes, shm, states, 20, final=True)
+        assert copies.spare() == {20}
+    finally:
+        copies.stop()
     del server
 
 
