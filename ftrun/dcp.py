@@ -21,7 +21,9 @@ Elsewhere (``dcp.async_save``'s thread, over tensors DCP staged) it returns once
 :class:`NoSnapshot` itself, before DCP runs, since DCP would wrap an error of ``read_metadata`` in a
 ``CheckpointException``) and DCP copies from it into the live state in place (``planner.resolve_tensor`` /
 ``commit_tensor``; an object reaches ``planner.load_bytes`` as a ``torch.save`` made here of the JSON-restored
-value).
+value). The resume window (the DDP warm-up: :mod:`ftrun.snapshot.client`) opens once ``read_data`` has copied, not
+at ``MemoryReader()``: before reading, ``dcp.load`` calls the ``Stateful`` objects' ``state_dict()``, where
+``get_state_dict`` makes a fresh optimizer's state with an optimizer step, which would close it.
 
 Invariants:
 
@@ -260,7 +262,7 @@ class MemoryReader(StorageReader):
         with _lock:
             if _restored is None and not _saved:
                 snap = _snapshotter()
-                _restored = snap.restore()
+                _restored = snap.restore(open_window=False)  # read_data opens it (module docstring)
                 if _restored:
                     _loaded = {key: snap.state[key] for key in ("format", "world", "planner")}
                     if _loaded["format"] == FORMAT:
@@ -355,6 +357,7 @@ class MemoryReader(StorageReader):
                 self._refuse(item, stored, f"reads {list(target.shape)} of it into its chunk at {_at(item)}")
             target.copy_(stored["t"])
             planner.commit_tensor(item, target)
+        _snapshotter().open_resume_window()
         return _done(None)
 
     def _refuse(self, item: ReadItem, stored: dict[str, Any], live: str) -> None:

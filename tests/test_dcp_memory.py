@@ -71,12 +71,15 @@ class FakeSnapshotter:
     def wait(self):
         self.waited = getattr(self, "waited", 0) + 1
 
-    def restore(self):
+    def restore(self, open_window=True):
         step, meta, tensors = self.saved
         layout, skeleton = decode_meta(meta)
         by_path = {e.path: t for e, t in zip(layout.entries, tensors)}
         restore(self.state, layout, skeleton, lambda entry: by_path[entry.path])
         return step
+
+    def open_resume_window(self):
+        self.windows = getattr(self, "windows", 0) + 1
 
 
 @pytest.fixture

@@ -205,6 +205,21 @@ def test_an_optimizer_whose_step_runs_the_forward_resumes_bitwise_on_three_ranks
     assert final == expected
 
 
+@pytest.mark.timeout(240)
+def test_dcp_app_state_resumes_bitwise_on_three_ddp_ranks(start_job, tmp_path):
+    """DCP's AppState recipe through ftrun.dcp: ``dcp.load`` calls ``get_state_dict``, which makes the state of the
+    restarted trainer's fresh optimizer with a step at a zero learning rate. That step ended the resume window
+    MemoryReader() had opened, before the first training forward: the DDP warm-up never ran, and on 3 ranks the
+    resumed run's first step summed gradients in DDP's initial bucket order, its final state not the run's without
+    failure."""
+    shape, script = ("--nproc-per-node", "3"), ("--dcp", "--steps", "16")
+    _, expected, _ = ddp_run(start_job, tmp_path, "straight", shape, script=script)
+    job, final, _ = ddp_run(start_job, tmp_path, "crash", shape, "--inject", "crash@rank=1,step=8", script=script)
+    assert [(f["kind"], f["rank"]) for f in primary_failures(job)] == [("crash", 1)], job.output
+    assert "restore step 5 from RAM" in job.output
+    assert final == expected
+
+
 @pytest.mark.extended  # make test: the optimizer step hooks of every other test (a compiled step: 27 s)
 @pytest.mark.timeout(240)
 def test_a_compiled_optimizer_step_waits_for_the_snapshot_untraced(start_job, tmp_path):

@@ -26,7 +26,10 @@ once. A slot that fails the checks is reported to the keeper and never loaded; t
 error and the next generation agrees on an older step.
 
 The *resume window* runs from a restore of a step > 0 to the end of the first optimizer step (or ``save``) after it:
-its end, as an optimizer with a closure (LBFGS) runs the step's forward and backward inside ``step()``. In it,
+its end, as an optimizer with a closure (LBFGS) runs the step's forward and backward inside ``step()``. A caller that
+loads more after the restore opens it itself once that is done (``restore(open_window=False)``, then
+:meth:`Snapshotter.open_resume_window`): :mod:`ftrun.dcp`, whose ``dcp.load`` calls ``get_state_dict``, which makes a
+fresh optimizer's state with a step at a zero learning rate, no training step. In it,
 the first training forward of each DDP module runs a warm-up that leaves no trace, so the resumed step sums
 gradients in the order the failure-free run did (:mod:`ftrun.snapshot.ddp_buckets`), and the restored data
 loaders draw their resume iterator's seed from a throwaway generator, not from the restored RNG
@@ -166,14 +169,16 @@ class Snapshotter:
         self._disabled = False
         self.last_copy_seconds = 0.0
         self._window: tuple[BucketWarmup, LoaderSeedGuard] | None = None  # the resume window (module docstring)
+        self._window_due = False  # a step was restored and its window is not open yet
         self._told_uncaptured = False
         self._asked_restore = False  # restore() was called, or save() said it was not (a restarted trainer that
         # never calls it resumes nothing)
         _SNAPSHOTTERS.add(self)
 
     # -- restore --------------------------------------------------------------------------------------------
-    def restore(self) -> int:
-        """Load the snapshot every rank agreed on into the live state; returns its step (0: none)."""
+    def restore(self, *, open_window: bool = True) -> int:
+        """Load the snapshot every rank agreed on into the live state; returns its step (0: none). The resume window
+        (module docstring) opens unless ``open_window`` is False: then :meth:`open_resume_window` opens it."""
         if not self.active:
             return 0
         self._asked_restore = True
@@ -206,11 +211,20 @@ class Snapshotter:
         self._keeper.request("restored", rank=self._rank, step=step, nbytes=header.payload_len,
                              seconds=time.perf_counter() - t0)
         self._restored = step
-        warmup = BucketWarmup()
-        warmup.arm()
-        self._window = warmup, LoaderSeedGuard(self.state)
+        self._window_due = True
+        if open_window:
+            self.open_resume_window()
         restored(step)
         return step
+
+    def open_resume_window(self) -> None:
+        """Open the resume window of the step restored, if it is due: once per restore, before the first ``save()``
+        of a later step (optimizer steps before it, a loading caller's, are no training steps)."""
+        if self._window_due:
+            self._window_due = False
+            warmup = BucketWarmup()
+            warmup.arm()
+            self._window = warmup, LoaderSeedGuard(self.state)
 
     # -- save -----------------------------------------------------------------------------------------------
     def save(self, step: int) -> None:
@@ -232,6 +246,7 @@ class Snapshotter:
                       "this trainer does not resume from the step the job agreed on; call restore() (or load "
                       "through ftrun.dcp.MemoryReader) before the training loop", file=sys.stderr, flush=True)
         if step > self._restored:
+            self._window_due = False
             self._end_resume_window()
         if self._disabled or step % self.every:
             return

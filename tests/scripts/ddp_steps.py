@@ -9,6 +9,9 @@ Batches come from one of three sources (``--data``):
   snapshot as ``"data"`` (``--workers`` loader processes);
 * ``plain``: a plain torch DataLoader in the snapshot (its position is not captured: ftrun warns).
 
+``--dcp`` (with ``--data loop``) checkpoints through :mod:`ftrun.dcp` instead of a Snapshotter, the state as DCP's
+``AppState`` recipe (:class:`AppState`: ``get_state_dict`` / ``set_state_dict``), this rank's RNG state included.
+
 Every rank appends ``step id id ...`` per step to ``--ids``/rank<R>.txt; rank 0 writes the SHA-256 of the final
 model, optimizer and scheduler state to ``--out``.
 """
@@ -22,10 +25,14 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import ftrun
+import ftrun.dcp
 
 
 class Numbered(Dataset):
@@ -37,6 +44,26 @@ class Numbered(Dataset):
     def __getitem__(self, i: int) -> tuple[int, torch.Tensor, torch.Tensor]:
         x = torch.randn(24, generator=torch.Generator().manual_seed(i))
         return i, x, x.sum(dim=0, keepdim=True).sin()
+
+
+class AppState(Stateful):
+    """Model and optimizer through ``get_state_dict`` / ``set_state_dict`` (a fresh optimizer's state is made there by
+    a step with a zero learning rate), the scheduler, the progress and this rank's torch RNG state (dropout)."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 scheduler: torch.optim.lr_scheduler.LRScheduler, progress: dict) -> None:
+        self.model, self.optimizer, self.scheduler, self.progress = model, optimizer, scheduler, progress
+
+    def state_dict(self) -> dict:
+        model_state, optim_state = get_state_dict(self.model, self.optimizer)
+        return {"model": model_state, "optim": optim_state, "sched": self.scheduler.state_dict(),
+                "progress": dict(self.progress), "rng": torch.get_rng_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["sched"])
+        self.progress.update(state["progress"])
+        torch.set_rng_state(state["rng"])
 
 
 def state_hash(*objects: object) -> str:
@@ -82,6 +109,7 @@ def main() -> None:
     parser.add_argument("--data", choices=("loop", "stateful", "plain"), default="loop")
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--optim", choices=("adamw", "lbfgs"), default="adamw")
+    parser.add_argument("--dcp", action="store_true", help="checkpoint through ftrun.dcp (--data loop)")
     parser.add_argument("--compile-step", action="store_true", help="torch.compile the optimizer step (eager backend)")
     parser.add_argument("--ids", help="directory for the sample ids of every step, one file per rank")
     parser.add_argument("--out", help="file for the final state hash (rank 0)")
@@ -114,9 +142,22 @@ def main() -> None:
     if loader is not None:
         state["data"] = loader
 
-    snap = ftrun.Snapshotter(state, every=args.every)
     optimizer_step = torch.compile(optimizer.step, backend="eager") if args.compile_step else optimizer.step
-    step = snap.restore()
+    if args.dcp:
+        app = {"app": AppState(model, optimizer, scheduler, state["progress"])}
+        try:
+            dcp.load(app, storage_reader=ftrun.dcp.MemoryReader())
+        except ftrun.dcp.NoSnapshot:
+            pass
+        step, finish = ftrun.dcp.restored_step(), ftrun.dcp.wait
+
+        def save(step: int) -> None:
+            ftrun.heartbeat(step)
+            if step % args.every == 0:
+                dcp.save(app, storage_writer=ftrun.dcp.MemoryWriter(step))
+    else:
+        snap = ftrun.Snapshotter(state, every=args.every)
+        step, save, finish = snap.restore(), snap.save, snap.wait
     if step:
         time.sleep(args.resume_pause)
     ddp = DistributedDataParallel(model)
@@ -143,8 +184,8 @@ def main() -> None:
             ids_file.flush()
         if args.step_time:
             time.sleep(args.step_time)
-        snap.save(step)
-    snap.wait()
+        save(step)
+    finish()
     if rank == 0 and args.out:
         with open(args.out, "w") as f:
             f.write(state_hash(model, optimizer, scheduler) + "\n")
