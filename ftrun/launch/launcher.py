@@ -91,7 +91,7 @@ _POLL_INTERVAL = 0.02
 # look after (no spares, no vacant node rank, no --tui view)
 IDLE_LOOK = 1.0
 DIR_OWNER_LOOK = 2.0  # seconds between a standby's looks for whether it took node rank 0 (then it holds --ckpt-dir)
-FENCE_INTERVAL = 0.1  # seconds between two looks for a supervisor whose rank a spare took (local mode, --spares)
+FENCE_INTERVAL = 0.1  # seconds between two looks of a launcher with --spares at the nodes it runs (_end_lost)
 # a supervisor's exit codes that end its node's part of the job; any other is a lost supervisor (killed, crashed)
 SUPERVISOR_ENDS = (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED, EXIT_STEP_ENDED)
 
@@ -159,13 +159,13 @@ class Launcher:
         self.address: StoreAddress | None = None  # where the control store is (set by _open_store)
         self.procs: dict[int, subprocess.Popen[bytes] | ForkedChild] = {}
         self.pool: SparePool | None = None  # --spares
-        self._next_fence = 0.0  # see _fence
         self._exits = ExitWatch()  # see _pause
         self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
         # nodes whose files on this host are a spare's now: it took the rank after their killed supervisor stalled
         self._kept_files: set[int] = set()
-        # under srun (_end_stalled): node -> the incarnation its supervisor's replacement replaced (not that one's),
-        # and since when (time.monotonic()) its supervisor runs on though lost to the job; the nodes whose
+        # (_end_lost) node -> the incarnation that held its rank when this launcher started its supervisor's
+        # replacement (a lost owner of that incarnation is not the replacement, which has yet to take the rank), and
+        # since when (time.monotonic()) its supervisor runs on though the job lost it; under srun the nodes whose
         # supervisor it ended after their step had ended (their snapshots stay for the next step, as that one's)
         self._replaced: dict[int, int] = {}
         self._stalled: dict[int, float] = {}
@@ -423,8 +423,7 @@ class Launcher:
             # killed earlier run of the job with more nodes left (every node of the job is on this host)
             # (a node whose SLURM step ended keeps them, and its claim on them, for the next step)
             for node in sorted(set(nodes) | nodes_with_files(self.job_id)) if self.cfg.local_mode else nodes:
-                ended = node in self._step_over or (node in self.procs and self.procs[node].poll() == EXIT_STEP_ENDED)
-                if self.cfg.local_mode or not (ended or self._files_left_to_spare(node)):
+                if self.cfg.local_mode or not (self._node_step_ended(node) or self._files_left_to_spare(node)):
                     unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
             if self.slurm is not None and not self._step_ended():  # nothing left to claim
@@ -434,7 +433,12 @@ class Launcher:
 
     def _step_ended(self) -> bool:
         """Whether this node's supervisor ended with its SLURM step, keeping its snapshots for the next step."""
-        return bool(self._step_over) or any(proc.poll() == EXIT_STEP_ENDED for proc in self.procs.values())
+        return any(self._node_step_ended(node) for node in self.procs)
+
+    def _node_step_ended(self, node: int) -> bool:
+        """Whether ``node``'s part of the job ended with its SLURM step, its snapshots kept for the next step: its
+        supervisor said so (:data:`EXIT_STEP_ENDED`), or this launcher ended it, stalled, after the step had ended."""
+        return node in self._step_over or (node in self.procs and self.procs[node].poll() == EXIT_STEP_ENDED)
 
     def _end(self, coord: Coordinator, code: int, state: str, step_ended: bool) -> None:
         """Record the end of the run, show the summary, and leave."""
@@ -721,17 +725,20 @@ class Launcher:
         (:meth:`_left_to_spare`). Returns the job's exit code."""
         results: dict[int, int] = {}
         vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
-        fenced: set[int] = set()  # nodes whose supervisor this launcher killed after a spare took their rank
-        # under srun a look at least four times per --node-timeout (_beat, _end_stalled), however often the loop runs
-        idle = min(IDLE_LOOK, self.cfg.node_timeout / 4) if self.slurm is not None else IDLE_LOOK
+        # node -> whether a spare had taken its rank, for each node whose supervisor this launcher killed (_end_lost)
+        # and has not seen exit yet
+        killed: dict[int, bool] = {}
+        # a look at the nodes (_beat, _end_lost) at least four times per --node-timeout, however often the loop runs;
+        # with --spares every FENCE_INTERVAL: a spare that took a stalled node's rank waits for its names on this host
+        look = FENCE_INTERVAL if self.pool is not None else min(IDLE_LOOK, self.cfg.node_timeout / 4)
         next_look = 0.0
         while len(results) < len(self.procs):
-            if self.slurm is not None and self.signalled is None and time.monotonic() >= next_look:
-                next_look = time.monotonic() + idle
-                self._beat(coord)
-                self._end_stalled(coord)
-            if self.pool is not None and self.cfg.local_mode and self.signalled is None:
-                fenced |= self._fence(coord, fenced | set(vacant) | set(results))
+            if (self.signalled is None and time.monotonic() >= next_look
+                    and (self.slurm is not None or self.pool is not None)):
+                next_look = time.monotonic() + look
+                if self.slurm is not None:
+                    self._beat(coord)
+                killed.update(self._end_lost(coord, set(killed)))
             for node, code in list(vacant.items()):
                 if self._hand_over(coord, node):
                     del vacant[node]
@@ -745,9 +752,9 @@ class Launcher:
                 if node in results or node in vacant or proc.poll() is None:
                     continue
                 code = proc.returncode
-                if (code == EXIT_REPLACED or node in fenced) and self.cfg.local_mode:
+                fenced = killed.pop(node, False)
+                if (code == EXIT_REPLACED or fenced) and self.cfg.local_mode:
                     vacant[node] = code  # seen as lost while alive: a spare took its rank
-                    fenced.discard(node)
                     continue
                 lost = code not in SUPERVISOR_ENDS
                 if lost and self.signalled is None and not self.cfg.local_mode and self._left_to_spare(coord, node,
@@ -796,7 +803,7 @@ class Launcher:
             if self.view is not None:
                 self._refresh(coord)
             if len(results) < len(self.procs):  # (the last exit needs no wait)
-                self._pause(_POLL_INTERVAL if vacant or self.pool is not None or self.view is not None else idle)
+                self._pause(_POLL_INTERVAL if vacant or self.pool is not None or self.view is not None else look)
         if self.signalled is None and {EXIT_STOPPED, EXIT_STOPPED_UNSAVED} & set(results.values()):
             self.signalled = _stop_signal(coord)  # a supervisor was told to stop, and the job stopped with it
         if self.signalled is not None:
@@ -820,62 +827,55 @@ class Launcher:
         select.select(self._exits.fds(), [], [], timeout if watched else min(timeout, _POLL_INTERVAL))
         self._report_ignored()
 
-    def _fence(self, coord: Coordinator, skip: set[int]) -> set[int]:
-        """SIGKILL the supervisor of each node (but ``skip``) whose rank a spare took while it still runs (stalled,
-        say); returns those nodes. On this host its keeper and trainers use the node's names (the keeper's socket,
-        the node's files in /dev/shm, its heartbeat table), which the spare's need: they die with it
-        (PR_SET_PDEATHSIG), a stopped process too, and leave the node's snapshots for the spare's keeper. At most
-        once every :data:`FENCE_INTERVAL`."""
-        now = time.monotonic()
-        if now < self._next_fence:
-            return set()
-        self._next_fence = now + FENCE_INTERVAL
-        killed = set()
-        for node, proc in self.procs.items():
-            if node in skip or proc.poll() is not None:
-                continue
-            held = owner(coord, node)[1]
-            if not self._taken_by_spare(node, held):
-                continue
-            assert held is not None
-            proc.send_signal(signal.SIGKILL)
-            killed.add(node)
-            self.events.emit("fenced", f"node {node}'s supervisor (pid {proc.pid}) still ran after spare {held.spare} "
-                             "took its rank: killed, with its keeper and trainers", node=node, spare=held.spare)
-        return killed
-
     def _beat(self, coord: Coordinator) -> None:
         """Under srun: this ftrun lives (:meth:`Coordinator.beat_launcher`), for each node it runs: the other nodes
-        wait for a supervisor of it they lost (it may come back, or :meth:`_end_stalled` replaces it), and end the
+        wait for a supervisor of it they lost (it may come back, or :meth:`_end_lost` replaces it), and end the
         step for a lost node whose ftrun stopped beating (:func:`ftrun.launch.supervisor.nothing_replaces`)."""
         with contextlib.suppress(DistError):  # the control store is away: nobody to tell
             for node in self.procs:
                 coord.beat_launcher(node)
 
-    def _end_stalled(self, coord: Coordinator) -> None:
-        """Under srun: SIGKILL this launcher's supervisor of a node that runs on ``--node-timeout`` after this
-        launcher saw the other nodes declare it lost (``node/<r>/lost`` names its incarnation) or a spare take its
-        rank: it is stalled (stopped, frozen), and no other ftrun can run the node in the step. Waited on, it kept
-        this task, and so the step, running for ever after the other nodes had ended it. Its exit is a lost
-        supervisor's (:meth:`_wait`): replaced here, left to the spare, or (the step ended) the end of this node's
-        part, its snapshots kept for the next step."""
+    def _end_lost(self, coord: Coordinator, skip: set[int]) -> dict[int, bool]:
+        """SIGKILL this launcher's supervisor of each node (but ``skip``: killed already) that the job no longer
+        counts on while it still runs (stalled: stopped, frozen, cut off): at once when a spare took the node's rank
+        (:meth:`_taken_by_spare`), ``--node-timeout`` after this launcher saw the other nodes declare it lost
+        (``node/<r>/lost`` names its incarnation) otherwise. A supervisor never declared lost (slow, however slow) is
+        never killed, nor one that rejoined in time (that clears ``node/<r>/lost``), nor a replacement that has not
+        taken the rank yet (:attr:`_replaced`). Its keeper, zygote and trainers die with it (PR_SET_PDEATHSIG, a
+        stopped process too), freeing the node's names on this host (the keeper's socket, its files in /dev/shm,
+        the heartbeat table) for a spare here; its exit is a lost supervisor's (:meth:`_wait`): left to the spare,
+        else replaced here, its keeper re-adopting the node's snapshots (under srun, the step having ended, the end
+        of this node's part, its snapshots kept for the next step). Waited on, it held up the job until
+        ``--rdzv-timeout`` (under srun its step for ever). Returns the nodes killed, each with whether a spare had
+        taken its rank."""
         now = time.monotonic()
+        killed: dict[int, bool] = {}
         for node, proc in self.procs.items():
             try:
-                held = owner(coord, node)[1] if proc.poll() is None else None
-                lost = held is not None and (self._taken_by_spare(node, held) or (
-                    held.incarnation > self._replaced.get(node, 0)
-                    and coord.get("node", node, "lost") == str(held.incarnation).encode()))
+                held = owner(coord, node)[1] if node not in skip and proc.poll() is None else None
+                taken = self._taken_by_spare(node, held)
+                declared = (held is not None and not taken and held.incarnation > self._replaced.get(node, 0)
+                            and coord.get("node", node, "lost") == str(held.incarnation).encode())
             except DistError:  # the control store is away: nothing to tell (the supervisor waits for it too)
                 continue
-            if not lost:
+            if not (taken or declared):
                 self._stalled.pop(node, None)
-            elif now - self._stalled.setdefault(node, now) > self.cfg.node_timeout:
-                del self._stalled[node]
-                proc.send_signal(signal.SIGKILL)
+                continue
+            if declared and now - self._stalled.setdefault(node, now) <= self.cfg.node_timeout:
+                continue
+            self._stalled.pop(node, None)
+            proc.send_signal(signal.SIGKILL)
+            killed[node] = taken
+            assert held is not None
+            if taken:
+                self.events.emit("fenced", f"node {node}'s supervisor (pid {proc.pid}) still ran after spare "
+                                 f"{held.spare} took its rank: killed, with its keeper and trainers", node=node,
+                                 spare=held.spare, pid=proc.pid)
+            else:
                 self.events.emit("stalled", f"node {node}'s supervisor (pid {proc.pid}) still ran "
                                  f"{self.cfg.node_timeout:g}s after the job lost it (stalled: stopped, frozen?): "
                                  "killed, with its keeper and trainers", node=node, pid=proc.pid)
+        return killed
 
     def _taken_by_spare(self, node: int, held: Owner | None) -> bool:
         """Whether ``held``, ``node``'s owner, is a spare this launcher did not hand the node over to: its own
