@@ -3,6 +3,7 @@ the loss; node-rank ownership and claims on a real store."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
@@ -228,9 +229,10 @@ def test_a_stalled_node_whose_rank_a_spare_took_is_killed_and_the_spare_resumes_
 @pytest.mark.timeout(240)
 def test_a_node_replaced_by_a_standby_on_its_host_leaves_it_the_node_s_files(start_job, tmp_path, gpt_baselines):
     """Multi-node: node 1's supervisor stalls (SIGSTOP) until a --standby on the same host has taken its rank, then
-    resumes, finds itself replaced and leaves. The node's files (same names on this host) are the standby's now:
-    the leaving node kills its keeper instead of letting it unlink them, and neither it nor its launcher removes
-    them. Before, the standby's slots vanished and every later generation failed (10 restarts, exit 3)."""
+    resumes, finds itself replaced and leaves (or its launcher, seeing the rank taken, kills it first). The node's
+    files (same names on this host) are the standby's now: the leaving node kills its keeper instead of letting it
+    unlink them, and neither it nor its launcher removes them. Before, the standby's slots vanished and every later
+    generation failed (10 restarts, exit 3)."""
     args, out = gpt_args(tmp_path, "replaced-here", "--step-time", "0.05")
     common = ("--nnodes", "2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--node-timeout", "1",
               "--nproc-per-node", "1")
@@ -246,7 +248,8 @@ def test_a_node_replaced_by_a_standby_on_its_host_leaves_it_the_node_s_files(sta
         node0.wait_for_event(lambda e: e["event"] == "spare_claimed", timeout=60)
         time.sleep(1)
     finally:
-        supervisor.send_signal(signal.SIGCONT)
+        with contextlib.suppress(psutil.NoSuchProcess):  # its launcher, seeing the rank taken, may have killed it
+            supervisor.send_signal(signal.SIGCONT)
     assert node0.wait(180) == 0, node0.output
     assert standby.wait(60) == 0, standby.output
     assert node1.wait(60) == 4, node1.output  # it left a job that went on: not "failed"
@@ -341,6 +344,29 @@ def test_a_multi_node_launcher_replaces_its_killed_supervisor_and_the_job_resume
 
 
 @pytest.mark.timeout(240)
+def test_a_multi_node_launcher_ends_its_stalled_supervisor_and_replaces_it_from_its_ram(start_job, tmp_path,
+                                                                                      gpt_baselines):
+    """Multi-node outside SLURM, no spare: node 1's supervisor stalls (SIGSTOP, a frozen process) and stays stopped
+    while its ftrun lives. Node 0 declares it lost; its launcher kills it --node-timeout later and starts a
+    replacement, whose keeper re-adopts the node's slots: one restart (the launcher finds the loss declared: no
+    second generation), from RAM, and the failure-free hash. Before, nothing replaced it: node 0 waited out
+    --rdzv-timeout for node 1 and failed ("did not join", exit 3)."""
+    node0, node1, out, _, _ = start_two_nodes(start_job, tmp_path, "stalled-replaced", "--node-timeout", "1")
+    supervisor = kill_supervisor(node0, 1, signal.SIGSTOP)
+    assert node0.wait(90) == 0, node0.output + node1.output
+    assert node1.wait(30) == 0, node1.output
+    assert out.read_text().strip() == gpt_baselines(2, 1)
+    failures = primary_failures(node0)
+    assert [(f["kind"], f["node"], f["generation"]) for f in failures] == [("node-lost", 1, 1)], node0.output
+    assert "(seen by node 0 (supervisor beats))" in node0.output and ", 1 restart(s)" in node0.output, node0.output
+    assert f"node 1's supervisor (pid {supervisor.pid}) still ran 1s after the job lost it" in node1.output
+    assert "starting a replacement for node 1" in node1.output, node1.output
+    [restore] = [e for e in node0.events() if e["event"] == "restore" and e["generation"] == 1][:1]
+    assert "from RAM" in restore["message"] and "parity" not in restore["message"], restore
+    assert_job_left_nothing(node0)
+
+
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("node", [pytest.param(0, marks=pytest.mark.extended), 1])  # make test: node 1
 def test_a_killed_supervisor_s_replacement_and_a_standby_racing_for_its_rank_one_takes_it(
         start_job, tmp_path, gpt_baselines, node):
@@ -385,7 +411,8 @@ def test_a_stalled_supervisor_killed_after_a_standby_took_its_rank_leaves_the_jo
     try:
         node0.wait_for_event(lambda e: e["event"] == "spare_claimed", timeout=60)
     finally:
-        supervisor.send_signal(signal.SIGKILL)
+        with contextlib.suppress(psutil.NoSuchProcess):  # its launcher may have killed it first (_end_lost)
+            supervisor.send_signal(signal.SIGKILL)
     assert node0.wait(180) == 0, node0.output + node1.output + standby.output
     assert standby.wait(60) == 0, standby.output
     assert node1.wait(60) == 4, node1.output
@@ -398,8 +425,10 @@ def test_a_stalled_supervisor_killed_after_a_standby_took_its_rank_leaves_the_jo
 
 
 @pytest.mark.timeout(240)
-# make test: declared by node 0 first (the launcher first is test_a_multi_node_launcher_replaces_its_killed_...'s)
-@pytest.mark.parametrize("declared_first", [True, pytest.param(False, marks=pytest.mark.extended)])
+# make test: declared by node 0 first, then the supervisor killed: test_a_multi_node_launcher_ends_its_stalled_...;
+# the launcher first: test_a_multi_node_launcher_replaces_its_killed_...
+@pytest.mark.extended
+@pytest.mark.parametrize("declared_first", [True, False])
 def test_a_node_lost_once_is_one_restart_whoever_declares_it_first(start_job, tmp_path, gpt_baselines,
                                                                    declared_first):
     """Multi-node, no spare: node 1's supervisor stalls (SIGSTOP) and is killed, either once node 0 has declared
@@ -414,7 +443,8 @@ def test_a_node_lost_once_is_one_restart_whoever_declares_it_first(start_job, tm
         if declared_first:
             node0.wait_for_event(lambda e: e["event"] == "failure" and e.get("kind") == "node-lost", timeout=60)
     finally:
-        supervisor.send_signal(signal.SIGKILL)
+        with contextlib.suppress(psutil.NoSuchProcess):  # its launcher may have killed it first (_end_lost)
+            supervisor.send_signal(signal.SIGKILL)
     assert node0.wait(180) == 0, node0.output + node1.output
     assert node1.wait(60) == 0, node1.output
     assert out.read_text().strip() == gpt_baselines(2, 1)

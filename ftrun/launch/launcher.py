@@ -3,7 +3,9 @@
 - Local mode (no ``--node-rank``): hosts the control store and starts one supervisor per simulated node. A
   supervisor that dies by a signal or crashes is a lost node: a replacement takes the same node rank.
 - Multi-node mode (``--node-rank`` and ``--rdzv-endpoint``): starts this node's supervisor, and a replacement
-  when it dies while this launcher lives (unless a hot spare claims the rank first); node 0 hosts the control
+  when it dies while this launcher lives (unless a hot spare claims the rank first), or stalls: it kills one
+  that still runs ``--node-timeout`` after the job declared it lost (:meth:`Launcher._end_lost`, in every mode);
+  node 0 hosts the control
   store unless one already runs at the endpoint (``ftrun store``). Under ``srun`` the first node of the
   step hosts it, and the nodes agree their node ranks first (:func:`ftrun.launch.slurm.agree_node_rank`), so a
   node keeps the rank whose snapshots it holds from an earlier step of the job. A launcher that starts a
@@ -719,7 +721,8 @@ class Launcher:
         """Wait for the supervisors; in local mode a lost node's rank goes to a hot spare, or (none left) to a
         replacement supervisor. So does the node's rank in a multi-node job (``--node-rank``, the form without it,
         ``srun``, a standby's once it took one): a supervisor that died while this launcher lives (the OOM killer, a
-        crash) is replaced here, its keeper re-adopting the node's slots, unless a ``--standby`` claims the rank
+        crash; or stalled, killed here by :meth:`_end_lost`) is replaced here, its keeper re-adopting the node's
+        slots, unless a ``--standby`` claims the rank
         first (the replacement takes it only from the lost incarnation, as a spare does: one of them gets it, and a
         replacement that lost leaves, exit code :data:`EXIT_REPLACED`), or had taken it before the supervisor died
         (:meth:`_left_to_spare`). Returns the job's exit code."""
@@ -733,8 +736,7 @@ class Launcher:
         look = FENCE_INTERVAL if self.pool is not None else min(IDLE_LOOK, self.cfg.node_timeout / 4)
         next_look = 0.0
         while len(results) < len(self.procs):
-            if (self.signalled is None and time.monotonic() >= next_look
-                    and (self.slurm is not None or self.pool is not None)):
+            if self.signalled is None and time.monotonic() >= next_look:
                 next_look = time.monotonic() + look
                 if self.slurm is not None:
                     self._beat(coord)
@@ -747,7 +749,8 @@ class Launcher:
                     if self.signalled is not None:
                         results[node] = code
                     else:
-                        self._replace(node, store_host, store_port, code)
+                        held = owner(coord, node)[1]
+                        self._replace(node, store_host, store_port, code, held.incarnation if held else 0)
             for node, proc in self.procs.items():
                 if node in results or node in vacant or proc.poll() is None:
                     continue
@@ -792,8 +795,7 @@ class Launcher:
                     if self.pool is not None and self.pool.alive():
                         vacant[node] = code
                     else:
-                        self._replace(node, store_host, store_port, code,
-                                      None if self.cfg.local_mode else held.incarnation if held is not None else 0)
+                        self._replace(node, store_host, store_port, code, held.incarnation if held else 0)
                     break
                 results[node] = code
             if self.pool is not None and self.signalled is None:
@@ -880,8 +882,11 @@ class Launcher:
     def _taken_by_spare(self, node: int, held: Owner | None) -> bool:
         """Whether ``held``, ``node``'s owner, is a spare this launcher did not hand the node over to: its own
         supervisors of the node hold the rank as no spare (its first one, its replacements) or as the spare handed
-        over (:attr:`_spare_of`), so such an owner took the rank from them."""
-        return held is not None and bool(held.spare) and held.spare != self._spare_of.get(node)
+        over (:attr:`_spare_of`), so such an owner took the rank from them. An owner no newer than the one this
+        launcher's replacement of the node takes over from (:attr:`_replaced`; a standby's own spare that took the
+        rank and died since, say) took nothing from that replacement."""
+        return (held is not None and bool(held.spare) and held.spare != self._spare_of.get(node)
+                and held.incarnation > self._replaced.get(node, 0))
 
     def _left_to_spare(self, coord: Coordinator, node: int, code: int) -> bool:
         """Multi-node: whether a spare took ``node``'s rank from its supervisor, which died (``code``) before it saw
@@ -909,11 +914,14 @@ class Launcher:
         proc = self.procs.get(node)
         return (proc is not None and proc.poll() == EXIT_REPLACED) or node in self._kept_files
 
-    def _replace(self, node: int, store_host: str, store_port: int, code: int, replaces: int | None = None) -> None:
-        """Start a replacement supervisor for ``node``; ``replaces``: see :attr:`NodeSpec.replaces`."""
+    def _replace(self, node: int, store_host: str, store_port: int, code: int, lost: int) -> None:
+        """Start a replacement supervisor for ``node``, whose rank incarnation ``lost`` holds (0: none): in a
+        multi-node job it claims the rank from that incarnation (:attr:`NodeSpec.replaces`), in local mode it takes
+        it."""
         self.events.emit("node_lost", f"starting a replacement for node {node}", node=node, exit_code=code)
-        self._replaced[node] = replaces or 0
-        self.procs[node] = self._spawn(replace(self._node_spec(node, store_host, store_port), replaces=replaces))
+        self._replaced[node] = lost
+        spec = self._node_spec(node, store_host, store_port)
+        self.procs[node] = self._spawn(replace(spec, replaces=None if self.cfg.local_mode else lost))
         self._spare_of.pop(node, None)
 
     def _hand_over(self, coord: Coordinator, node: int) -> bool:
