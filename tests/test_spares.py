@@ -459,13 +459,17 @@ def test_a_node_lost_once_is_one_restart_whoever_declares_it_first(start_job, tm
 
 @pytest.mark.extended  # make test: test_a_multi_node_launcher_replaces_its_killed_supervisor_..._ram[0]
 @pytest.mark.timeout(240)
-def test_a_standby_s_launcher_replaces_its_supervisor_that_died_after_it_took_a_rank(start_job, tmp_path,
-                                                                                  gpt_baselines):
+# make test: SIGKILL (the same replacement; the kill of a stalled supervisor: test_a_multi_node_launcher_ends_its_...)
+@pytest.mark.parametrize("signum", [pytest.param(signal.SIGKILL, id="killed"),
+                                    pytest.param(signal.SIGSTOP, id="stalled", marks=pytest.mark.extended)])
+def test_a_standby_s_launcher_replaces_its_supervisor_that_died_or_stalled_after_it_took_a_rank(
+        start_job, tmp_path, gpt_baselines, signum):
     """Multi-node with a --standby: node 1 is lost whole (its launcher killed), the standby takes its rank, and
-    then the standby's supervisor dies (the OOM killer) while its ftrun lives. That ftrun replaces it as any
-    node's does: the replacement takes the rank from the incarnation that was lost, its keeper re-adopts the
-    node's slots, and the job ends bit-for-bit with two restarts. Before, the standby's ftrun exited 1 and node 0
-    waited out --rdzv-timeout for a replacement, then failed (exit 3)."""
+    then the standby's supervisor dies (the OOM killer), or stalls (SIGSTOP: node 0 declares it lost and its ftrun
+    kills it --node-timeout later), while its ftrun lives. That ftrun replaces it as any node's does: the
+    replacement takes the rank from the incarnation that was lost, its keeper re-adopts the node's slots, and the
+    job ends bit-for-bit with two restarts. Before, node 0 waited out --rdzv-timeout for a replacement, then failed
+    (exit 3): the standby's ftrun exited 1 (killed), or waited on its stopped supervisor (stalled)."""
     node0, node1, out, common, env = start_two_nodes(start_job, tmp_path, "standby-respawn", "--node-timeout", "2",
                                                      step_time=0.3)
     standby = start_job("--standby", *common[2:], job_id=node0.job_id, log_dir=node0.log_dir, env=env)
@@ -474,12 +478,14 @@ def test_a_standby_s_launcher_replaces_its_supervisor_that_died_after_it_took_a_
     took = node0.wait_for_event(lambda e: e["event"] == "node_start" and e["node"] == 1 and e["incarnation"] == 2,
                                 timeout=60)
     node0.wait_for_event(lambda e: e["event"] == "protected" and e["step"] >= 40, timeout=120)
-    os.kill(took["pid"], signal.SIGKILL)
+    os.kill(took["pid"], signum)
     assert node0.wait(180) == 0, node0.output + standby.output
     assert standby.wait(60) == 0, standby.output
     assert out.read_text().strip() == gpt_baselines(2, 1)
     assert [(f["kind"], f["node"]) for f in primary_failures(node0)] == [("node-lost", 1)] * 2, node0.output
     assert "starting a replacement for node 1" in standby.output, standby.output
+    if signum == signal.SIGSTOP:
+        assert f"node 1's supervisor (pid {took['pid']}) still ran 2s after the job lost it" in standby.output
     assert "from RAM" in [e for e in node0.events() if e["event"] == "restore" and e["generation"] == 2][0]["message"]
     assert_job_left_nothing(node0)
 

@@ -92,7 +92,6 @@ _POLL_INTERVAL = 0.02
 # seconds between two looks of a launcher whose supervisors' exits wake it (pidfds) and that has nothing else to
 # look after (no spares, no vacant node rank, no --tui view)
 IDLE_LOOK = 1.0
-DIR_OWNER_LOOK = 2.0  # seconds between a standby's looks for whether it took node rank 0 (then it holds --ckpt-dir)
 FENCE_INTERVAL = 0.1  # seconds between two looks of a launcher with --spares at the nodes it runs (_end_lost)
 # a supervisor's exit codes that end its node's part of the job; any other is a lost supervisor (killed, crashed)
 SUPERVISOR_ENDS = (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED, EXIT_STEP_ENDED)
@@ -479,7 +478,7 @@ class Launcher:
     def _run_standby(self, store: SignedStore, store_host: str, store_port: int, why: str = "") -> int:
         """``--standby``, or a launcher that found every node rank taken (``why`` says so): join the job's current
         (or next) run as a hot spare; the exit code of the node rank it takes, or 0 when the run ends without
-        needing it. Once it took a rank, this launcher is that node's: a supervisor of it that dies while the
+        needing it. Once it took a rank, this launcher is that node's: a supervisor of it that dies or stalls while the
         launcher lives is replaced here, as any node's (:meth:`_wait`)."""
         cfg = self.cfg
         assert self.address is not None
@@ -516,26 +515,23 @@ class Launcher:
                          all_ranks_taken=bool(why))
         self._handle_signals()
         exit_code: int | None = None
-        node: int | None = None  # the node rank its spare took, once its supervisor was lost
+        node: int | None = None  # the node rank its spare took
         coord = Coordinator(store, self.job_id, -1, int(doc["nnodes"]), run=run)
-        next_look = time.monotonic() + DIR_OWNER_LOOK
         try:
             proc = self.procs[-1] = self._spawn(spec)
             while True:
-                while proc.poll() is None:
-                    self._pause(IDLE_LOOK)
-                    if spec.ckpt_dir and self.dir_owner is None and time.monotonic() > next_look:
-                        next_look = time.monotonic() + DIR_OWNER_LOOK
-                        self._hold_if_node_0(coord, name, spec.ckpt_dir, str(doc.get("run_id")))
+                node = self._spare_took(coord, name, proc)
                 code = proc.returncode
-                node = self._node_taken(coord, name) if code not in SUPERVISOR_ENDS else None
+                if node is None and code not in SUPERVISOR_ENDS:  # it took a rank, and died before a look saw it?
+                    node = self._node_taken(coord, name)
                 if (node is not None or code in SUPERVISOR_ENDS or self.signalled is not None
                         or not self._spare_died(coord, name, proc.pid, code)):
                     break
                 proc = self.procs[-1] = self._spawn(spec)  # a new spare, as --spares starts one
-            if node is None or self.signalled is not None:
+            if node is None or self.signalled is not None and code is not None:
+                assert code is not None
                 exit_code = self._spare_exit(code)
-            else:  # its supervisor died after it took node's rank: this launcher is that node's now
+            else:  # its spare took node's rank (and runs it, or died since): this launcher is that node's now
                 self.procs[node] = self.procs.pop(-1)
                 self.job_spec, self.node_rank, coord.node_rank = spec, node, node
                 self._spare_of[node] = name
@@ -555,6 +551,17 @@ class Launcher:
             self._leave_as_spare(store, name, int(doc["nnodes"]))
         assert exit_code is not None
         return exit_code
+
+    def _spare_took(self, coord: Coordinator, name: str, proc: subprocess.Popen[bytes] | ForkedChild) -> int | None:
+        """Wait while a standby's spare ``proc`` (``name``) waits: the node rank it took, as soon as a look sees it
+        running that rank (from then on this launcher is that node's, and :meth:`_wait` kills and replaces its
+        supervisor when it stalls, or replaces it when it dies), or None once it exited."""
+        while proc.poll() is None:
+            self._pause(IDLE_LOOK)
+            node = self._node_taken(coord, name) if self.signalled is None else None
+            if node is not None:
+                return node
+        return None
 
     def _spare_died(self, coord: Coordinator, name: str, pid: int, code: int) -> bool:
         """A standby's spare (process ``pid``) died (``code``) before it took a rank: the OOM killer, a crash. Its
