@@ -704,7 +704,8 @@ def test_the_final_persist_copies_its_step_to_dcp_at_once_stopping_an_older_copy
     """With --ckpt-format dcp the job's end (or a SIGTERM) waits for the DCP copy of the final step. A copy of an
     older step still running (a large state, a slow disk) made it wait for that one first: the final step, complete
     on disk, was reported 'did not complete within 60s' (exit 1 after a SIGTERM). The final step's copy starts at
-    once, stopping the older one (which the final copy supersedes)."""
+    once, stopping the older one (which the final copy supersedes), and at the normal priority: training is over,
+    and an idle-priority copy on a busy host missed --persist-grace even for a tiny state."""
     root, shm = dirs
     nodes, server = two_nodes(root, ckpt_format="dcp")
     copies = nodes[0].copies
@@ -712,11 +713,18 @@ def test_the_final_persist_copies_its_step_to_dcp_at_once_stopping_an_older_copy
     try:
         persist_round(nodes, shm, states, 10)
         assert copies.spare() == {10}  # its copy runs (a child process that imports torch: seconds)
+        assert os.sched_getscheduler(running_copy(copies).pid) == os.SCHED_IDLE
         persist_round(nodes, shm, states, 20, final=True)
         assert copies.spare() == {20}
+        assert os.sched_getscheduler(running_copy(copies).pid) == os.SCHED_OTHER
     finally:
         copies.stop()
     del server
+
+
+def running_copy(copies: DcpCopies) -> subprocess.Popen[str]:
+    assert copies._running is not None
+    return copies._running[1]
 
 
 class AfterRead:

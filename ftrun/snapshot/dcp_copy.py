@@ -1,7 +1,8 @@
 """Node 0's copy of each persisted step in DCP's on-disk format (``--ckpt-format dcp``): ``<dir>/step-N/dcp``.
 
 Once step N is complete on disk (:func:`ftrun.snapshot.persist.finalize`), a child process at the lowest CPU and
-I/O priority (``python -m ftrun.snapshot.dcp_copy <dir> N``, :func:`main`) exports it to
+I/O priority (``python -m ftrun.snapshot.dcp_copy <dir> N``, :func:`main`; the final step's at the normal priority:
+training is over, the job's end waits for it, and a busy host would starve an idle-priority one) exports it to
 ``<dir>/step-N/dcp.partial`` as ``ftrun export --format dcp`` does (:mod:`ftrun.snapshot.export`: every rank file
 verified first, each DTensor written as its ranks' shards, never assembled in memory, the files checked against
 DCP's metadata), and renames the directory to ``dcp`` itself when that succeeded. ``dcp.load(state,
@@ -57,12 +58,16 @@ class DcpCopies:
         self.root = root
         self.events = events
         self._wanted = 0  # the newest complete step waiting for its copy
+        self._final = False  # it is the job's final step
         self._running: tuple[int, subprocess.Popen[str], float] | None = None
         found = newest_dcp(root)
         self.done = found[0] if found else 0  # the newest step whose copy is complete (an earlier run's too)
 
-    def want(self, step: int) -> None:
+    def want(self, step: int, final: bool = False) -> None:
+        """Copy ``step`` once the copy running ends; ``final``: the job's last, with training over (its copy is not
+        lowered)."""
         self._wanted = max(self._wanted, step)
+        self._final = final
         self.poll()
 
     def pending(self, step: int) -> bool:
@@ -91,10 +96,9 @@ class DcpCopies:
             step, self._wanted = self._wanted, 0
             partial = dcp_path(self.root, step) + ".partial"
             shutil.rmtree(partial, ignore_errors=True)
-            child = spawn_lowered([sys.executable, "-m", __name__, self.root, str(step), str(os.getpid())],
-                                  stdin=subprocess.DEVNULL,
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                                  text=True)  # as the keeper's persister thread
+            spawn = subprocess.Popen if self._final else spawn_lowered  # lowered as the keeper's persister thread
+            child = spawn([sys.executable, "-m", __name__, self.root, str(step), str(os.getpid())],
+                          stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             self._running = step, child, time.monotonic()
 
     def _ended(self, step: int, child: subprocess.Popen[str], seconds: float) -> None:
