@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import errno
 import os
 import socket
 import stat
 import struct
+import subprocess
 import threading
 import time
 from typing import Any
 
 import pytest
 
-from ftrun.control.spec import ENV_SHM_DIR, NodeSpec, safe_job_id
+from ftrun.control.spec import ENV_NODE_SPEC, ENV_SHM_DIR, NodeSpec, safe_job_id
 from ftrun.events import read_events
+from ftrun.launch.keeper_ahead import KEEPER_COMMAND
 from ftrun.snapshot import keeper as keeper_module
 from ftrun.snapshot.keeper import Keeper, capacity_problem
 from ftrun.snapshot import pinning
-from ftrun.snapshot.protocol import KeeperClient, KeeperError, KeeperUnavailable, LineSocket, listen
+from ftrun.snapshot.protocol import KeeperClient, KeeperError, KeeperUnavailable, LineSocket, listen, socket_name
 from ftrun.snapshot.link import newest_common
 from ftrun.snapshot.slot import (ALLOCATE_STEP, COMMITTED, EMPTY, HEADER_SIZE, WRITING, AheadAllocator, Header,
                                  SlotFile, checksum)
@@ -858,6 +861,35 @@ def test_a_keeper_short_of_descriptors_or_threads_for_a_connection_serves_on(shm
     finally:
         client.close()
         serving.close()
+
+
+@pytest.mark.timeout(60)
+def test_a_keeper_stops_when_its_stop_signal_reaches_a_thread_other_than_the_main_one(shm):
+    """The kernel may deliver the supervisor's stop signal (sent to the process) to any thread of the keeper, and
+    Python runs the handler in the main thread only, which sat blocked in accept(): the keeper went on until the
+    supervisor SIGKILLed it --stop-grace (3 s) later, at the end of every job where it happened (strace on the
+    keeper made it likely). Sent to another of its threads on purpose, it now stops the keeper, which removes its
+    files and exits 0."""
+    node = dataclasses.replace(spec(1), job_id=f"stop-{os.getpid()}-{time.monotonic_ns()}")
+    proc = subprocess.Popen(KEEPER_COMMAND, env={**os.environ, ENV_NODE_SPEC: node.encode(), ENV_SHM_DIR: shm},
+                            stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout is not None
+    client = KeeperClient(socket_name(node.job_id, 0), patience=20)
+    try:
+        assert proc.stdout.readline() == b"ready\n"
+        client.request("poll", generation=0, plan=0, restorable=0)
+        client.request("reserve", rank=0, step=1, generation=0, size=4096)  # a slot file in the shm dir
+        assert os.listdir(shm)
+        while not (others := [int(tid) for tid in os.listdir(f"/proc/{proc.pid}/task") if int(tid) != proc.pid]):
+            time.sleep(0.01)
+        assert ctypes.CDLL(None, use_errno=True).tgkill(proc.pid, others[0], keeper_module.STOP_SIGNAL) == 0
+        assert proc.wait(timeout=20) == 0  # before: not until a SIGKILL
+        assert os.listdir(shm) == []
+    finally:
+        client.close()
+        proc.kill()
+        proc.wait()
+        proc.stdout.close()
 
 
 def _persist_round(keeper: Keeper, number: int, step: int, bound: float) -> dict:

@@ -60,6 +60,7 @@ import json
 import os
 import queue
 import re
+import select
 import signal
 import socket
 import sys
@@ -953,7 +954,12 @@ class Keeper:
                 self.cond.wait(min(left, POLL_RECHECK))
 
     # -- serving --------------------------------------------------------------------------------------------
-    def serve(self, server: socket.socket) -> None:
+    def serve(self, server: socket.socket, stop: int | None = None) -> None:
+        """Serve connections on ``server`` until the stop signal's number can be read on ``stop``, the wakeup fd
+        of :func:`main`'s handler (None: until ``server`` is shut down). Invariant: a stop signal ends the loop
+        whichever thread the kernel delivers it to: Python runs handlers in the main thread only, so one delivered
+        to another thread left the main thread blocked in ``accept`` until its supervisor's SIGKILL
+        (``--stop-grace`` later); the wakeup byte is written by the thread that received it."""
         self._background("ftrun-seal", self.seal_forever)
         self._background("ftrun-allocate", self.allocate_forever)
         if self.spec.ckpt_dir is not None:
@@ -961,7 +967,17 @@ class Keeper:
         if self.redundancy is not None:
             self._background("ftrun-peer-server", self.redundancy.server.serve)
             self._background("ftrun-parity", self.encode_forever)
-        while not self._stopping:
+        waiter = select.poll()
+        for fd in (server.fileno(), stop):
+            if fd is not None:
+                waiter.register(fd, select.POLLIN)
+        while True:
+            ready = {fd for fd, _ in waiter.poll()}
+            if stop in ready and STOP_SIGNAL in os.read(stop, 64):
+                self.stop()
+                break
+            if server.fileno() not in ready:
+                continue
             try:
                 conn, _ = server.accept()
             except OSError as err:
@@ -1122,18 +1138,17 @@ def main() -> None:
         keeper.enable_redundancy(bytes.fromhex(os.environ.pop(ENV_JOB_SECRET)),
                                  socket.socket(fileno=int(os.environ[ENV_PEER_FD])))
 
-    def on_signal(signum: int, frame: object) -> None:
-        keeper.stop()
-        server.shutdown(socket.SHUT_RDWR)
-
-    signal.signal(STOP_SIGNAL, on_signal)
+    stop, wakeup = os.pipe()  # the stop signal's number is written to ``wakeup`` by the thread that receives it
+    os.set_blocking(wakeup, False)
+    signal.set_wakeup_fd(wakeup, warn_on_full_buffer=False)
+    signal.signal(STOP_SIGNAL, lambda signum, frame: None)  # a handler of Python's: it writes the wakeup byte
     for ignored in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(ignored, signal.SIG_IGN)
     keeper.adopt(os.environ.get(ENV_EARLIER_RUN) == "1")
     sys.stdout.write("ready\n")
     sys.stdout.flush()
     try:
-        keeper.serve(server)
+        keeper.serve(server, stop)
     finally:
         keeper.unlink_all()
         server.close()
