@@ -13,10 +13,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import NODES, assert_job_left_nothing, free_port, gpt_args, primary_failures, run_bitwise
+from conftest import (NODES, SCRIPTS, assert_job_left_nothing, free_port, gpt_args, primary_failures,
+                      run_bitwise)
 from ftrun.control.coordination import Coordinator, Failure, use_job
 from ftrun.control.ownership import SpareDoc, claim, enlist, owner, spare_doc, spares, take, update_spare
 from ftrun.control.store import C10dStore, host_store
+from ftrun.launch.launcher import _ACK_TIMEOUT
 from ftrun.launch.peers import SpareWatch
 from ftrun.snapshot import keeper
 from ftrun.snapshot.protocol import listen, socket_name
@@ -512,3 +514,45 @@ def test_a_standby_whose_spare_died_while_it_waited_starts_another(start_job, tm
     restore = [e for e in node0.events() if e["event"] == "restore" and e["generation"] == 1]
     assert "from RAM" in restore[0]["message"], node0.output
     assert "took node rank 1" in node0.output and "hot spare(s) ready" not in node0.output, node0.output
+
+
+def exit_times(*jobs, timeout: float = 120) -> list[float]:
+    """Wait for every one of ``jobs`` to exit; when each did (``time.time()``, seen within 20 ms)."""
+    ended: dict[int, float] = {}
+    deadline = time.monotonic() + timeout
+    while len(ended) < len(jobs) and time.monotonic() < deadline:
+        for index, job in enumerate(jobs):
+            if index not in ended and job.proc.poll() is not None:
+                ended[index] = time.time()
+        time.sleep(0.02)
+    assert len(ended) == len(jobs), "\n".join(job.output for job in jobs)
+    return [ended[index] for index in range(len(jobs))]
+
+
+def sleeper_nodes(start_job, seconds: float, *extra: str):
+    """Nodes 0 and 1 of a multi-node job of tests/scripts/sleeper.py (no collectives: a lost node is seen by its
+    beats, and each generation sleeps ``seconds`` again); returns (node 0, node 1, the common arguments)."""
+    common = ("--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node", "1", "--node-timeout", "1", *extra,
+              str(SCRIPTS / "sleeper.py"), "--seconds", str(seconds))
+    node0 = start_job("--nnodes", "2", "--node-rank", "0", *common)
+    node1 = start_job("--nnodes", "2", "--node-rank", "1", *common, job_id=node0.job_id, log_dir=node0.log_dir)
+    return node0, node1, common
+
+
+@pytest.mark.timeout(180)
+def test_node_0_ends_with_a_standby_that_took_a_lost_node_s_rank(start_job):
+    """A --standby took node 1's rank (node 1's ftrun killed whole) and ran it to the end: its ftrun, not hosting
+    the control store, never said that node 1 had left, so node 0's launcher kept the store up for _ACK_TIMEOUT
+    (10 s) after the job had ended, waiting for it. The standby now says so as node 1's launcher would."""
+    node0, node1, common = sleeper_nodes(start_job, 3)
+    standby = start_job("--standby", *common, job_id=node0.job_id, log_dir=node0.log_dir)
+    node0.wait_for_event(lambda e: e["event"] == "spare_up", timeout=120)
+    node0.wait_for_event(lambda e: e["event"] == "first_heartbeat", timeout=120)
+    node1.proc.kill()  # node 1 lost whole: its supervisor and trainer die with its launcher
+    node0_end, standby_end = exit_times(node0, standby)
+    assert node0.proc.returncode == 0 and standby.proc.returncode == 0, node0.output + standby.output
+    assert "took node rank 1" in node0.output, node0.output
+    late = (node0_end - standby_end) / _ACK_TIMEOUT
+    assert late < 0.5, f"node 0 ended {late:.2f} x _ACK_TIMEOUT after the standby that ran node 1"
+    assert_job_left_nothing(node0)
+

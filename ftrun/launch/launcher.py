@@ -545,11 +545,14 @@ class Launcher:
             kill_descendants(spare=left_by_user if exit_code == 0 else None)
             if node is not None and not self._files_left_to_spare(node):
                 unlink_node_files(self.job_id, node)  # what its killed supervisors left
-        if self.store_server is not None and self.job_spec is not None:  # it hosts the store (rank_by_store)
-            self._leave(coord)  # as the node it took
-        elif self.store_server is not None:
-            self._leave_as_spare(store, name, int(doc["nnodes"]))
         assert exit_code is not None
+        if exit_code != 0:  # as run(): a store that failed a supervisor gets no minute more
+            store.raw.op_timeout = END_STORE_TIMEOUT
+        with contextlib.suppress(DistError):  # the control store is gone, and the job with it: nobody to tell
+            if self.job_spec is not None:
+                self._leave(coord)  # as the node it took
+            else:
+                self._leave_as_spare(store, name, int(doc["nnodes"]))
         return exit_code
 
     def _spare_took(self, coord: Coordinator, name: str, proc: subprocess.Popen[bytes] | ForkedChild) -> int | None:
@@ -952,7 +955,8 @@ class Launcher:
             self.view.update(gather(coord, settled=self._settled))
 
     def _leave_as_spare(self, store: SignedStore, name: str, nnodes: int) -> None:
-        """:meth:`_leave` of a spare that hosts the store: as the node whose rank it took, if it took one."""
+        """:meth:`_leave` of a standby: as the node whose rank its spare took and held to the end, if it took one
+        (node 0's launcher waits for every node's goodbye)."""
         coord = Coordinator(store, self.job_id, -1, nnodes, run=self.job_run)
         for node in range(nnodes):
             held = owner(coord, node)[1]
