@@ -556,3 +556,21 @@ def test_node_0_ends_with_a_standby_that_took_a_lost_node_s_rank(start_job):
     assert late < 0.5, f"node 0 ended {late:.2f} x _ACK_TIMEOUT after the standby that ran node 1"
     assert_job_left_nothing(node0)
 
+
+@pytest.mark.timeout(180)
+def test_node_0_does_not_wait_at_its_end_for_a_lost_node_or_a_dead_standby(start_job):
+    """The job fails for good when node 1 is lost (--max-restarts 0), after a --standby was killed while it waited.
+    Node 0's launcher kept the control store up for _ACK_TIMEOUT (10 s) at its end, waiting for a goodbye from
+    node 1, declared lost, and for the standby's record, still "waiting": neither could ever come. It now waits
+    only for nodes not declared lost and for spares that still beat."""
+    node0, node1, common = sleeper_nodes(start_job, 30, "--max-restarts", "0")
+    standby = start_job("--standby", *common, job_id=node0.job_id, log_dir=node0.log_dir)
+    node0.wait_for_event(lambda e: e["event"] == "spare_up", timeout=120)
+    node0.wait_for_event(lambda e: e["event"] == "first_heartbeat", timeout=120)
+    standby.proc.kill()  # its spare's record stays "waiting"
+    node1.proc.kill()  # node 1 lost whole
+    [node0_end] = exit_times(node0)
+    assert node0.proc.returncode == 3, node0.output
+    [lost] = [e for e in primary_failures(node0) if e["kind"] == "node-lost"]
+    late = (node0_end - lost["time"]) / _ACK_TIMEOUT
+    assert late < 0.75, f"node 0 ended {late:.2f} x _ACK_TIMEOUT after node 1 was declared lost"

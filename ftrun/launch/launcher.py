@@ -55,11 +55,13 @@ from ftrun.control.signed import SignedStore
 from ftrun.launch.clean import claim_nodes
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads, trainer_threads
+from ftrun.launch.peers import SpareWatch
 from ftrun.launch.processes import (LAUNCHER_NAME, ExitWatch, ForkedChild, become_subreaper, describe_exit,
                                     kill_descendants, left_by_user, reap_orphans, set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.launch.zygote import preload, size_blas
 from ftrun.control.secret import local_secret, secret_path, shared_secret, write_secret_file
+from ftrun.launch.spare import SPARE_BEAT
 from ftrun.launch.spare_pool import SparePool
 from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED, EXIT_STOPPED,
@@ -86,6 +88,9 @@ EXIT_LEFT = 4  # this node was seen as lost while it ran (cut off, stalled), a s
 REPEAT_GAP = 1.0
 # Any other non-zero exit (a lost node, the launcher killed): running it again resumes from RAM, parity or disk.
 _ACK_TIMEOUT = 10.0
+# a spare whose record says it waits but whose beats stopped this long, at the job's end, is gone (killed while it
+# waited): a live one sees the end within its poll and says so
+SPARE_SILENCE = 4 * SPARE_BEAT
 _HOST_LOOK = 0.5  # seconds between two looks of a store host whose node left while the job goes on
 END_STORE_TIMEOUT = 5.0  # seconds a failed job's summary waits for a store operation (a frozen store host)
 _POLL_INTERVAL = 0.02
@@ -983,16 +988,32 @@ class Launcher:
     def _leave(self, coord: Coordinator) -> None:
         """Multi-node: say this node is gone; the launcher hosting the control store (node 0's, or the one that
         bound the port first without --node-rank, even as a spare) keeps it up until the other nodes have left
-        and no spare is still waiting (it notices the end and says so in the store), for at most a few seconds."""
+        and no spare is still waiting (it notices the end and says so in the store), for at most
+        :data:`_ACK_TIMEOUT` seconds. Invariant: it waits only for what can still answer: not for a node whose
+        owner was declared lost and not replaced, or that never had one (nothing of it is left to say goodbye),
+        nor for a spare whose record says "waiting" but whose beats stopped for :data:`SPARE_SILENCE` (killed
+        while it waited)."""
         if self.cfg.local_mode:
             return
         if coord.node_rank >= 0:
             coord.mark(0, "left")
         if self.store_server is not None:
             deadline = time.monotonic() + _ACK_TIMEOUT
-            while (coord.marked(0, "left") is None or any(doc.state == "waiting" for doc in spares(coord))
-                   ) and time.monotonic() < deadline:
+            waiting = SpareWatch(coord, SPARE_SILENCE)
+            while (self._staying(coord) or waiting.waiting()) and time.monotonic() < deadline:
                 time.sleep(0.05)
+
+    @staticmethod
+    def _staying(coord: Coordinator) -> list[int]:
+        """The nodes that have not said they left (:meth:`_leave`), but those that never had an owner (their
+        launcher never came) and those whose owner was declared lost."""
+        left = coord.marks(0, "left")
+        staying = []
+        for node in range(coord.nnodes):
+            held = owner(coord, node)[1] if node not in left else None
+            if held is not None and coord.get("node", node, "lost") != str(held.incarnation).encode():
+                staying.append(node)
+        return staying
 
 
 class StartInterrupted(BaseException):
