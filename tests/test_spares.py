@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -19,7 +20,10 @@ from ftrun.control.coordination import Coordinator, Failure, use_job
 from ftrun.control.ownership import SpareDoc, claim, enlist, owner, spare_doc, spares, take, update_spare
 from ftrun.control.store import C10dStore, host_store
 from ftrun.launch.launcher import _ACK_TIMEOUT
+from ftrun.events import EventLog, read_events
 from ftrun.launch.peers import SpareWatch
+from ftrun.launch.processes import RESTART_LIMIT
+from ftrun.launch.spare_pool import SparePool
 from ftrun.snapshot import keeper
 from ftrun.snapshot.protocol import listen, socket_name
 from ftrun.snapshot.slot import META_HEADROOM
@@ -574,3 +578,26 @@ def test_node_0_does_not_wait_at_its_end_for_a_lost_node_or_a_dead_standby(start
     [lost] = [e for e in primary_failures(node0) if e["kind"] == "node-lost"]
     late = (node0_end - lost["time"]) / _ACK_TIMEOUT
     assert late < 0.75, f"node 0 ended {late:.2f} x _ACK_TIMEOUT after node 1 was declared lost"
+
+
+def test_spares_that_keep_dying_are_started_again_only_up_to_the_restart_limit(tmp_path):
+    """--spares started a spare again whenever one died while it waited, for ever: one that dies at once each time
+    (the OOM killer's pick as it allocates its reserve) was started again and again, a new interpreter each time,
+    each enlisting one more record in the control store. Spares now follow the keeper's rule: after RESTART_LIMIT
+    exits within RESTART_WINDOW no more start (a lost node then gets a replacement supervisor), in one line."""
+    started: list[subprocess.Popen[bytes]] = []
+
+    def spawn(name: str) -> subprocess.Popen[bytes]:
+        started.append(subprocess.Popen(["true"]))
+        return started[-1]
+
+    pool = SparePool(1, spawn, EventLog("launcher", str(tmp_path), stream=None))
+    pool.fill()
+    for _ in range(3 * RESTART_LIMIT):
+        for proc in started:
+            proc.wait()
+        pool.fill()
+    assert len(started) == RESTART_LIMIT and not pool.alive()
+    gone = [e["message"] for e in read_events(str(tmp_path)) if e["event"] == "spare_gone"]
+    assert gone[-1].endswith("starting no more (a lost node gets a replacement supervisor instead)"), gone
+    assert gone[:-1] == [f"spare spare-{i} exited (0); starting another" for i in range(RESTART_LIMIT - 1)]

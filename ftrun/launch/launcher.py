@@ -56,8 +56,9 @@ from ftrun.launch.clean import claim_nodes
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads, trainer_threads
 from ftrun.launch.peers import SpareWatch
-from ftrun.launch.processes import (LAUNCHER_NAME, ExitWatch, ForkedChild, become_subreaper, describe_exit,
-                                    kill_descendants, left_by_user, reap_orphans, set_process_name)
+from ftrun.launch.processes import (LAUNCHER_NAME, RESTART_WINDOW, ExitWatch, ForkedChild, RestartLimit,
+                                    become_subreaper, describe_exit, kill_descendants, left_by_user, reap_orphans,
+                                    set_process_name)
 from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.launch.zygote import preload, size_blas
 from ftrun.control.secret import local_secret, secret_path, shared_secret, write_secret_file
@@ -522,6 +523,7 @@ class Launcher:
         exit_code: int | None = None
         node: int | None = None  # the node rank its spare took
         coord = Coordinator(store, self.job_id, -1, int(doc["nnodes"]), run=run)
+        exits = RestartLimit()  # of its spares that died while they waited
         try:
             proc = self.procs[-1] = self._spawn(spec)
             while True:
@@ -530,7 +532,7 @@ class Launcher:
                 if node is None and code not in SUPERVISOR_ENDS:  # it took a rank, and died before a look saw it?
                     node = self._node_taken(coord, name)
                 if (node is not None or code in SUPERVISOR_ENDS or self.signalled is not None
-                        or not self._spare_died(coord, name, proc.pid, code)):
+                        or not self._spare_died(coord, name, proc.pid, code, exits)):
                     break
                 proc = self.procs[-1] = self._spawn(spec)  # a new spare, as --spares starts one
             if node is None or self.signalled is not None and code is not None:
@@ -571,19 +573,22 @@ class Launcher:
                 return node
         return None
 
-    def _spare_died(self, coord: Coordinator, name: str, pid: int, code: int) -> bool:
+    def _spare_died(self, coord: Coordinator, name: str, pid: int, code: int, exits: RestartLimit) -> bool:
         """A standby's spare (process ``pid``) died (``code``) before it took a rank: the OOM killer, a crash. Its
-        record says "gone" from now on and its reserve is unlinked. True when it had been waiting (then this
-        launcher starts another, as ``--spares`` does); False when it died before it enlisted (it would again)."""
+        record says "gone" from now on and its reserve is unlinked. True when it had been waiting and its spares
+        did not die too often (``exits``, :class:`RestartLimit`): then this launcher starts another, as
+        ``--spares`` does; False when it died before it enlisted (it would again), or too often."""
         SlotReserve(self.job_id, name, self.cfg.nproc_per_node).release()
         try:
             waited = retire_spare(coord, name, pid)
         except DistError:  # the control store is gone, and the job with it
             waited = False
+        again = waited and not exits.reached()
+        then = ("starting another" if again else "it never enlisted: this standby ends" if not waited
+                else f"its spares died {len(exits)} times within {RESTART_WINDOW:g}s: this standby ends")
         self.events.emit("spare_gone", f"spare {name} (pid {pid}) {describe_exit(code)} while it waited for a lost "
-                         f"node; {'starting another' if waited else 'it never enlisted: this standby ends'}",
-                         spare=name, exit_code=code, restarted=waited)
-        return waited
+                         f"node; {then}", spare=name, exit_code=code, restarted=again)
+        return again
 
     def _spare_exit(self, code: int) -> int:
         """The exit code of a standby whose supervisor exited with ``code`` (it ran no node, or it ended its

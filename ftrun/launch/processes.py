@@ -28,6 +28,11 @@ SUPERVISOR_NAME = "ftrun-node"
 ZYGOTE_NAME = "ftrun-zygote"
 READY_NAME = "ftrun-ready"  # a trainer forked ahead by the zygote, waiting for its request
 _PR_SET_CHILD_SUBREAPER = 36
+# A helper process that is restarted after each exit (a keeper, a spare) and exits this often within RESTART_WINDOW
+# seconds fails the same way each time (a bug, a resource it cannot get, the OOM killer's pick as it allocates):
+# restarting it again would loop for ever
+RESTART_LIMIT = 5
+RESTART_WINDOW = 120.0
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
@@ -190,6 +195,23 @@ def kill_left_by_user() -> list[tuple[int, str]]:
                 proc.kill()
                 killed.append((proc.pid, name))
     return killed
+
+
+class RestartLimit:
+    """The exits of a helper process restarted after each one (see :data:`RESTART_LIMIT`)."""
+
+    def __init__(self) -> None:
+        self._exits: list[float] = []  # time.monotonic() of each exit within the last RESTART_WINDOW seconds
+
+    def reached(self) -> bool:
+        """Count an exit now; True when it is the :data:`RESTART_LIMIT`-th within :data:`RESTART_WINDOW` seconds:
+        restart the process no more."""
+        now = time.monotonic()
+        self._exits = [t for t in self._exits if now - t < RESTART_WINDOW] + [now]
+        return len(self._exits) >= RESTART_LIMIT
+
+    def __len__(self) -> int:
+        return len(self._exits)
 
 
 class ForkedChild:

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 
 from ftrun.events import EventLog
+from ftrun.launch.processes import RESTART_WINDOW, RestartLimit
 
 
 class SparePool:
@@ -21,14 +22,19 @@ class SparePool:
         self._events = events
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._started = 0
+        self._exits = RestartLimit()  # of spares that died while they waited
         self.closed = False
 
     def fill(self) -> None:
-        """Start spares until ``count`` run (a spare that died is replaced too)."""
+        """Start spares until ``count`` run (a spare that died is replaced too), unless spares died too often
+        (:class:`RestartLimit`): then none more (a lost node gets a replacement supervisor, as without spares)."""
         for name, proc in list(self._procs.items()):
             if proc.poll() is not None:
                 del self._procs[name]
-                self._events.emit("spare_gone", f"spare {name} exited ({proc.returncode}); starting another",
+                self.closed = self._exits.reached() or self.closed
+                then = (f"spares exited {len(self._exits)} times within {RESTART_WINDOW:g}s: starting no more (a lost "
+                        "node gets a replacement supervisor instead)" if self.closed else "starting another")
+                self._events.emit("spare_gone", f"spare {name} exited ({proc.returncode}); {then}",
                                   spare=name, exit_code=proc.returncode)
         while not self.closed and len(self._procs) < self.count:
             name = f"spare-{self._started}"

@@ -75,9 +75,9 @@ from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_args, trainer
 from ftrun.control.faults import parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
-from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper, describe_exit, die_with_parent,
-                                    kill_descendants, kill_left_by_user, left_by_user, oom_kills, reap,
-                                    set_process_name, signal_group)
+from ftrun.launch.processes import (RESTART_WINDOW, SUPERVISOR_NAME, ExitWatch, RestartLimit, become_subreaper,
+                                    describe_exit, die_with_parent, kill_descendants, kill_left_by_user,
+                                    left_by_user, oom_kills, reap, set_process_name, signal_group)
 from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED,
                                 EXIT_STOPPED, EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STEP_END_KIND,
                                 STOP_KIND, run_dir_prefix, safe_job_id, shm_path, shm_place, unlink_node_files)
@@ -118,10 +118,6 @@ BEAT_INTERVAL = 0.25
 # eighth of the timeout, and a step interval measured across looks (5 x at most an eighth) stays below the floor.
 LOOKS_PER_HANG_TIMEOUT = 8
 KEEPER_START_TIMEOUT = 30.0
-# A keeper that fails this often within KEEPER_FAILURE_WINDOW seconds fails the same way each time (a bug, a
-# resource it cannot get): restarting it again would loop for ever, so the job ends
-KEEPER_FAILURES = 5
-KEEPER_FAILURE_WINDOW = 120.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (the job-wide ``hang`` key names g, Coordinator.open_hang_vote);
 # the asker waits this long for all of them.
@@ -218,7 +214,7 @@ class Supervisor:
         self.keeper: subprocess.Popen[bytes] | None = None
         self.keeper_watch: KeeperWatch | None = None  # kills a keeper that lives but answers nothing
         self.keeper_starts = 0
-        self._keeper_failures: list[float] = []  # when the keeper exited of itself (monotonic), within the window
+        self._keeper_failures = RestartLimit()  # the keeper's exits of itself
         self._keeper_given_up: str | None = None  # why the keeper is not restarted again (ends the job)
         self.link: KeeperLink | None = None
         self.gen_watch: GenerationWatch | None = None
@@ -411,16 +407,13 @@ class Supervisor:
             self.link.start()
 
     def _keeper_exited(self, code: int) -> None:
-        """The keeper died while the job runs: restart it; trainers keep running and reconnect. After
-        :data:`KEEPER_FAILURES` exits within :data:`KEEPER_FAILURE_WINDOW` seconds it is not restarted: the job
-        ends (``_keeper_given_up``)."""
+        """The keeper died while the job runs: restart it; trainers keep running and reconnect. Once it failed
+        too often (:class:`RestartLimit`) it is not restarted: the job ends (``_keeper_given_up``)."""
         self._unwatch_keeper()
         self.keeper = None
-        now = time.monotonic()
-        self._keeper_failures = [t for t in self._keeper_failures if now - t < KEEPER_FAILURE_WINDOW] + [now]
-        if len(self._keeper_failures) >= KEEPER_FAILURES:
+        if self._keeper_failures.reached():
             self._keeper_given_up = (f"node {self.node}'s snapshot keeper failed {len(self._keeper_failures)} times "
-                                     f"within {KEEPER_FAILURE_WINDOW:g}s (last: {describe_exit(code)}); not "
+                                     f"within {RESTART_WINDOW:g}s (last: {describe_exit(code)}); not "
                                      "restarting it again")
             return
         self.events.emit("keeper_failed", f"keeper {describe_exit(code)}; restarting it (trainers keep "
