@@ -14,8 +14,9 @@ Invariants:
   parent goes by that directory, not by the child's exit code (a supervisor reaps every child that exits, and
   ``Popen`` then reports 0); it goes with its step when the step is pruned.
 * One copy runs at a time, of the newest complete step asked for; a step finished meanwhile replaces an older
-  one still waiting, and the job's final step (which its end waits for) stops an older one still running. A copy of a step pruned while it ran fails silently; any other failure is one warning line
-  (the ``ftrun`` format step stays complete and usable).
+  one still waiting, and the job's final step (which its end waits for) stops an older one still running. A copy
+  of a step pruned while it ran fails silently; any other failure is one warning line (the ``ftrun`` format step
+  stays complete and usable).
 * The copy ends with the process that started it (the supervisor): it watches its parent, and exits, leaving its
   partial directory, once it has another (the supervisor was killed: its node was lost, or the launcher was
   killed and took it along), so nothing of a killed job goes on writing to its directory.
