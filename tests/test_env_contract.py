@@ -63,21 +63,54 @@ def test_environment_is_torchrun_contract_on_every_node_and_generation(start_job
     assert dumps[0, 0]["OMP_NUM_THREADS"] == ""
 
 
-@pytest.mark.timeout(120)
-def test_omp_threads_default_and_same_variables_as_real_torchrun(start_job, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
-    ours, theirs = tmp_path / "ftrun", tmp_path / "torchrun"
-    ours.mkdir()
-    theirs.mkdir()
-    job = start_job("--nproc-per-node", "2", str(SCRIPTS / "envdump.py"), env={"ENVDUMP_DIR": str(ours)})
-    assert job.wait() == 0, job.output
+# Where a trainer's environment differs from a torchrun worker's on purpose (README: torchrun's flags, the
+# OMP_NUM_THREADS default; ftrun.launch.env): ftrun's client variables and GLOO_SOCKET_IFNAME are ftrun's alone;
+# these torchrun variables name this run's own trainer store, run id and error file, or take ftrun's defaults
+OWN_VARIABLES = {*TRAINER_FTRUN_VARIABLES, "GLOO_SOCKET_IFNAME"}
+OWN_VALUES = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE",
+              "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS"}
+HARNESS = {"ENVDUMP_DIR", "PYTEST_CURRENT_TEST"}  # the test's own: a directory per run, pytest's phase
+IMPORTED = ("KMP_DUPLICATE_LIB_OK", "TORCHINDUCTOR_CACHE_DIR")  # what imports write: this pytest process's too
+
+
+def comparable(environ: dict[str, str]) -> dict[str, str]:
+    """A trainer's environment without what differs between ftrun and torchrun on purpose, nor the test's own."""
+    return {k: "(own)" if k in OWN_VALUES else v for k, v in environ.items() if k not in OWN_VARIABLES | HARNESS}
+
+
+@pytest.fixture(scope="module")
+def torchrun_env(tmp_path_factory) -> dict:
+    """What rank 1 of real torchrun sees (``--standalone --nproc-per-node 2``), without OMP_NUM_THREADS set."""
+    dumps = tmp_path_factory.mktemp("torchrun")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", *IMPORTED)}
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                 str(SCRIPTS / "envdump.py")]
-    subprocess.run(torchrun, env={**env, "ENVDUMP_DIR": str(theirs)}, check=True, timeout=90, capture_output=True)
-    ftrun_env, torchrun_env = read_dumps(ours)[0, 1], read_dumps(theirs)[0, 1]
+    subprocess.run(torchrun, env={**env, "ENVDUMP_DIR": str(dumps)}, check=True, timeout=90, capture_output=True)
+    return read_dumps(dumps)[0, 1]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, user", [((), False), (("--tui", "--no-zygote"), False), ((), True)],
+                         ids=["zygote", "new-interpreters", "user-values"])
+def test_omp_threads_default_and_same_environment_as_real_torchrun(start_job, tmp_path, monkeypatch, torchrun_env,
+                                                                   flags, user):
+    """The whole environment, not only torchrun's variables: trainers got what the launcher's own imports wrote
+    (threadpoolctl's KMP_DUPLICATE_LIB_OK, and forked by the zygote, TORCHINDUCTOR_CACHE_DIR of the preloaded
+    torch._dynamo), which torchrun's workers do not have. Trainers forked by the zygote of a supervisor forked by
+    the launcher; trainers and supervisors started as new interpreters (--tui); a user's own values of both."""
+    ours = tmp_path / "ftrun"
+    ours.mkdir()
+    for name in IMPORTED:  # as in a user's shell, not as another test module's imports left them here
+        monkeypatch.delenv(name, raising=False)
+    users = {"KMP_DUPLICATE_LIB_OK": "FALSE", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")} if user else {}
+    job = start_job(*flags, "--nproc-per-node", "2", str(SCRIPTS / "envdump.py"),
+                    env={"ENVDUMP_DIR": str(ours), **users})
+    assert job.wait() == 0, job.output
+    ftrun_env = read_dumps(ours)[0, 1]
     contract = [k for k in torchrun_env["_all"] if not k.startswith("FTRUN_")]
     assert [k for k in ftrun_env["_all"] if not k.startswith("FTRUN_")] == contract
     assert set(contract) == set(TORCHRUN_VARIABLES)
+    assert comparable(ftrun_env["_environ"]) == comparable({**torchrun_env["_environ"], **users})
     expected_threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert ftrun_env["OMP_NUM_THREADS"] == str(expected_threads)
     for name in ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_NAME", "WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE"):

@@ -8,9 +8,13 @@ is the interface that holds the node's address as its peers reach it (``--local-
 the loopback interface when that store is on loopback (every node on this host): gloo otherwise binds to what
 the host name resolves to, which other hosts often cannot reach (:func:`gloo_interface`).
 
-Of ftrun's own variables a trainer gets only the client's (:data:`TRAINER_FTRUN_VARIABLES`) and the user's
-settings (:data:`USER_FTRUN_VARIABLES`): every other ``FTRUN_*`` variable is an internal of the launcher,
-supervisor or keeper (the node spec with the control store's address, the job secret) and is removed.
+The rest is the environment ftrun was started with (:data:`ftrun.startup.STARTUP_ENVIRON`), as torchrun's
+workers get the environment torchrun was started with: not what the imports of ftrun's own processes wrote
+(threadpoolctl's ``KMP_DUPLICATE_LIB_OK``, torch inductor's ``TORCHINDUCTOR_CACHE_DIR``); a user's own value of
+those reaches the trainers as it was. Of ftrun's own variables a trainer gets only the client's
+(:data:`TRAINER_FTRUN_VARIABLES`) and the user's settings (:data:`USER_FTRUN_VARIABLES`): every other ``FTRUN_*``
+variable is an internal of the launcher, supervisor or keeper (the node spec with the control store's address, the
+job secret) and is removed.
 """
 
 from __future__ import annotations
@@ -101,7 +105,8 @@ def trainer_env(base: dict[str, str], place: TrainerPlace, *, omp_threads: int, 
                 keeper_socket: str, error_file: str, faults: str, role: str = "default",
                 signals_to_handle: str = DEFAULT_SIGNALS, virtual_local_rank: bool = False,
                 dcp_root: str | None = None, node_addr: str | None = None) -> dict[str, str]:
-    """The environment of the trainer at ``place``. ``role`` is torchrun's --role, ``signals_to_handle`` its
+    """The environment of the trainer at ``place``, from ``base``: the environment ftrun started with (module
+    doc). ``role`` is torchrun's --role, ``signals_to_handle`` its
     --signals-to-handle (set, as torchrun sets it); ``virtual_local_rank``: LOCAL_RANK 0 and CUDA_VISIBLE_DEVICES
     of the trainer's own device (picked from the inherited CUDA_VISIBLE_DEVICES, as torchrun does); ``dcp_root``:
     the job's durable directory (``ftrun.dcp.MemoryReader`` looks there for DCP copies of its steps); ``node_addr``:

@@ -40,6 +40,7 @@ from ftrun.launch.capacity import local_fit_problem, this_host
 from ftrun.launch.env import CPP_LOG_LEVEL, ENV_JOB_ID, ENV_QUIET_CPP_LOG
 from ftrun.launch.import_settings import ImportSetting, import_time_settings
 from ftrun.launch.processes import ForkedChild, die_with_parent
+from ftrun.startup import STARTUP_ENVIRON
 
 if TYPE_CHECKING:  # the supervisor imports this module for receive(): not the config's (yaml, ...)
     from ftrun.launch.config import JobConfig
@@ -91,9 +92,10 @@ def prepare_supervisor(launcher: int) -> None:
 
 def start(output: IO[bytes] | None = None) -> PendingSupervisor:
     """Start a supervisor as a new interpreter that waits for its spec (stdout and stderr to ``output``, or
-    inherited); it dies with this process. The launcher's environment names the job (:func:`exec_launcher`)."""
+    inherited); it dies with this process. It starts from the environment the launcher started with, which names
+    the job (:func:`exec_launcher`), not what the launcher's imports wrote since (:mod:`ftrun.startup`)."""
     read, write = os.pipe()
-    env = dict(os.environ)
+    env = {name: value for name, value in STARTUP_ENVIRON.items() if name != ENV_LAUNCH_FD}
     env[ENV_HANDOFF_FD] = str(read)
     launcher = os.getpid()
     try:
@@ -161,7 +163,7 @@ def exec_launcher(cfg: JobConfig, begun: Begun, args: list[str]) -> NoReturn:
     # default action back (ftrun.launch.zygote, a new interpreter's exec)
     for warning in FORWARDED_SIGNALS:
         signal.signal(warning, signal.SIG_IGN)
-    env = dict(os.environ)
+    env = dict(STARTUP_ENVIRON)  # the user's: nothing this process's imports wrote (ftrun.startup)
     env[ENV_JOB_ID] = begun.job_id
     env[ENV_LAUNCH_FD] = str(fd)
     if CPP_LOG_LEVEL not in env:  # no C++ stacks before ftrun's own one-line reports (ftrun.launch.env)

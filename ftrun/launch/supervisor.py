@@ -96,6 +96,7 @@ from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_F
 from ftrun.snapshot.link import KeeperLink
 from ftrun.snapshot.protocol import socket_name
 from ftrun.launch.keeper_watch import KeeperWatch
+from ftrun.startup import STARTUP_ENVIRON
 from ftrun.ui.status import PUBLISH_INTERVAL, NodeStatus, RankStatus, publish
 
 POLL_INTERVAL = 0.02
@@ -657,7 +658,7 @@ class Supervisor:
             os.makedirs(os.path.dirname(error_file), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):  # an earlier run's (the trainer may write none)
                 os.unlink(error_file)
-            env = trainer_env(dict(os.environ), place, omp_threads=self.spec.omp_threads,
+            env = trainer_env(dict(STARTUP_ENVIRON), place, omp_threads=self.spec.omp_threads,
                               heartbeat_file=self.heartbeats.path,
                               keeper_socket=socket_name(safe_job_id(self.spec.job_id), self.node),
                               error_file=error_file,

@@ -1,4 +1,5 @@
-"""Writes the torchrun-contract variables this trainer sees to $ENVDUMP_DIR/<restart>-<rank>.json; beats;
+"""Writes the torchrun-contract variables this trainer sees, and its whole environment (``_environ``), to
+$ENVDUMP_DIR/<restart>-<rank>.json; beats;
 with --crash-gen0 rank 1 exits 1 in generation 0 so the job restarts once."""
 
 import json
@@ -14,6 +15,7 @@ NAMES = ("RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WO
 
 env = {name: os.environ.get(name) for name in NAMES}
 env["_all"] = sorted(k for k in os.environ if k in NAMES or k.startswith(("TORCHELASTIC_", "FTRUN_")))
+env["_environ"] = dict(os.environ)
 path = os.path.join(os.environ["ENVDUMP_DIR"], f"{env['TORCHELASTIC_RESTART_COUNT']}-{env['RANK']}.json")
 with open(path, "w") as f:
     json.dump(env, f)
