@@ -78,6 +78,13 @@ def listening_port():
     (["--nnodes", "4", "--ec-group", "3", str(TRAIN_PLAIN)], ["--nnodes 4 cannot be divided into groups"]),
     (["--nnodes", "2", "--ec-backend", "jerasure_rs_vand", str(TRAIN_PLAIN)], ["'jerasure_rs_vand' is not available"]),
     (["--spares", "-1", str(TRAIN_PLAIN)], ["--spares must be 0 or more"]),
+    # far beyond any cluster: a MemoryError traceback (a list per node), or a spin in O(nnodes) loops
+    (["--nnodes", "99999999999", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", str(TRAIN_PLAIN)],
+     ["--nnodes must be at least 1 and at most 65536, got 99999999999"]),
+    (["--nnodes", "1:99999999999", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", str(TRAIN_PLAIN)],
+     ["--nnodes must be at least 1 and at most 65536"]),
+    (["--nnodes", "2", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", "--nproc-per-node", "99999999999",
+      str(TRAIN_PLAIN)], ["--nproc-per-node must be at least 1 and at most 1024, got 99999999999"]),
     (["--standby", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", str(TRAIN_PLAIN)],
      ["--standby joins a job as a spare without a node rank"]),
     (["--standby", str(TRAIN_PLAIN)], ["--standby needs --rdzv-endpoint"]),
@@ -95,8 +102,8 @@ def listening_port():
      ["--ckpt-dir /proc/ftrun-no-such-dir: cannot create"]),
     (["--ckpt-dir", "/proc", str(TRAIN_PLAIN)], ["--ckpt-dir /proc: cannot write a file in the directory"]),
     (["--log-dir", "/sys", str(TRAIN_PLAIN)], ["--log-dir /sys: cannot write a file in the directory"]),
-    (["--nnodes", "100000", "--nproc-per-node", "100000", str(TRAIN_PLAIN)],
-     ["100000 node(s) and 10000000000 trainer(s) on this host", "core(s)", "available", "--node-rank N", "srun"]),
+    (["--nnodes", "1000", "--nproc-per-node", "1000", str(TRAIN_PLAIN)],
+     ["1000 node(s) and 1000000 trainer(s) on this host", "core(s)", "available", "--node-rank N", "srun"]),
 ])
 def test_bad_flags(args, fragments):
     assert_one_line_error(*run_ftrun(*args)[:2], *fragments)

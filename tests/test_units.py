@@ -206,6 +206,21 @@ def test_local_jobs_must_fit_this_host_cores_and_memory():
     assert "EiB" in (local_fit_problem(100000, 100000, roomy) or "")
 
 
+def test_local_hot_spares_must_fit_this_host_memory():
+    """``--spares K`` forked K supervisors (each with a zygote and a keeper) before any check: a typo of K forked
+    processes until the host ran out of them. Each spare counts as a node without trainers."""
+    from ftrun.launch.capacity import NODE_BYTES, Host, local_fit_problem, needed_memory
+
+    assert needed_memory(2, 2, spares=3) == needed_memory(2, 2) + 3 * NODE_BYTES
+    host = Host(cores=2, memory=needed_memory(2, 2, spares=1))
+    assert local_fit_problem(2, 2, host, spares=1) is None
+    spares = local_fit_problem(2, 2, host, spares=2)
+    assert spares is not None and "\n" not in spares
+    for fragment in ("--spares 2: 2 node(s), 2 spare(s) and 4 trainer(s)", "give fewer spares with --spares"):
+        assert fragment in spares, spares
+    assert "EiB" in (local_fit_problem(1, 1, Host(cores=2, memory=64 << 30), spares=99999999999) or "")
+
+
 def test_the_hang_culprit_is_the_rank_that_stopped_first_not_a_peer_waiting_for_it():
     from ftrun.launch.hangs import BUSY, STOPPED, WAITING, HangSuspect, culprit
 

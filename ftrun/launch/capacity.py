@@ -12,8 +12,8 @@ cannot run here, with one line saying what it would start, what the host has, an
   shape was meant for several hosts.
 - **memory**: the least each process of the job takes, measured on this project's machine (torch 2.13, CPU):
   a trainer at least :data:`TRAINER_BYTES` (the RSS of a process right after ``import torch``: 218 MiB), each
-  node :data:`NODE_BYTES` more (supervisor 224 MiB, zygote 290 MiB, keeper 29 MiB RSS). A real model needs
-  more; this is a floor, so a job refused here could not have run. Compared with the memory available now
+  node :data:`NODE_BYTES` more (supervisor 224 MiB, zygote 290 MiB, keeper 29 MiB RSS), and so does each hot
+  spare (``--spares``: the same three processes, forked before anything else starts). A real model needs more; this is a floor, so a job refused here could not have run. Compared with the memory available now
   (and the cgroup v2 limit, when one is set).
 - **/dev/shm** is not checked here: a snapshot's size is unknown before the first ``save()``, and the lower
   bound (two 4 KiB slot headers per trainer) is far below the memory floor above. The keeper stops the job
@@ -57,25 +57,30 @@ def this_host() -> Host:
     return Host(len(os.sched_getaffinity(0)), max(0, memory))
 
 
-def needed_memory(nnodes: int, nproc_per_node: int) -> int:
-    """The least memory, in bytes, that ``nnodes`` simulated nodes of ``nproc_per_node`` trainers take."""
-    return nnodes * (NODE_BYTES + nproc_per_node * TRAINER_BYTES)
+def needed_memory(nnodes: int, nproc_per_node: int, spares: int = 0) -> int:
+    """The least memory, in bytes, that ``nnodes`` simulated nodes of ``nproc_per_node`` trainers take, with
+    ``spares`` hot spare nodes (a supervisor, zygote and keeper each, no trainer)."""
+    return nnodes * (NODE_BYTES + nproc_per_node * TRAINER_BYTES) + spares * NODE_BYTES
 
 
-def local_fit_problem(nnodes: int, nproc_per_node: int, host: Host) -> str | None:
-    """Why ``nnodes`` x ``nproc_per_node`` cannot all run on ``host`` (one line), or None when they fit."""
+def local_fit_problem(nnodes: int, nproc_per_node: int, host: Host, spares: int = 0) -> str | None:
+    """Why ``nnodes`` x ``nproc_per_node`` and ``spares`` spare nodes cannot all run on ``host`` (one line), or
+    None when they fit."""
     trainers = nnodes * nproc_per_node
-    memory = needed_memory(nnodes, nproc_per_node)
+    memory = needed_memory(nnodes, nproc_per_node, spares)
     max_trainers = OVERSUBSCRIPTION * host.cores
     if trainers <= max_trainers and memory <= host.memory:
         return None
-    if nnodes > 1:
+    if spares and trainers <= max_trainers and needed_memory(nnodes, nproc_per_node) <= host.memory:
+        what, how = f"--spares {spares}", "give fewer spares with --spares"
+    elif nnodes > 1:
         what = f"--nnodes {nnodes} x --nproc-per-node {nproc_per_node} without --node-rank simulates every node here"
         how = (f"to run on {nnodes} hosts, start ftrun on each with --node-rank N (0..{nnodes - 1}) and "
                "--rdzv-endpoint HOST:PORT of node 0, or under SLURM: srun --ntasks-per-node 1 ftrun ...")
     else:
         what, how = f"--nproc-per-node {nproc_per_node}", "give fewer trainers with --nproc-per-node"
-    return (f"{what}: {nnodes} node(s) and {trainers} trainer(s) on this host, at least {_size(memory)} of "
+    nodes = f"{nnodes} node(s)" + (f", {spares} spare(s)" if spares else "")
+    return (f"{what}: {nodes} and {trainers} trainer(s) on this host, at least {_size(memory)} of "
             f"memory; it has {host.cores} core(s) (at most {max_trainers} trainers, {OVERSUBSCRIPTION} per core) "
             f"and {_size(host.memory)} available; {how}")
 

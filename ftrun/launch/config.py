@@ -34,6 +34,12 @@ START_METHODS = ("spawn", "fork", "forkserver")
 CKPT_FORMATS = ("ftrun", "dcp")
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few lines; a larger one is refused before it is parsed
 MAX_SECONDS = 1e7  # the most any duration setting may be (115 days); NaN and infinity are refused too
+# The most nodes a job may have: every launcher keeps a few values per node in the control store and node 0 reads
+# every node's documents on each poll, so a count far beyond any cluster (a typo) spun in O(nnodes) loops or ended in
+# a MemoryError before any timeout; 65536 nodes is above the largest training jobs run (tens of thousands of GPUs).
+MAX_NNODES = 1 << 16
+# The most trainers per node: more than the largest hosts have cores (``--nproc-per-node cpu``) or accelerators.
+MAX_NPROC_PER_NODE = 1024
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")  # torchelastic's registered handlers
 # torchrun's --rdzv-conf keys for c10d and static. join_timeout (timeout: static's) sets --rdzv-timeout;
 # keep_alive_interval x keep_alive_max_attempt sets --node-timeout; store_type must be tcp; is_host must not name
@@ -141,8 +147,9 @@ class JobConfig:
         ``--start-method``, ``--run-path``, c10d's ``--rdzv-conf`` keys)."""
         self.min_nnodes, self.nnodes = parse_nnodes(self.nnodes, self.min_nnodes)
         self.nproc_per_node = resolve_nproc(self.nproc_per_node)
-        if self.nproc_per_node < 1:
-            raise UsageError(f"--nproc-per-node must be at least 1, got {self.nproc_per_node}")
+        if not 1 <= self.nproc_per_node <= MAX_NPROC_PER_NODE:
+            raise UsageError(f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE}, got "
+                             f"{self.nproc_per_node}")
         if self.node_rank is not None and not 0 <= self.node_rank < self.nnodes:
             raise UsageError(f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes}")
         self._validate_backend()
@@ -301,8 +308,8 @@ def parse_nnodes(value: int | str, min_nnodes: int | None = None) -> tuple[int, 
             raise ValueError(text)
     except ValueError:
         raise UsageError(f"Invalid value for '--nnodes': {text!r} is not N or MIN:MAX") from None
-    if high < 1:
-        raise UsageError(f"--nnodes must be at least 1, got {high}")
+    if not 1 <= high <= MAX_NNODES:
+        raise UsageError(f"--nnodes must be at least 1 and at most {MAX_NNODES}, got {high}")
     if not 1 <= low <= high:
         raise UsageError(f"--nnodes {low}:{high}: MIN must be at least 1 and at most MAX")
     return low, high

@@ -139,7 +139,8 @@ def begin(cfg: JobConfig, script: str) -> Begun:
     target = resolve_target(cfg, script)
     check_directories(cfg)
     check_shm_dir()
-    if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host())):
+    if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host(),
+                                                             cfg.spares)):
         raise UsageError(problem)
     settings = import_time_settings(target, cfg.module, os.environ) if cfg.zygote and not cfg.no_python else []
     if settings:
