@@ -21,7 +21,7 @@ from ftrun.snapshot.gf_kernels import ENV_ISAL_LIBRARY, PROBE, Combination, load
 from ftrun.snapshot.ec_groups import BACKENDS, DEFAULT_BACKEND, default_group, group_problem
 from ftrun.snapshot.erasure import (ALIGN, CODE_PART, PIECE, Codec, CorruptFragment, Segment, StripeLayout, Terms,
                                     encode_parity, rebuild_chunk)
-from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore, rebuild_candidate
+from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore, rebuild_candidate, start_over_reason
 from ftrun.snapshot.redundancy import _BlobWriter
 
 
@@ -286,6 +286,21 @@ def test_pieces_are_bounded_and_cover_the_fragment():
 
 def holdings(ranks: dict[int, list[int]], parity: list[int]) -> Holdings:
     return Holdings({r: set(s) for r, s in ranks.items()}, set(parity))
+
+
+def test_a_restart_before_every_rank_committed_a_snapshot_says_so_not_that_snapshots_were_lost():
+    """A crash at step 1 (4 nodes, EC k=2 m=1), rank 2 alone had committed step 1: the restart from step 0 was
+    reported as "ranks [0, 1, 3] lost their snapshots ... more nodes of a group lost than its 1 parity cover". Ranks
+    lose a snapshot only once every rank had committed one (``secured``)."""
+    every = {0: set(), 1: set(), 2: {1}, 3: set()}
+    assert start_over_reason(every, 1, 0, 0) == ("no snapshot step was committed by every rank yet (ranks [0, 1, 3] "
+                                                 "hold none)")
+    assert "by every rank since generation 2 started from step 0" in start_over_reason(every, 1, 0, 2)
+    lost = start_over_reason(every, 1, 1, 0)
+    assert lost.startswith("ranks [0, 1, 3] lost their snapshots; step 1, held by every other rank") and \
+        "more nodes of a group lost than its 1 parity cover" in lost
+    assert start_over_reason({0: set(), 1: {5}}, 0, 5, 0).endswith("(erasure coding is off)")
+    assert start_over_reason({0: {2}, 1: {3}}, 1, 0, 0).startswith("no snapshot step is held by every rank")
 
 
 def test_restore_plan_counts_a_lost_nodes_ranks_at_the_steps_its_group_can_rebuild():

@@ -259,6 +259,25 @@ def plan_restore(held: dict[int, Holdings], group: int, parity: int, bad: frozen
     return RestorePlan(step, rebuild, "parity" if rebuild else "ram" if step else "none")
 
 
+def start_over_reason(every: dict[int, set[int]], parity: int, secured: int, since: int) -> str:
+    """Why a generation restores nothing though some rank holds a snapshot step (``every``: rank -> the steps it
+    holds), in words: ``secured`` is the newest step every rank had committed before it (0: none) since generation
+    ``since``. Ranks that hold no step lost their snapshots only if every rank had committed one: after a failure
+    before the first snapshot every rank took, they never had one."""
+    lost = sorted(rank for rank, steps in every.items() if not steps)
+    best = newest_common([steps for steps in every.values() if steps])
+    if not lost:
+        return f"no snapshot step is held by every rank ({ {r: sorted(s) for r, s in every.items()} })"
+    if not secured:
+        when = "yet" if since == 0 else f"since generation {since} started from step 0"
+        return f"no snapshot step was committed by every rank {when} (ranks {lost} hold none)"
+    if best:
+        cover = f"more nodes of a group lost than its {parity} parity cover" if parity else "erasure coding is off"
+        return (f"ranks {lost} lost their snapshots; step {best}, held by every other rank, cannot be rebuilt from "
+                f"parity ({cover})")
+    return f"ranks {lost} lost their snapshots"
+
+
 def rebuild_candidate(complete: dict[int, set[int]], k: int) -> tuple[int, list[int]]:
     """(step, the nodes complete for it): the newest step that at least ``k`` nodes are *complete* for (every rank
     holds it and the keeper its parity; ``complete``: node -> those steps, other nodes of one group), as
@@ -549,20 +568,26 @@ class KeeperLink(threading.Thread):
         elif any(every.values()):
             lost = sorted(rank for rank, steps in every.items() if not steps)
             best = newest_common([steps for steps in every.values() if steps])
-            if not lost:
-                why = f"no snapshot step is held by every rank ({ {r: sorted(s) for r, s in every.items()} })"
-            elif best:
-                cover = (f"more nodes of a group lost than its {self.parity} parity cover" if self.parity
-                         else "erasure coding is off")
-                why = (f"ranks {lost} lost their snapshots; step {best}, held by every other rank, cannot be "
-                       f"rebuilt from parity ({cover})")
-            else:
-                why = f"ranks {lost} lost their snapshots"
+            why = start_over_reason(every, self.parity, *self._secured_before(gen))
             self.events.emit("restore", f"WARNING generation {gen}: {why}; trainers start from step 0",
                              console=leader, restored_from="none", lost_ranks=lost, lost_step=best, **fields)
         elif gen > 0:
             self.events.emit("restore", f"generation {gen}: no RAM snapshot to restore", console=leader,
                              restored_from="none", **fields)
+
+    def _secured_before(self, gen: int) -> tuple[int, int]:
+        """(the newest step every rank had committed before ``gen``, the generation since which the control store
+        knows it): the steps the generations before ``gen`` committed (their ``progress``), back to the newest
+        one that agreed its restore step, and that step."""
+        newest = 0
+        for earlier in range(gen - 1, -1, -1):
+            progress = self.coord.get("gen", earlier, "progress")
+            if progress is not None:
+                newest = max(newest, Progress.decode(progress).committed)
+            restored = self.coord.restore_step(earlier)
+            if restored is not None:
+                return max(newest, restored[0]), earlier
+        return newest, 0
 
     def _relay(self, gen: int) -> bool:
         """One poll of the keeper, and what its answer changes in the control store. While nothing is pending
