@@ -13,8 +13,9 @@ cannot run here, with one line saying what it would start, what the host has, an
 - **memory**: the least each process of the job takes, measured on this project's machine (torch 2.13, CPU):
   a trainer at least :data:`TRAINER_BYTES` (the RSS of a process right after ``import torch``: 218 MiB), each
   node :data:`NODE_BYTES` more (supervisor 224 MiB, zygote 290 MiB, keeper 29 MiB RSS), and so does each hot
-  spare (``--spares``: the same three processes, forked before anything else starts). A real model needs more; this is a floor, so a job refused here could not have run. Compared with the memory available now
-  (and the cgroup v2 limit, when one is set).
+  spare (``--spares``: the same three processes, forked before anything else starts). A real model needs more;
+  this is a floor, so a job refused here could not have run. Compared with the memory available now (and the
+  cgroup v2 limit, when one is set).
 - **/dev/shm** is not checked here: a snapshot's size is unknown before the first ``save()``, and the lower
   bound (two 4 KiB slot headers per trainer) is far below the memory floor above. The keeper stops the job
   with one line saying how much is needed and how much is free when /dev/shm cannot hold the slots.

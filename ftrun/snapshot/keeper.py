@@ -1152,6 +1152,11 @@ def main() -> None:
     finally:
         keeper.unlink_all()
         server.close()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # files unlinked, socket closed, events unbuffered: the interpreter's teardown (torch's, the encoder
+    # pool's idle threads) only made the job's end later (trainers done to ftrun's exit, 2 x 1: 0.11-0.13 s, now
+    # 0.07-0.08 s; 4 alternating pairs)
 
 
 if __name__ == "__main__":
