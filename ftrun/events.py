@@ -29,9 +29,28 @@ import json
 import os
 import sys
 import time
+from collections.abc import Iterable
 from typing import Any, TextIO
 
 EVENTS_FILE = "events.jsonl"
+BRIEF_RUNS = 8  # runs of consecutive numbers a message lists (a hang of one rank of 16,384 silences all the others)
+
+
+def brief_numbers(numbers: Iterable[int]) -> str:
+    """Node or rank numbers for a message, bounded however many: runs of consecutive ones as ranges, at most
+    :data:`BRIEF_RUNS` of them, and how many in all when some are left out: ``[1, 3-9]``, ``[0-2, 4, 6, 8, 10, 12,
+    14, 16, ... (5000 in all)]``. An event's fields carry the whole list."""
+    ordered = sorted(set(numbers))
+    runs: list[list[int]] = []
+    for number in ordered:
+        if runs and number == runs[-1][1] + 1:
+            runs[-1][1] = number
+        else:
+            runs.append([number, number])
+    shown = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:BRIEF_RUNS]]
+    if len(runs) > BRIEF_RUNS:
+        shown.append(f"... ({len(ordered)} in all)")
+    return f"[{', '.join(shown)}]"
 
 
 class EventLog:

@@ -293,13 +293,15 @@ def test_a_restart_before_every_rank_committed_a_snapshot_says_so_not_that_snaps
     reported as "ranks [0, 1, 3] lost their snapshots ... more nodes of a group lost than its 1 parity cover". Ranks
     lose a snapshot only once every rank had committed one (``secured``)."""
     every = {0: set(), 1: set(), 2: {1}, 3: set()}
-    assert start_over_reason(every, 1, 0, 0) == ("no snapshot step was committed by every rank yet (ranks [0, 1, 3] "
+    assert start_over_reason(every, 1, 0, 0) == ("no snapshot step was committed by every rank yet (ranks [0-1, 3] "
                                                  "hold none)")
     assert "by every rank since generation 2 started from step 0" in start_over_reason(every, 1, 0, 2)
     lost = start_over_reason(every, 1, 1, 0)
-    assert lost.startswith("ranks [0, 1, 3] lost their snapshots; step 1, held by every other rank") and \
+    assert lost.startswith("ranks [0-1, 3] lost their snapshots; step 1, held by every other rank") and \
         "more nodes of a group lost than its 1 parity cover" in lost
     assert start_over_reason({0: set(), 1: {5}}, 0, 5, 0).endswith("(erasure coding is off)")
+    many = start_over_reason({**{r: set() for r in range(0, 20000, 2)}, 1: {5}}, 1, 5, 0)
+    assert many.startswith("ranks [0, 2, 4, 6, 8, 10, 12, 14, ... (10000 in all)] lost their snapshots"), many
     assert start_over_reason({0: {2}, 1: {3}}, 1, 0, 0).startswith("no snapshot step is held by every rank")
 
 

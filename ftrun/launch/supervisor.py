@@ -67,7 +67,7 @@ from typing import NoReturn, TypeVar
 from torch.distributed import DistError, TCPStore
 
 from ftrun.errors import error_text
-from ftrun.events import EventLog
+from ftrun.events import EventLog, brief_numbers
 from ftrun.control.backend import OutageReport, open_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, claim, owner, take
@@ -609,8 +609,9 @@ class Supervisor:
                         "step", unreplaced, None, f"node {self.node}"))[0]
                 if self.node == 0 and not told:
                     told = True
-                    self.events.emit("rendezvous_wait", f"generation {gen} waits for node(s) {missing} to join; it "
-                                     f"gives up {self.spec.rdzv_timeout:g}s after it began (--rdzv-timeout)",
+                    self.events.emit("rendezvous_wait", f"generation {gen} waits for node(s) "
+                                     f"{brief_numbers(missing)} to join; it gives up {self.spec.rdzv_timeout:g}s "
+                                     "after it began (--rdzv-timeout)",
                                      node=self.node, generation=gen, missing=missing)
             now_raw = self.coord.current_raw()
             if now_raw != seen:
@@ -625,7 +626,7 @@ class Supervisor:
             if time.monotonic() > deadline:
                 never = (" (started with this job's --rdzv-id and endpoint, and the same secret file? one that "
                          "differs is told so as it starts)" if gen == 0 else "")
-                raise JobFailed(f"node(s) {self._not_ready(gen)} did not join generation {gen} within "
+                raise JobFailed(f"node(s) {brief_numbers(self._not_ready(gen))} did not join generation {gen} within "
                                 f"{self.spec.rdzv_timeout:g}s{never}")
             time.sleep(max(pause, self.coord.store.poll_interval))
             pause = min(2 * pause, POLL_INTERVAL)
@@ -899,7 +900,7 @@ class Supervisor:
         chosen = culprit(suspects)
         also = sorted(s.rank for s in suspects if s is not chosen)
         reason = f"rank {chosen.rank} hung: {chosen.describe()}" + (
-            f"; also silent, waiting for it: rank(s) {', '.join(map(str, also))}" if also else "")
+            f"; also silent, waiting for it: rank(s) {brief_numbers(also)}" if also else "")
         return self._fail(seen, Failure("hang", reason, chosen.node, chosen.rank, "heartbeat",
                                         chosen.step if chosen.step >= 0 else None))
 

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 
 from torch.distributed import DistError
 
-from ftrun.events import EventLog
+from ftrun.events import EventLog, brief_numbers
 from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
 from ftrun.control.backend import OutageReport, open_store, spec_address
@@ -270,12 +270,12 @@ def start_over_reason(every: dict[int, set[int]], parity: int, secured: int, sin
         return f"no snapshot step is held by every rank ({ {r: sorted(s) for r, s in every.items()} })"
     if not secured:
         when = "yet" if since == 0 else f"since generation {since} started from step 0"
-        return f"no snapshot step was committed by every rank {when} (ranks {lost} hold none)"
+        return f"no snapshot step was committed by every rank {when} (ranks {brief_numbers(lost)} hold none)"
     if best:
         cover = f"more nodes of a group lost than its {parity} parity cover" if parity else "erasure coding is off"
-        return (f"ranks {lost} lost their snapshots; step {best}, held by every other rank, cannot be rebuilt from "
-                f"parity ({cover})")
-    return f"ranks {lost} lost their snapshots"
+        return (f"ranks {brief_numbers(lost)} lost their snapshots; step {best}, held by every other rank, cannot be "
+                f"rebuilt from parity ({cover})")
+    return f"ranks {brief_numbers(lost)} lost their snapshots"
 
 
 def rebuild_candidate(complete: dict[int, set[int]], k: int) -> tuple[int, list[int]]:
