@@ -328,6 +328,20 @@ def test_sigterm_to_launcher_stops_every_process(start_job):
     assert_job_left_nothing(job)
 
 
+@pytest.mark.timeout(120)
+def test_a_stop_reaches_a_stopped_supervisor(start_job):
+    """A supervisor stopped (SIGSTOP: a debugger, a job-control mistake) kept the stop the launcher passed on
+    pending, and the launcher waited on it for good: one SIGTERM or Ctrl-C did not end the job. The launcher now
+    continues its supervisors (SIGCONT) after passing a stop on, as systemd does."""
+    job = start_job("--nproc-per-node", "1", str(SCRIPTS / "sleeper.py"), "--seconds", "60")
+    supervisor = job.wait_for_event(lambda e: e["event"] == "node_start")["pid"]
+    job.wait_for_event(lambda e: e["event"] == "first_heartbeat")
+    os.kill(supervisor, signal.SIGSTOP)
+    job.proc.send_signal(signal.SIGTERM)
+    assert job.wait(timeout=30) == 143, job.output
+    assert_job_left_nothing(job)
+
+
 def ftrun_clean(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ftrun", "clean", *args], capture_output=True, text=True,
                           timeout=60)

@@ -302,6 +302,7 @@ class Launcher:
         for proc in self.procs.values():
             if proc.poll() is None:
                 proc.send_signal(stop)
+                proc.send_signal(signal.SIGCONT)  # a stopped one (SIGSTOP) keeps the stop pending, and the job with it
 
     def remove_files(self) -> None:
         """Remove the files this launcher wrote in the shm dir (the job secret, the announce file): at its end,
