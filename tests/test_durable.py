@@ -82,6 +82,7 @@ def test_more_nodes_lost_than_parity_covers_falls_back_to_disk_bitwise(start_job
     assert plan["restored_from"] == "disk" and plan["step"] in (10, 20), job.output
 
 
+@pytest.mark.extended  # make test: test_persist's test_corrupt_rank and test_export
 @pytest.mark.timeout(300)
 def test_export_matches_the_final_state_and_a_corrupt_newest_step_is_never_loaded(start_job, tmp_path,
                                                                                    gpt_baselines):

@@ -35,6 +35,7 @@ def supervisor_of(job) -> psutil.Process:
     return next(p for p in psutil.Process(job.proc.pid).children(recursive=True) if p.name() == SUPERVISOR_NAME)
 
 
+@pytest.mark.extended  # make test: test_the_supervisor_looks_at_its_beating_trainers_...
 @pytest.mark.timeout(120)
 def test_the_launcher_waits_for_its_supervisors_exits(start_job):
     """The launcher's main thread sleeps until a supervisor exits (pidfds), not for 20 ms at a time; and once

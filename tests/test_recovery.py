@@ -421,6 +421,7 @@ def test_two_starts_of_one_job_at_the_same_moment_one_runs_and_the_other_touches
         assert_job_left_nothing(job)
 
 
+@pytest.mark.extended  # make test: test_a_stop_signal_while_the_job_starts_ends_it_in_one_line
 @pytest.mark.timeout(120)
 def test_sigterm_before_the_first_generation_agreed_ends_at_once_with_nothing_to_persist(start_job, tmp_path):
     """Stopped as soon as its supervisor is up (its link not yet agreed where the first generation restores

@@ -146,6 +146,7 @@ def test_fsdp2_through_dcp_app_state_resumes_from_ram_bitwise(start_job, tmp_pat
     assert final == expected
 
 
+@pytest.mark.extended  # make test: test_fsdp2_through_dcp_app_state_resumes_from_ram_bitwise, test_dcp_memory
 @pytest.mark.timeout(300)
 def test_fsdp_x_tp_survives_a_node_loss_bitwise_and_exports_to_dcp_that_torch_alone_loads(start_job, tmp_path):
     """FSDP x TP on a 2 x 2 mesh (strided shards): node 1 lost, its shards rebuilt from parity, the final state

@@ -195,6 +195,7 @@ def test_batch_script_replaces_a_lost_node_with_a_spare_and_resumes_from_ram_and
         slurm.resume("n2")
 
 
+@pytest.mark.extended  # make test: test_srun_two_nodes_survive_a_crash_bitwise, test_recovery's stop tests
 def test_sigterm_persists_exits_143_and_the_requeued_job_resumes_from_disk(slurm, gpt_baselines, tmp_path):
     """Preemption: SIGTERM to every process of the job's steps (as ``--signal=TERM@...`` before the time limit);
     ftrun persists the newest committed step and exits 143, and so does the batch script; `scontrol requeue`

@@ -330,8 +330,9 @@ def kill_supervisor(node0, node: int, signum: int = signal.SIGKILL) -> psutil.Pr
     return supervisor
 
 
+@pytest.mark.extended  # make test: test_a_multi_node_launcher_ends_its_stalled_supervisor_and_replaces_it_...
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("node", [0, pytest.param(1, marks=pytest.mark.extended)])  # make test: node 0
+@pytest.mark.parametrize("node", [0, 1])
 def test_a_multi_node_launcher_replaces_its_killed_supervisor_and_the_job_resumes_from_its_ram(
         start_job, tmp_path, gpt_baselines, node):
     """Multi-node, outside SLURM: a node's supervisor dies while its launcher lives. The launcher declares the node

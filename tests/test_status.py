@@ -354,6 +354,7 @@ def test_live_view_in_a_terminal(start_job, tmp_path, tmux):
     assert "rank 1 killed by SIGKILL at step 25" in screen
 
 
+@pytest.mark.extended  # make test: test_json_once_during_the_run_and_after_recovery, the view unit tests
 @pytest.mark.timeout(240)
 def test_run_tui_shows_the_view_in_the_launchers_terminal_and_leaves_the_summary(tmp_path, tmux):
     job_id, out = f"t{uuid.uuid4().hex[:10]}", tmp_path / "tui.hash"
