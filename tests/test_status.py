@@ -182,7 +182,7 @@ def ftrun_status(*args: str, timeout: float = 60) -> subprocess.CompletedProcess
 
 def json_status(job_id: str, predicate, timeout: float = 90) -> dict:
     """Poll ``ftrun status --job ID --json --once`` until the document satisfies ``predicate``."""
-    deadline, last = time.monotonic() + timeout, None
+    deadline, last, error = time.monotonic() + timeout, None, ""
     while time.monotonic() < deadline:
         result = ftrun_status("--job", job_id, "--json", "--once")
         if result.returncode == 0:
@@ -191,8 +191,9 @@ def json_status(job_id: str, predicate, timeout: float = 90) -> dict:
                 return last
         else:
             assert result.returncode == 2 and result.stderr.startswith("ftrun: error: "), result.stderr
+            error = result.stderr.strip()
         time.sleep(0.2)
-    pytest.fail(f"no status of job {job_id} satisfied the check within {timeout}s; last: {last}")
+    pytest.fail(f"no status of job {job_id} satisfied the check within {timeout}s; last: {last}; last error: {error}")
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
