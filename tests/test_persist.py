@@ -527,7 +527,7 @@ def test_a_dcp_copy_the_disk_cut_short_is_never_published_though_its_exit_code_i
     lines = io.StringIO()
     copies = DcpCopies(str(root), EventLog("test", None, stream=lines))
     copies.want(10, final=True)  # not in SCHED_IDLE: on a busy host (the suite's) a lowered copy starves for minutes
-    child = copies._running[1]
+    child = running_copy(copies)
     _, status = os.waitpid(child.pid, 0)  # as the supervisor's reap() does
     assert os.waitstatus_to_exitcode(status) == 1
     copies.poll()

@@ -65,8 +65,11 @@ class DcpCopies:
         self.done = found[0] if found else 0  # the newest step whose copy is complete (an earlier run's too)
 
     def want(self, step: int, final: bool = False) -> None:
-        """Copy ``step`` once the copy running ends; ``final``: the job's last, with training over (its copy is not
-        lowered)."""
+        """Copy ``step`` once the copy running ends; ``final``: the job's last, with training over: it starts at once,
+        stopping a copy of an older step still running (the job's end waits for this one only), and is not
+        lowered."""
+        if final:
+            self.stop()
         self._wanted = max(self._wanted, step)
         self._final = final
         self.poll()

@@ -304,8 +304,6 @@ class Durability:
         pruned = self._tidy(step)  # the step is on disk: failing to delete older ones does not undo that
         self.done = step
         if self.copies is not None:
-            if finished.final:  # the job's end waits for this step's copy only: an older one running is superseded
-                self.copies.stop()
             self.copies.want(step, finished.final)
         nbytes = sum(int(e["bytes"]) for e in entries.values())
         seconds = max(float(o.get("seconds", 0.0)) for o in outcomes.values())  # the keepers wrote in parallel
