@@ -19,7 +19,7 @@ from conftest import (NODES, SCRIPTS, assert_job_left_nothing, free_port, gpt_ar
 from ftrun.control.coordination import Coordinator, Failure, use_job
 from ftrun.control.ownership import SpareDoc, claim, enlist, owner, spare_doc, spares, take, update_spare
 from ftrun.control.store import C10dStore, host_store
-from ftrun.launch.launcher import _ACK_TIMEOUT
+from ftrun.launch.launcher import _ACK_TIMEOUT, Launcher
 from ftrun.events import EventLog, read_events
 from ftrun.launch.peers import SpareWatch
 from ftrun.launch.processes import RESTART_LIMIT
@@ -113,6 +113,26 @@ def test_spares_enlisting_at_once_get_distinct_places():
     assert sorted(places) == list(range(8))
     listed = spares(Coordinator(C10dStore(server), "spares-enlist", 0, 2, run=1))
     assert sorted(d.name for d in listed) == [f"spare-{i}" for i in range(8)]
+
+
+def test_node_0_waits_at_its_end_for_a_spare_that_took_a_rank_whose_first_launcher_said_goodbye():
+    """Node 0's launcher keeps the control store up until every node's current owner said it left. The launcher of
+    a node whose rank a spare took used to say goodbye for the node (the extended test of a survivor cut off during
+    a rebuild: node 0 closed the store while the spare still ran, and the spare ended with exit 3, "control store
+    lost"): a goodbye now names the incarnation that leaves, and that launcher says none."""
+    use_job("staying", "a secret long enough for the test")
+    coord = Coordinator(C10dStore(host_store(0)), "staying", 0, 3, run=1)
+    for node in range(2):
+        take(coord, node, f"first-{node}", "h")
+    assert Launcher._staying(coord, set()) == [0, 1]  # node 2 never had an owner: nothing to wait for
+    coord.store.set(coord.key("node", 1, "lost"), "1")
+    assert claim(coord, 1, 1, "spare-0", "spare-0", "h") == 2
+    coord.store.set(coord.key("gen", 0, "left", 1), "1")  # a goodbye of incarnation 1 (not the spare's)
+    coord.store.set(coord.key("gen", 0, "left", 0), "1")
+    gone: set[int] = set()
+    assert Launcher._staying(coord, gone) == [1] and gone == {0, 2}
+    coord.store.set(coord.key("gen", 0, "left", 1), "2")  # the spare's
+    assert Launcher._staying(coord, gone) == [] and gone == {0, 1, 2}
 
 
 @pytest.mark.timeout(30)

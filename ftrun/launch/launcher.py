@@ -470,7 +470,7 @@ class Launcher:
             time.sleep(2 * LIVE_POLL_INTERVAL)
         if code == EXIT_LEFT and self.store_server is not None:
             self._host_until_the_run_ends(coord)
-        self._leave(coord)
+        self._leave(coord, holds_rank=code != EXIT_LEFT)
 
     def _job_doc(self) -> dict[str, object]:
         """What every node, and a spare that joins, learns of the job from the control store."""
@@ -558,7 +558,7 @@ class Launcher:
             store.raw.op_timeout = END_STORE_TIMEOUT
         with contextlib.suppress(DistError):  # the control store is gone, and the job with it: nobody to tell
             if self.job_spec is not None:
-                self._leave(coord)  # as the node it took
+                self._leave(coord, holds_rank=exit_code != EXIT_LEFT)  # as the node it took
             else:
                 self._leave_as_spare(store, name, int(doc["nnodes"]))
         return exit_code
@@ -991,33 +991,42 @@ class Launcher:
             elif time.monotonic() - moved > 3 * self.cfg.node_timeout:
                 return
 
-    def _leave(self, coord: Coordinator) -> None:
-        """Multi-node: say this node is gone; the launcher hosting the control store (node 0's, or the one that
-        bound the port first without --node-rank, even as a spare) keeps it up until the other nodes have left
-        and no spare is still waiting (it notices the end and says so in the store), for at most
+    def _leave(self, coord: Coordinator, holds_rank: bool = True) -> None:
+        """Multi-node: say this node is gone (as the incarnation of its rank that ends here; not when a spare took
+        the rank, ``holds_rank`` False: the spare says it); the launcher hosting the control store (node 0's, or
+        the one that bound the port first without --node-rank, even as a spare) keeps it up until the other nodes
+        have left and no spare is still waiting (it notices the end and says so in the store), for at most
         :data:`_ACK_TIMEOUT` seconds. Invariant: it waits only for what can still answer: not for a node whose
         owner was declared lost and not replaced, or that never had one (nothing of it is left to say goodbye),
         nor for a spare whose record says "waiting" but whose beats stopped for :data:`SPARE_SILENCE` (killed
         while it waited)."""
         if self.cfg.local_mode:
             return
-        if coord.node_rank >= 0:
-            coord.mark(0, "left")
+        if coord.node_rank >= 0 and holds_rank:
+            held = owner(coord, coord.node_rank)[1]
+            coord.mark(0, "left", held.incarnation if held is not None else 0)
         if self.store_server is not None:
             deadline = time.monotonic() + _ACK_TIMEOUT
-            waiting = SpareWatch(coord, SPARE_SILENCE)
-            while (self._staying(coord) or waiting.waiting()) and time.monotonic() < deadline:
+            waiting, gone = SpareWatch(coord, SPARE_SILENCE), set[int]()
+            while (self._staying(coord, gone) or waiting.waiting()) and time.monotonic() < deadline:
                 time.sleep(0.05)
 
     @staticmethod
-    def _staying(coord: Coordinator) -> list[int]:
-        """The nodes that have not said they left (:meth:`_leave`), but those that never had an owner (their
-        launcher never came) and those whose owner was declared lost."""
+    def _staying(coord: Coordinator, gone: set[int]) -> list[int]:
+        """The nodes whose rank's current owner has not said it left (:meth:`_leave`): not those that never had an
+        owner (their launcher never came), nor those whose owner was declared lost. A goodbye of an earlier owner
+        (a node's launcher whose rank a spare took) does not count for the spare. ``gone``: nodes seen gone by an
+        earlier call, not read again (at the job's end no rank changes hands)."""
         left = coord.marks(0, "left")
         staying = []
         for node in range(coord.nnodes):
-            held = owner(coord, node)[1] if node not in left else None
-            if held is not None and coord.get("node", node, "lost") != str(held.incarnation).encode():
+            if node in gone:
+                continue
+            held = owner(coord, node)[1]
+            if (held is None or left.get(node) == str(held.incarnation)
+                    or coord.get("node", node, "lost") == str(held.incarnation).encode()):
+                gone.add(node)
+            else:
                 staying.append(node)
         return staying
 
