@@ -550,6 +550,24 @@ def test_stores_listen_on_the_bound_address_only(server):
         assert set(listeners(os.getpid())) - before == {f"{external[0]}:{other.port}"}
 
 
+def test_control_store_connections_resend_at_least_every_second(server):
+    """A beat lost on the way is sent again within a second of the network's return, not after TCP's doubling
+    pauses (up to about twice a cut): both ends of every connection to the control store bound them."""
+    with socket.socket() as probe:
+        try:
+            probe.setsockopt(socket.IPPROTO_TCP, store_module.TCP_RTO_MAX_MS, store_module.RESEND_MAX_MS)
+        except OSError:
+            pytest.skip("this kernel cannot bound TCP's resends (TCP_RTO_MAX_MS: Linux >= 6.15)")
+    client = store_module.connect_store(LOOPBACK, server.port, 5)
+    client.set("x", "1")
+    ends = [c for c in psutil.Process().net_connections(kind="tcp") if c.status == psutil.CONN_ESTABLISHED
+            and server.port in (c.laddr.port, c.raddr.port if c.raddr else None)]
+    assert len(ends) >= 2, ends  # the client's end and the server's
+    for end in ends:
+        with socket.socket(fileno=os.dup(end.fd)) as sock:
+            assert sock.getsockopt(socket.IPPROTO_TCP, store_module.TCP_RTO_MAX_MS) == 1000, end
+
+
 @pytest.mark.timeout(60)
 def test_ftrun_store_binds_its_host_and_refuses_a_foreign_one():
     bad = subprocess.run([sys.executable, "-m", "ftrun", "store", "--host", "198.51.100.77", "--port", "0"],

@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any, Protocol
 
@@ -41,6 +41,9 @@ STORE_OP_TIMEOUT = timedelta(seconds=60)
 _WAIT_ROUND = timedelta(days=1)
 OUTAGE_NOTICE = 2.0  # seconds an operation goes unanswered before on_outage is told (as etcd's)
 WAIT_NOTICE = 3.0  # seconds a launcher waits for an unreachable control store before it says so
+# TCP's longest pause between two resends on a control-store connection (see bound_resends); 1000 is the least
+RESEND_MAX_MS = 1000
+TCP_RTO_MAX_MS = getattr(socket, "TCP_RTO_MAX_MS", 44)  # Linux >= 6.15 (Python 3.12's socket does not name it)
 _HANDSHAKE_TIMEOUT = 5.0
 
 
@@ -181,9 +184,9 @@ class C10dStore:
         """Nothing to do: torch closes the connection when the store object goes."""
 
 
-def cut_connections(host: str, port: int) -> None:
-    """Shut down (both ways) every TCP connection of this process to ``host:port``; a thread blocked reading one
-    returns at once."""
+def _connections_to(host: str, port: int) -> Iterator[socket.socket]:
+    """A duplicate of each TCP connection of this process to ``host:port`` (what is done to a duplicate is done to
+    the connection; the caller closes the duplicate)."""
     try:
         addresses = {info[4][0] for info in socket.getaddrinfo(host, port, proto=socket.IPPROTO_TCP)}
     except OSError:
@@ -191,10 +194,34 @@ def cut_connections(host: str, port: int) -> None:
     for conn in psutil.Process().net_connections(kind="tcp"):
         if conn.raddr and conn.raddr.port == port and conn.raddr.ip.removeprefix("::ffff:") in addresses:
             try:
-                with socket.socket(fileno=os.dup(conn.fd)) as sock:  # a duplicate: shutdown acts on the socket
-                    sock.shutdown(socket.SHUT_RDWR)
+                yield socket.socket(fileno=os.dup(conn.fd))
             except OSError:  # closed meanwhile
                 pass
+
+
+def cut_connections(host: str, port: int) -> None:
+    """Shut down (both ways) every TCP connection of this process to ``host:port``; a thread blocked reading one
+    returns at once."""
+    for sock in _connections_to(host, port):
+        with sock:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:  # closed meanwhile
+                pass
+
+
+def bound_resends(sock: socket.socket) -> None:
+    """Resend what ``sock`` sent and got no answer for at least every :data:`RESEND_MAX_MS` milliseconds, however
+    long it went unanswered (``TCP_RTO_MAX_MS``; a listening socket's connections inherit it). TCP doubles the
+    pause between resends from 0.2 s (1 s for a connection's first packet) up to 2 minutes, so a host cut off for c
+    seconds, packets dropped without a word on the way, heard nothing of its supervisor's beats for up to about
+    2c (a 4 s cut: 6.2 s): its node was declared lost for a cut well within ``--node-timeout``. Bounded, the beats
+    get through within a second of the network's return. A kernel without the option (before Linux 6.15) keeps
+    TCP's doubling."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, TCP_RTO_MAX_MS, RESEND_MAX_MS)
+    except OSError:  # ENOPROTOOPT: an older kernel
+        pass
 
 
 def host_store(port: int, what: str = "control store", bind: str = LOOPBACK,
@@ -205,6 +232,7 @@ def host_store(port: int, what: str = "control store", bind: str = LOOPBACK,
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        bound_resends(sock)
         sock.bind((bind, port))
         sock.listen(socket.SOMAXCONN)
     except OSError as err:
@@ -293,4 +321,7 @@ def connect_store(host: str, port: int, timeout: float, waiting: Callable[[str],
                          f"within {_HANDSHAKE_TIMEOUT:g}s): is the port used by another program?")
     if isinstance(result[0], BaseException):
         raise UsageError(f"cannot connect to the control store at {host}:{port}: {str(result[0]).splitlines()[0]}")
+    for sock in _connections_to(host, port):  # torch's, and any this process made before (bounding is idempotent)
+        with sock:
+            bound_resends(sock)
     return result[0]
