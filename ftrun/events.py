@@ -13,14 +13,15 @@ keeper_thread_failed (a keeper's background ``thread`` failed; the keeper exits 
 launcher hosting the control store keeps it up after a spare took its node's rank, until the job ends),
 keeper_adopted, slot_allocated, slot_invalid, inject, zygote, node_lost, node_done, failed, parity (a keeper
 computed its parity of a step), parity_failed, protected (a group's protected step advanced), rebuilt,
-rebuild_failed, peer_rejected, store_rejected (a control-store value that is not authentic, or a replayed older
-generation, was ignored; once per key and process), persisted (a step complete on disk), durability (degraded),
-loaded (a keeper loaded a step from disk), restore_source_failed (a parity rebuild or disk load of the planned step
-failed; the next source is planned), no_resume, spare_up (a hot spare is ready), spare_claimed (a spare took a lost
-node's ``node`` rank, ``seconds`` after the failure was seen), spare_took (the local launcher hands that node to
-it), spare_gone, replaced (a supervisor seen as lost found its rank taken by a spare and left), store_outage (the
-control store stopped answering, or answers again), signal_ignored (the launcher got SIGUSR1 or SIGUSR2, SLURM's
-warning, without --signals-to-handle listing it).
+rebuild_failed, peer_rejected (a keeper's peer server refused a connection, or one ended by a fault: a reset, a
+broken frame; ``message`` names the peer and says which), store_rejected (a control-store value that is not
+authentic, or a replayed older generation, was ignored; once per key and process), persisted (a step complete on
+disk), durability (degraded), loaded (a keeper loaded a step from disk), restore_source_failed (a parity rebuild
+or disk load of the planned step failed; the next source is planned), no_resume, spare_up (a hot spare is ready),
+spare_claimed (a spare took a lost node's ``node`` rank, ``seconds`` after the failure was seen), spare_took (the
+local launcher hands that node to it), spare_gone, replaced (a supervisor seen as lost found its rank taken by a
+spare and left), store_outage (the control store stopped answering, or answers again), signal_ignored (the
+launcher got SIGUSR1 or SIGUSR2, SLURM's warning, without --signals-to-handle listing it).
 """
 
 from __future__ import annotations

@@ -506,6 +506,51 @@ def test_a_kept_connection_the_peer_closed_is_replaced_once(make_server, make_cl
     assert not isinstance(caught.value, PeerBusy)
 
 
+def serve_scripted(listener: socket.socket, replies: list[Callable[[socket.socket], None]]) -> None:
+    """A server speaking the protocol from its spec: on its i-th connection, the handshake, one request read, then
+    ``replies[i](conn)`` (what the client gets back), then the connection closed."""
+    for reply in replies:
+        conn, _ = listener.accept()
+        with conn:
+            nonce_s = os.urandom(32)
+            conn.sendall(HELLO.pack(b"FTRK", 1, nonce_s))
+            answer = recv_exactly(conn, 64)
+            conn.sendall(hmac.new(SECRET, b"server" + answer[:32] + nonce_s, hashlib.sha256).digest())
+            _, json_len, payload_len = FRAME.unpack(recv_exactly(conn, FRAME.size))
+            recv_exactly(conn, json_len + payload_len)
+            reply(conn)
+
+
+@pytest.mark.parametrize("how", ["closed", "reset"])
+def test_a_reply_cut_short_by_the_peer_is_asked_for_again_at_once(how) -> None:
+    """A connection the peer closes or resets in the middle of its reply (a keeper restarting its peer server, a
+    reset on the way) is not a lost peer, even on a connection opened for that request: the request goes out again
+    at once on a new one, and the answer is whole."""
+    data = os.urandom(1 << 16)
+    reply = FRAME.pack(b"FTRF", 2, len(data)) + b"{}"
+
+    def cut(conn: socket.socket) -> None:
+        conn.sendall(reply + data[:1000])
+        if how == "reset":
+            conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=serve_scripted, args=(listener, [cut, lambda conn: conn.sendall(reply + data)]),
+                              daemon=True)
+    thread.start()
+    try:
+        client = PeerClient(*listener.getsockname()[:2], SECRET, timeout=30)
+        into = memoryview(bytearray(len(data)))
+        began = time.monotonic()
+        assert client.request("chunk", into=into)[1] == len(data) and bytes(into) == data
+        assert time.monotonic() - began < client.timeout / 2  # at once, not after the timeout
+        client.close()
+        thread.join(CLOSE_WITHIN)
+        assert not thread.is_alive()  # both connections served
+    finally:
+        listener.close()
+
+
 def test_payload_larger_than_into_or_max_payload_is_unavailable(make_server, make_client) -> None:
     server, _ = make_server()
     client = make_client(server)

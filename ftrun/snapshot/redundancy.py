@@ -131,8 +131,8 @@ RELAY_PART = 1 << 20  # terms, or every survivor on this host; the most a relay 
 RELAY_PART_NIC = 256 << 10  # XOR chains with a survivor on another host
 REBUILD_IDLE_CONNECTIONS = 2  # idle connections per peer kept after a rebuild (rare; an encoder's pool keeps 4)
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
-REJECT_NOTICE = 60.0  # seconds between two console lines about refused peer connections
-REJECT_LOGGED = 100  # refused peer connections written to the event log per REJECT_NOTICE seconds, at most
+REJECT_NOTICE = 60.0  # seconds between two console lines about peer connections refused or ended by a fault
+REJECT_LOGGED = 100  # such connections written to the event log per REJECT_NOTICE seconds, at most
 
 
 class RedundancyError(RuntimeError):
@@ -310,8 +310,7 @@ class Redundancy:
         if self._rejected_logged >= REJECT_LOGGED:
             return
         self._rejected_logged += 1
-        self.keeper.events.emit("peer_rejected", f"refused a peer connection: {message}{more}", console=shown,
-                                node=self.place.node)
+        self.keeper.events.emit("peer_rejected", f"{message}{more}", console=shown, node=self.place.node)
 
     def serve(self, request: dict[str, Any]) -> Reply:
         op = request.get("op")

@@ -80,8 +80,8 @@ class _Refused(_Violation):
     """The server closed the connection before its greeting: what it does beyond its ``max_connections``."""
 
 
-class _ClosedBeforeReply(_Violation):
-    """The peer closed the connection before any byte of the reply (on a kept connection: a stale one)."""
+class _ClosedEarly(_Violation):
+    """The peer closed the connection before the frame it was sending ended, or before its reply began."""
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,7 @@ def _timeval(seconds: float) -> bytes:
 def _recv_all(sock: socket.socket, size: int, what: str, deadline: float | None = None) -> bytearray:
     buf = bytearray(size)
     if _recv_exact(sock, memoryview(buf), deadline) < size:
-        raise _Violation(f"connection closed during the {what}")
+        raise _ClosedEarly(f"connection closed during the {what}")
     return buf
 
 
@@ -163,7 +163,7 @@ def _recv_head(sock: socket.socket, max_payload: int) -> tuple[dict[str, Any], i
     if got == 0:
         return None
     if got < FRAME.size:
-        raise _Violation("connection closed during a frame header")
+        raise _ClosedEarly("connection closed during a frame header")
     magic, json_len, payload_len = FRAME.unpack(header)
     if magic != FRAME_MAGIC:
         raise _Violation(f"bad frame magic {bytes(magic)!r}")
@@ -193,7 +193,7 @@ def _recv_frame(
     if payload_len > len(into):
         raise _Violation(f"frame payload of {payload_len} bytes exceeds the {len(into)}-byte buffer")
     if _recv_exact(sock, into[:payload_len]) < payload_len:
-        raise _Violation("connection closed during the frame payload")
+        raise _ClosedEarly("connection closed during the frame payload")
     return fields, payload_len
 
 
@@ -203,7 +203,7 @@ def _discard(sock: socket.socket, length: int) -> None:
     while length > 0:
         n = min(length, len(buffer))
         if _recv_exact(sock, buffer[:n]) < n:
-            raise _Violation("connection closed during the frame payload")
+            raise _ClosedEarly("connection closed during the frame payload")
         length -= n
 
 
@@ -503,7 +503,7 @@ class PeerServer:
                 return f"ValueError: the sink gave {len(view)} bytes for a payload of {length}"
             got = _recv_exact(conn, view)
             if got < length:
-                raise _Violation("connection closed during the frame payload")
+                raise _ClosedEarly("connection closed during the frame payload")
             received = True
             return None
         finally:
@@ -537,10 +537,11 @@ class PeerClient:
 
     Two failures are not taken for a lost peer. A server at its ``max_connections`` closes a new connection
     before its greeting: the client connects again after a pause (:data:`BUSY_BACKOFF`, doubling) until
-    ``timeout`` has passed, then raises :class:`PeerBusy`. A connection kept from an earlier request that the
-    peer has closed or reset (a keeper that closed it, a middlebox that dropped it while idle) is replaced by a
-    new one once, and the request sent again: the peer never answered it, and every request is a read or the
-    write of the same bytes again. A timeout is neither: a silent peer costs ``timeout`` once, not twice.
+    ``timeout`` has passed, then raises :class:`PeerBusy`. A connection the peer closed or reset before its reply
+    ended (a kept one it closed while idle, a middlebox that dropped it, a keeper that restarted its server in the
+    middle of a reply, a reset on the way) is replaced by a new one at once, and the request sent again, once: every
+    request is a read or the write of the same bytes again, and a peer that is gone refuses the new connection (or
+    stays silent), which raises as before. A timeout is neither: a silent peer costs ``timeout`` once, not twice.
     """
 
     def __init__(
@@ -569,14 +570,11 @@ class PeerClient:
         body = memoryview(payload if payload is not None else b"").cast("B")
         head = _head({"op": op, **fields}, body.nbytes)
         with self._lock:
-            reused = self._sock is not None
             try:
                 try:
                     reply = self._exchange(head, body, view)
-                except (ConnectionResetError, BrokenPipeError, _ClosedBeforeReply):
-                    if not reused:
-                        raise
-                    self._close()  # the kept connection was stale: one more try on a new one
+                except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, _ClosedEarly):
+                    self._close()  # reset, or closed before the reply ended: one more try on a new connection
                     reply = self._exchange(head, body, view)
             except (OSError, _Violation) as exc:
                 self._close()
@@ -594,7 +592,7 @@ class PeerClient:
             self._sock.sendall(body)
         reply = _recv_frame(self._sock, self.max_payload, view)
         if reply is None:
-            raise _ClosedBeforeReply("connection closed by the peer")
+            raise _ClosedEarly("connection closed by the peer")
         return reply
 
     def _connect_admitted(self) -> socket.socket:
