@@ -189,6 +189,22 @@ def test_a_relay_that_fails_falls_back_to_the_direct_rebuild(make_group, monkeyp
     assert [e["relayed"] for e in group.events("rebuilt")] == [False]
 
 
+def test_a_relay_answer_of_another_length_is_a_wrong_answer_not_a_lost_survivor(make_group, monkeypatch):
+    """A survivor whose relay answers with more bytes than asked is refused from the reply's header: the rebuild
+    falls back to the direct one at once, not to waiting for the survivor's loss as if it had not answered."""
+    group = make_group(3, 1)
+    group.lose(1)
+
+    def longer(step: int, request: dict[str, Any]) -> bytearray:
+        return bytearray(int(request["length"]) + 1)
+
+    monkeypatch.setattr(group.keepers[2].redundancy, "_relay", longer)
+    assert group.rebuild(1).get("bytes") == group.blob(1)
+    assert group.holds(1) and not group.events("rebuild_failed")
+    fell = group.events("rebuild_relay_failed")
+    assert len(fell) == 1 and "bytes to a request for" in fell[0]["message"], fell
+
+
 @pytest.mark.parametrize("shape,lost", [((4, 2), (1, 2)), ((5, 2), (0, 3)), ((4, 2), (0, 1))])
 def test_two_lost_of_two_parity_are_relayed_as_pyeclibs_terms_and_receive_each_byte_once(make_group, shape, lost):
     """With two of a stripe's fragments lost, a chunk is not an XOR of survivors: each holder of its chain adds

@@ -31,6 +31,7 @@ from ftrun.snapshot.transport import (
     PeerError,
     PeerServer,
     PeerUnavailable,
+    PeerWrongLength,
     Reply,
 )
 
@@ -547,6 +548,37 @@ def test_a_reply_cut_short_by_the_peer_is_asked_for_again_at_once(how) -> None:
         client.close()
         thread.join(CLOSE_WITHIN)
         assert not thread.is_alive()  # both connections served
+    finally:
+        listener.close()
+
+
+def test_a_reply_of_another_length_than_asked_is_refused_before_it_is_received() -> None:
+    """A reply that announces a payload of another length than the request asks for (here 512 MiB, sent never) is
+    refused from its header, nothing allocated for it: a wrong answer (PeerError), not a lost peer. An error reply
+    is still one."""
+
+    def announce(conn: socket.socket) -> None:
+        conn.sendall(FRAME.pack(b"FTRF", 2, 512 << 20) + b"{}")
+        conn.recv(1)  # open until the client closes it: a client that waited for the payload would wait in vain
+
+    def error(conn: socket.socket) -> None:
+        body = json.dumps({"error": "KeyError: no such step"}).encode()
+        conn.sendall(FRAME.pack(b"FTRF", len(body), 0) + body)
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=serve_scripted, args=(listener, [announce, announce, error]), daemon=True)
+    thread.start()
+    try:
+        client = PeerClient(*listener.getsockname()[:2], SECRET, timeout=CLOSE_WITHIN)
+        with pytest.raises(PeerWrongLength, match="a reply of 536870912 bytes to a request for 4096"):
+            client.request("chunk", into=memoryview(bytearray(4096)), reply_len=4096)
+        with pytest.raises(PeerWrongLength, match="to a request for 0"):
+            client.request("info", reply_len=0)
+        with pytest.raises(PeerError, match="no such step") as caught:
+            client.request("chunk", reply_len=4096)
+        assert not isinstance(caught.value, PeerWrongLength)
+        client.close()
+        thread.join(CLOSE_WITHIN)
     finally:
         listener.close()
 

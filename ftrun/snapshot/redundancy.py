@@ -611,8 +611,8 @@ class Redundancy:
             if t in failed:
                 return
             try:
-                self._request(node, "parity_put", payload=piece, step=step, t=t, offset=offset, chunk_len=chunk_len,
-                              crc=crc)
+                self._request(node, "parity_put", payload=piece, reply_len=0, step=step, t=t, offset=offset,
+                              chunk_len=chunk_len, crc=crc)
             except (PeerUnavailable, PeerError) as err:
                 failed[t] = err
 
@@ -629,15 +629,14 @@ class Redundancy:
         return pool.request(address, op, **fields)
 
     def _fetch_into(self, node: int, op: str, into: memoryview, **fields: Any) -> None:
-        """Receive ``node``'s answer to ``op`` straight into ``into``, which it must fill exactly."""
-        _, got = self._request(node, op, into=into, **fields)
-        if got != len(into):
-            raise RedundancyError(f"node {node} sent {got} bytes of {op}, expected {len(into)}")
+        """Receive ``node``'s answer to ``op`` straight into ``into``, which it must fill exactly (else
+        :class:`~ftrun.snapshot.transport.PeerWrongLength`, before any byte is received)."""
+        self._request(node, op, into=into, reply_len=len(into), **fields)
 
     def _info(self, node: int, step: int, parity_held: set[int] | None = None) -> tuple[list[int], list[int]]:
         """``node``'s image lengths and checksums of ``step``; adds it to ``parity_held`` if it holds parity of
         ``step`` already."""
-        reply, _ = self._request(node, "info", step=step)
+        reply, _ = self._request(node, "info", reply_len=0, step=step)
         if parity_held is not None and reply.get("parity") is True:
             parity_held.add(node)
         return [int(n) for n in reply["images"]], [int(c) for c in reply["crcs"]]
@@ -765,7 +764,7 @@ class Redundancy:
         """Tells the holder of parity k + t of this position's stripe that every piece was sent, from the data
         ``read`` (unchanged since): it may use them. A holder gone or not listening computes its own."""
         try:
-            self._request(self._holder(t), "parity_put_end", step=step, t=t, infos=read)
+            self._request(self._holder(t), "parity_put_end", reply_len=0, step=step, t=t, infos=read)
         except (PeerUnavailable, PeerError):
             pass
 

@@ -22,7 +22,8 @@ Protocol (version 1; all integers big-endian):
    server's ``sink`` names the memory it is received into (without a sink it is read and dropped). The server
    answers one reply per request, in order: the handler's fields and payload, or ``{"error": "<type>:
    <message>"}`` when the sink or the handler failed. A connection carries one request at a time, so a reply
-   always belongs to the last request sent on it.
+   always belongs to the last request sent on it. A client that knows the payload length it asked for (a range of
+   bytes, none) refuses a reply announcing another from its header, before receiving or allocating any of it.
 """
 
 from __future__ import annotations
@@ -72,8 +73,17 @@ class PeerError(RuntimeError):
     """The peer answered the request with an error."""
 
 
+class PeerWrongLength(PeerError):
+    """The peer answered with a payload of another length than the request asked for: refused before any of it was
+    received (nothing allocated for it), the connection closed. A wrong answer, not a lost peer."""
+
+
 class _Violation(Exception):
     """The other end broke the protocol (or left mid-message); its connection must be closed."""
+
+
+class _WrongLength(_Violation):
+    """A reply's payload is not of the length its request asked for."""
 
 
 class _Refused(_Violation):
@@ -181,13 +191,17 @@ def _recv_head(sock: socket.socket, max_payload: int) -> tuple[dict[str, Any], i
 
 
 def _recv_frame(
-    sock: socket.socket, max_payload: int, into: memoryview | None = None
+    sock: socket.socket, max_payload: int, into: memoryview | None = None, length: int | None = None
 ) -> tuple[dict[str, Any], bytes | int] | None:
-    """The next frame's JSON object and payload (its length when received ``into``); None on a clean close."""
+    """The next frame's JSON object and payload (its length when received ``into``); None on a clean close. With
+    ``length``, a frame that is not an error reply and announces another payload length is refused before any of
+    its payload is received."""
     head = _recv_head(sock, max_payload)
     if head is None:
         return None
     fields, payload_len = head
+    if length is not None and payload_len != length and "error" not in fields:
+        raise _WrongLength(f"a reply of {payload_len} bytes to a request for {length}")
     if into is None:
         return fields, bytes(_recv_all(sock, payload_len, "frame payload"))
     if payload_len > len(into):
@@ -557,12 +571,14 @@ class PeerClient:
         self._lock = threading.Lock()
 
     def request(self, op: str, into: memoryview | None = None, payload: Buffer | None = None,
-                **fields: Any) -> tuple[dict[str, Any], bytes | int]:
+                reply_len: int | None = None, **fields: Any) -> tuple[dict[str, Any], bytes | int]:
         """Sends one request, with ``payload`` bytes after it if given; returns (reply fields, payload).
 
         With ``into`` (a writable buffer), the payload is received straight into it with ``recv_into`` (no extra
         copy) and the second item is the number of bytes received; a payload longer than ``into`` is a
         :class:`PeerUnavailable` (the connection is closed). Raises :class:`PeerError` for an error reply.
+        ``reply_len``: the payload length the request asks for (a range of bytes, none); a reply announcing
+        another is :class:`PeerWrongLength`, before any of its payload is received or memory allocated for it.
         """
         view = None if into is None else memoryview(into).cast("B")
         if view is not None and view.readonly:
@@ -572,10 +588,13 @@ class PeerClient:
         with self._lock:
             try:
                 try:
-                    reply = self._exchange(head, body, view)
+                    reply = self._exchange(head, body, view, reply_len)
                 except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError, _ClosedEarly):
                     self._close()  # reset, or closed before the reply ended: one more try on a new connection
-                    reply = self._exchange(head, body, view)
+                    reply = self._exchange(head, body, view, reply_len)
+            except _WrongLength as exc:
+                self._close()
+                raise PeerWrongLength(f"keeper {self.host}:{self.port}: {exc}") from exc
             except (OSError, _Violation) as exc:
                 self._close()
                 kind = PeerBusy if isinstance(exc, _Refused) else PeerUnavailable
@@ -584,13 +603,14 @@ class PeerClient:
             raise PeerError(str(reply[0]["error"]))
         return reply
 
-    def _exchange(self, head: bytes, body: memoryview, view: memoryview | None) -> tuple[dict[str, Any], bytes | int]:
+    def _exchange(self, head: bytes, body: memoryview, view: memoryview | None,
+                  reply_len: int | None) -> tuple[dict[str, Any], bytes | int]:
         if self._sock is None:
             self._sock = self._connect_admitted()
         self._sock.sendall(head)
         if body.nbytes:
             self._sock.sendall(body)
-        reply = _recv_frame(self._sock, self.max_payload, view)
+        reply = _recv_frame(self._sock, self.max_payload, view, reply_len)
         if reply is None:
             raise _ClosedEarly("connection closed by the peer")
         return reply
@@ -668,7 +688,7 @@ class PeerPool:
         self._closed = False
 
     def request(self, address: str, op: str, into: memoryview | None = None, payload: Buffer | None = None,
-                **fields: Any) -> tuple[dict[str, Any], bytes | int]:
+                reply_len: int | None = None, **fields: Any) -> tuple[dict[str, Any], bytes | int]:
         """:meth:`PeerClient.request` to the peer at ``address`` ("host:port")."""
         with self._lock:
             idle = self._idle.get(address)
@@ -677,7 +697,7 @@ class PeerPool:
             host, _, port = address.rpartition(":")
             client = PeerClient(host, int(port), self.secret, self.timeout)
         try:
-            return client.request(op, into=into, payload=payload, **fields)
+            return client.request(op, into=into, payload=payload, reply_len=reply_len, **fields)
         finally:
             with self._lock:
                 idle = self._idle.setdefault(address, [])
