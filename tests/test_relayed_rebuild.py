@@ -189,6 +189,20 @@ def test_a_relay_that_fails_falls_back_to_the_direct_rebuild(make_group, monkeyp
     assert [e["relayed"] for e in group.events("rebuilt")] == [False]
 
 
+def test_survivors_restarted_during_a_rebuild_relay_to_the_holders_the_request_names(make_group):
+    """Survivors whose keepers were restarted (by their supervisors) know no peer's address until their links tell
+    them again, which may come after the rebuild's next request: the relay requests name the holders down the
+    chain, so the relayed rebuild goes on instead of failing as if a survivor were lost."""
+    group = make_group(3, 1)
+    group.lose(1)
+    keeper = group.keepers[1] = group.start(1)
+    for node in (0, 2):
+        group.keepers[node].redundancy.peers = {}
+    reply = keeper.handle({"op": "rebuild", "generation": 1, "step": STEP, "complete": [0, 2], "peers": group.peers})
+    assert reply.get("bytes") == group.blob(1), reply
+    assert keeper.redundancy.relayed and group.holds(1)
+
+
 def test_a_relay_answer_of_another_length_is_a_wrong_answer_not_a_lost_survivor(make_group, monkeypatch):
     """A survivor whose relay answers with more bytes than asked is refused from the reply's header: the rebuild
     falls back to the direct one at once, not to waiting for the survivor's loss as if it had not answered."""

@@ -404,6 +404,8 @@ class Redundancy:
                 and layout.position(stripe, parts[0]) == self.place.position
                 and 0 < length <= RELAY_PART and 0 <= offset and offset + length <= chunk_len):
             raise ValueError(f"bad xor request for stripe {stripe}, fragments {parts}, bytes {offset}+{length}")
+        for node, address in dict(request.get("peers") or {}).items():  # what its link has not told it yet
+            self.peers.setdefault(int(node), str(address))
         out = bytearray(length)
         view = memoryview(out)
         if len(parts) > 1:
@@ -416,11 +418,14 @@ class Redundancy:
         """Fill ``into`` with bytes from ``offset`` of fragment ``parts[0]`` of ``stripe``, from its holder; with
         several parts (or ``terms``), of the XOR of those fragments (or of their terms), relayed along their
         holders in order. A holder further down the chain that did not answer is :class:`PeerUnavailable` here
-        too (a lost survivor, not a bad relay)."""
+        too (a lost survivor, not a bad relay). A relay request carries the addresses of the holders after the first
+        that this node knows: a survivor whose keeper was restarted knows none until its link tells it again."""
         k = self.layout.k
         node = self._node(self.layout.position(stripe, parts[0]))
         fields: dict[str, Any] = {"step": step, "offset": offset, "length": len(into), "rebuild": True}
         if len(parts) > 1 or terms is not None:
+            after = (self._node(self.layout.position(stripe, i)) for i in parts[1:])
+            fields["peers"] = {str(n): self.peers[n] for n in after if n in self.peers}
             if terms is not None:
                 fields.update(want=terms.want, sources=list(terms.sources))
             try:
