@@ -598,7 +598,11 @@ class PeerClient:
             except (OSError, _Violation) as exc:
                 self._close()
                 kind = PeerBusy if isinstance(exc, _Refused) else PeerUnavailable
-                raise kind(f"keeper {self.host}:{self.port}: {exc}") from exc
+                # the kernel's receive or send timeout (SO_RCVTIMEO, SO_SNDTIMEO) says EAGAIN: "Resource temporarily
+                # unavailable" is not what happened
+                silent = isinstance(exc, (BlockingIOError, TimeoutError))
+                what = f"no answer within {self.timeout:g}s" if silent else exc
+                raise kind(f"keeper {self.host}:{self.port}: {what}") from exc
         if "error" in reply[0]:
             raise PeerError(str(reply[0]["error"]))
         return reply
