@@ -312,21 +312,59 @@ def _layer(module: str) -> int | None:
                  if module == name or (name != "ftrun" and module.startswith(name + "."))), None)
 
 
-def test_layers_point_down_and_no_two_modules_import_each_other():
+def _import_graph(root: Path) -> dict[str, set[str]]:
+    """Module -> the modules of package ``ftrun`` under ``root`` it imports: also inside functions and under
+    TYPE_CHECKING, relative imports resolved, and ``from package import module`` as that module."""
     import ast
 
-    imports: dict[str, set[str]] = {}
-    for path in sorted((ROOT / "ftrun").rglob("*.py")):
-        module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-        found = imports.setdefault(module, set())
-        for node in ast.walk(ast.parse(path.read_text())):  # also the imports inside functions
-            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module
-                     else [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            found.update(name for name in names if name == "ftrun" or name.startswith("ftrun."))
-    assert [m for m in imports if _layer(m) is None] == []  # a new package gets its place in LAYERS
-    upward = [(m, i) for m, found in imports.items() for i in found if _layer(i) > _layer(m)]
-    mutual = [(m, i) for m, found in imports.items() for i in found if m in imports.get(i, ()) and m < i]
-    assert not upward and not mutual
+    paths = {".".join(path.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): path
+             for path in sorted((root / "ftrun").rglob("*.py"))}
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        found = graph.setdefault(module, set())
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = ".".join(package.split(".")[:len(package.split(".")) - node.level + 1]) if node.level else ""
+                source = ".".join(part for part in (base, node.module) if part)
+                found.update(f"{source}.{alias.name}" if f"{source}.{alias.name}" in paths else source
+                             for alias in node.names)
+        graph[module] = {name for name in found if name == "ftrun" or name.startswith("ftrun.")}
+    return graph
+
+
+def _layering_problems(graph: dict[str, set[str]]) -> list[str]:
+    """What breaks the rules: a module in no layer, an import of a layer above, and each import cycle (modules that
+    import each other, directly or through others)."""
+    problems = [f"{m} is in no layer of LAYERS" for m in graph if _layer(m) is None]
+    problems += [f"{m} imports {i}, a layer above it" for m, found in sorted(graph.items()) for i in sorted(found)
+                 if None not in (_layer(m), _layer(i)) and _layer(i) > _layer(m)]
+    reaches = {m: set(found) & graph.keys() for m, found in graph.items()}
+    for _ in graph:  # to a fixed point: the modules each one reaches through its imports
+        reaches = {m: set(r).union(*(reaches[i] for i in r)) for m, r in reaches.items()}
+    cycles = {tuple(sorted(m for m in graph if m in reaches[start] and start in reaches[m]))
+              for start in graph if start in reaches[start]}
+    return problems + [f"import cycle: {', '.join(cycle)}" for cycle in sorted(cycles)]
+
+
+def test_layers_point_down_and_no_modules_import_each_other():
+    assert _layering_problems(_import_graph(ROOT)) == []
+
+
+def test_the_layering_check_sees_an_upward_import_and_a_cycle_through_three_modules(tmp_path):
+    files = {"ftrun/__init__.py": "", "ftrun/control/__init__.py": "", "ftrun/launch/__init__.py": "",
+             "ftrun/control/a.py": "from ftrun.control import b\n",
+             "ftrun/control/b.py": "def f():\n    from .c import g\n",
+             "ftrun/control/c.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import ftrun.control.a\n",
+             "ftrun/control/d.py": "from ..launch import e\n", "ftrun/launch/e.py": "", "ftrun/new/f.py": ""}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert _layering_problems(_import_graph(tmp_path)) == [
+        "ftrun.new.f is in no layer of LAYERS", "ftrun.control.d imports ftrun.launch.e, a layer above it",
+        "import cycle: ftrun.control.a, ftrun.control.b, ftrun.control.c"]
 
 
 def test_the_cli_checks_its_input_without_importing_torch():
