@@ -135,6 +135,36 @@ def test_node_0_waits_at_its_end_for_a_spare_that_took_a_rank_whose_first_launch
     assert Launcher._staying(coord, gone) == [] and gone == {0, 1, 2}
 
 
+def test_a_launcher_kills_its_supervisor_of_a_node_at_once_when_a_spare_took_it_else_a_timeout_after_its_loss():
+    """Launcher._end_lost's decision (Launcher._fence_verdict), driven on a real store with the clock passed in: a
+    supervisor whose loss is declared is killed only ``node_timeout`` after this launcher first saw that, and not
+    once it rejoined; one whose rank a spare took, at once, unless this launcher handed the node to that spare or
+    the spare is no newer than the incarnation its replacement takes over from."""
+    use_job("fence", "a secret long enough for the test")
+    coord = Coordinator(C10dStore(host_store(0)), "fence", 0, 2, run=1)
+    stalled: dict[int, float] = {}
+
+    def verdict(now: float, handed_to: str | None = None, replaced: int = 0) -> tuple[int, bool] | None:
+        found = Launcher._fence_verdict(coord, 1, handed_to, replaced, stalled, 10.0, now)
+        return None if found is None else (found[0].incarnation, found[1])
+
+    assert verdict(0.0) is None and stalled == {}  # nobody holds the rank
+    assert take(coord, 1, "first", "h") == 1
+    assert verdict(1.0) is None and stalled == {}  # a slow supervisor, however slow, is never killed
+    coord.store.set(coord.key("node", 1, "lost"), "1")
+    assert verdict(100.0) is None and verdict(110.0) is None and stalled == {1: 100.0}
+    assert verdict(110.5) == (1, False) and stalled == {}  # stalled: killed node_timeout after its loss was seen
+    assert verdict(200.0) is None and stalled == {1: 200.0}
+    coord.store.set(coord.key("node", 1, "lost"), "")  # it rejoined in time
+    assert verdict(300.0) is None and stalled == {}
+    coord.store.set(coord.key("node", 1, "lost"), "1")
+    assert verdict(0.0, replaced=1) is None and stalled == {}  # the lost owner that a replacement here takes over
+    assert claim(coord, 1, 1, "spare-0", "spare-0", "h") == 2
+    assert verdict(400.0) == (2, True) and stalled == {}  # a spare took the rank: at once
+    assert verdict(400.0, handed_to="spare-0") is None  # the spare this launcher handed the node to
+    assert verdict(400.0, replaced=2) is None  # no newer than what this launcher's replacement takes over from
+
+
 @pytest.mark.timeout(30)
 def test_a_spare_counts_as_waiting_only_while_it_beats():
     """A spare's record stays "waiting" when the spare is killed while it waits; the nodes that count on it see

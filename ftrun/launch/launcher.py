@@ -874,22 +874,19 @@ class Launcher:
         now = time.monotonic()
         killed: dict[int, bool] = {}
         for node, proc in self.procs.items():
-            try:
-                held = owner(coord, node)[1] if node not in skip and proc.poll() is None else None
-                taken = self._taken_by_spare(node, held)
-                declared = (held is not None and not taken and held.incarnation > self._replaced.get(node, 0)
-                            and coord.get("node", node, "lost") == str(held.incarnation).encode())
-            except DistError:  # the control store is away: nothing to tell (the supervisor waits for it too)
-                continue
-            if not (taken or declared):
+            if node in skip or proc.poll() is not None:
                 self._stalled.pop(node, None)
                 continue
-            if declared and now - self._stalled.setdefault(node, now) <= self.cfg.node_timeout:
+            try:
+                verdict = self._fence_verdict(coord, node, self._spare_of.get(node), self._replaced.get(node, 0),
+                                              self._stalled, self.cfg.node_timeout, now)
+            except DistError:  # the control store is away: nothing to tell (the supervisor waits for it too)
                 continue
-            self._stalled.pop(node, None)
+            if verdict is None:
+                continue
+            held, taken = verdict
             proc.send_signal(signal.SIGKILL)
             killed[node] = taken
-            assert held is not None
             if taken:
                 self.events.emit("fenced", f"node {node}'s supervisor (pid {proc.pid}) still ran after spare "
                                  f"{held.spare} took its rank: killed, with its keeper and trainers", node=node,
@@ -900,14 +897,36 @@ class Launcher:
                                  "killed, with its keeper and trainers", node=node, pid=proc.pid)
         return killed
 
-    def _taken_by_spare(self, node: int, held: Owner | None) -> bool:
-        """Whether ``held``, ``node``'s owner, is a spare this launcher did not hand the node over to: its own
-        supervisors of the node hold the rank as no spare (its first one, its replacements) or as the spare handed
-        over (:attr:`_spare_of`), so such an owner took the rank from them. An owner no newer than the one this
-        launcher's replacement of the node takes over from (:attr:`_replaced`; a standby's own spare that took the
-        rank and died since, say) took nothing from that replacement."""
-        return (held is not None and bool(held.spare) and held.spare != self._spare_of.get(node)
-                and held.incarnation > self._replaced.get(node, 0))
+    @staticmethod
+    def _fence_verdict(coord: Coordinator, node: int, handed_to: str | None, replaced: int,
+                       stalled: dict[int, float], node_timeout: float, now: float) -> tuple[Owner, bool] | None:
+        """:meth:`_end_lost`'s decision for ``node``, whose supervisor here still runs: its owner and whether a
+        spare took the rank (:meth:`_taken_by_spare`) when the supervisor is to be killed, else None. Killed at
+        once when a spare took the rank; when the owner was declared lost (``node/<r>/lost`` names its incarnation,
+        newer than ``replaced``: see :meth:`_taken_by_spare`), once ``now`` is more than ``node_timeout`` after the
+        first look that saw it so (kept in ``stalled``, by node, until the node is killed or no longer lost).
+        Invariant: a supervisor whose rank no spare took and whose loss no node declared is never killed, however
+        slow."""
+        held = owner(coord, node)[1]
+        taken = Launcher._taken_by_spare(held, handed_to, replaced)
+        declared = (held is not None and not taken and held.incarnation > replaced
+                    and coord.get("node", node, "lost") == str(held.incarnation).encode())
+        if held is None or not (taken or declared):
+            stalled.pop(node, None)
+            return None
+        if declared and now - stalled.setdefault(node, now) <= node_timeout:
+            return None
+        stalled.pop(node, None)
+        return held, taken
+
+    @staticmethod
+    def _taken_by_spare(held: Owner | None, handed_to: str | None, replaced: int) -> bool:
+        """Whether ``held``, a node's owner, is a spare this launcher did not hand the node over to (``handed_to``,
+        :attr:`_spare_of`): its own supervisors of the node hold the rank as no spare (its first one, its
+        replacements) or as the spare handed over, so such an owner took the rank from them. An owner no newer than
+        ``replaced``, the one this launcher's replacement of the node takes over from (:attr:`_replaced`; a
+        standby's own spare that took the rank and died since, say), took nothing from that replacement."""
+        return held is not None and bool(held.spare) and held.spare != handed_to and held.incarnation > replaced
 
     def _left_to_spare(self, coord: Coordinator, node: int, code: int) -> bool:
         """Multi-node: whether a spare took ``node``'s rank from its supervisor, which died (``code``) before it saw
@@ -918,7 +937,7 @@ class Launcher:
             held = owner(coord, node)[1]
         except DistError:
             return False  # the control store is gone: as any lost supervisor
-        if not self._taken_by_spare(node, held):
+        if not self._taken_by_spare(held, self._spare_of.get(node), self._replaced.get(node, 0)):
             return False
         assert held is not None
         if held.shm and held.shm == shm_place():
