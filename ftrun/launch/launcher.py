@@ -780,19 +780,17 @@ class Launcher:
                 if (code == EXIT_REPLACED or fenced) and self.cfg.local_mode:
                     vacant[node] = code  # seen as lost while alive: a spare took its rank
                     continue
-                lost = code not in SUPERVISOR_ENDS
-                if lost and self.signalled is None and not self.cfg.local_mode and self._left_to_spare(coord, node,
-                                                                                                        code):
-                    results[node] = EXIT_REPLACED
-                    continue
-                if lost and self.signalled is None:
+                if code not in SUPERVISOR_ENDS and self.signalled is None:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
                     try:
+                        held = owner(coord, node)[1]  # whom a spare took the rank from, or whose loss to declare
+                        if not self.cfg.local_mode and self._left_to_spare(node, held, code):
+                            results[node] = EXIT_REPLACED
+                            continue
                         if self.slurm is not None and coord.current().kind == STEP_END_KIND:
                             self._step_over.add(node)  # the step ended (while it was stalled): nothing to replace
                             results[node] = code
                             continue
-                        held = owner(coord, node)[1]
                         if not self.cfg.local_mode:  # a replacement follows: under srun the other nodes wait for
                             # it only when told so (supervisor.nothing_replaces), as no other ftrun can join the step
                             coord.store.set(coord.key("node", node, "replacing"),
@@ -928,15 +926,12 @@ class Launcher:
         standby's own spare that took the rank and died since, say), took nothing from that replacement."""
         return held is not None and bool(held.spare) and held.spare != handed_to and held.incarnation > replaced
 
-    def _left_to_spare(self, coord: Coordinator, node: int, code: int) -> bool:
-        """Multi-node: whether a spare took ``node``'s rank from its supervisor, which died (``code``) before it saw
-        that (stalled until then, say). The launcher then leaves the job to that spare as a supervisor that sees it
-        does (:data:`EXIT_REPLACED`): no node-lost generation, no replacement (it would take the rank from the
-        running spare), and the node's files stay where the spare shares this host's shared memory (same names)."""
-        try:
-            held = owner(coord, node)[1]
-        except DistError:
-            return False  # the control store is gone: as any lost supervisor
+    def _left_to_spare(self, node: int, held: Owner | None, code: int) -> bool:
+        """Multi-node: whether a spare took ``node``'s rank (``held``: its owner, just read) from its supervisor,
+        which died (``code``) before it saw that (stalled until then, say). The launcher then leaves the job to that
+        spare as a supervisor that sees it does (:data:`EXIT_REPLACED`): no node-lost generation, no replacement (it
+        would take the rank from the running spare), and the node's files stay where the spare shares this host's
+        shared memory (same names)."""
         if not self._taken_by_spare(held, self._spare_of.get(node), self._replaced.get(node, 0)):
             return False
         assert held is not None
