@@ -186,6 +186,35 @@ def test_a_spare_counts_as_waiting_only_while_it_beats():
     assert watch.waiting()
 
 
+def test_a_spare_watch_kept_up_at_every_poll_looks_a_few_times_per_timeout():
+    """Under srun a supervisor's rendezvous asks SpareWatch whether a spare waits once per --node-timeout, but must
+    look at it more often than every half timeout (a longer gap restarts every spare's clock). It looked at every
+    peer check (4 per second, two round trips each, on every node, for as long as the job waited for a node); it
+    now looks SPARE_LOOKS times per timeout whatever the callers' poll rate."""
+
+    class CountingStore(C10dStore):
+        reads = 0
+
+        def get_many(self, keys: list[str]) -> list[bytes | None]:
+            CountingStore.reads += 1
+            return super().get_many(keys)
+
+    use_job("spare-looks", "a secret long enough for the test")
+    coord = Coordinator(CountingStore(host_store(0)), "spare-looks", 0, 2, run=1)
+    enlist(coord, spare_doc("waiting", "h", 1))
+    watch = SpareWatch(coord, timeout=600.0)
+    before = CountingStore.reads
+    for _ in range(50):  # polls well within a quarter of the timeout: no look
+        watch.keep_up()
+    assert CountingStore.reads == before
+    assert watch.waiting() and CountingStore.reads > before  # the caller's own question still looks
+    quick = SpareWatch(coord, timeout=0.004)
+    time.sleep(0.002)
+    before = CountingStore.reads
+    quick.keep_up()  # a quarter of its timeout passed: a look
+    assert CountingStore.reads > before
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.extended  # make test: test_a_spare_counts_as_waiting_only_while_it_beats (SpareWatch)
 def test_a_standby_killed_while_it_waits_is_not_waited_for_under_srun(start_job, tmp_path):

@@ -27,6 +27,7 @@ from ftrun.control.coordination import Coordinator
 from ftrun.control.ownership import Owner, waiting_spares
 
 WATCHED_PEERS = 3  # nodes each node watches; a loss goes unseen only if all of its watchers are lost too
+SPARE_LOOKS = 4  # looks of a SpareWatch per timeout kept up (SpareWatch.keep_up)
 
 
 def watched(node: int, nnodes: int) -> list[int]:
@@ -104,3 +105,11 @@ class SpareWatch:
             if index not in self._counts or count != self._counts[index]:
                 self._counts[index], self._changed[index] = count, now
         return any(now - self._changed[index] <= self.timeout for index in beats)
+
+    def keep_up(self) -> None:
+        """A look (:meth:`waiting`) when the last one is :data:`SPARE_LOOKS`-th of ``timeout`` old, else nothing:
+        for a caller that asks :meth:`waiting` only now and then (every ``timeout``) and calls this at each of its
+        polls. Looked at that often, no gap between two looks exceeds ``timeout / 2`` (which would restart every
+        spare's clock, so that a dead one would never be seen), for two round trips per interval, not per poll."""
+        if time.monotonic() - self._last_look >= self.timeout / SPARE_LOOKS:
+            self.waiting()

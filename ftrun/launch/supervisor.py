@@ -616,10 +616,10 @@ class Supervisor:
             now_raw = self.coord.current_raw()
             if now_raw != seen:
                 return now_raw
+            if self.spec.slurm_step:  # a watch not looked at blames no spare
+                spare_watch.keep_up()
             if time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL
-                if self.spec.slurm_step:  # looks as often as a peer's: a watch not looked at blames no spare
-                    spare_watch.waiting()
                 lost = self._check_peers(peers, seen)
                 if lost is not None:
                     return lost
