@@ -722,6 +722,31 @@ def test_the_final_persist_copies_its_step_to_dcp_at_once_stopping_an_older_copy
     del server
 
 
+@pytest.mark.timeout(120)
+def test_every_node_judges_the_final_dcp_persist_by_its_copy(small_tmpfs, tmp_path):
+    """--ckpt-format dcp: the final persist succeeded once its step is on disk and its DCP copy is written. Node 1
+    said so as soon as the ftrun-format step was on disk, node 0 only once the copy ended, and node 0 counted a copy
+    that failed as done: a job stopped by SIGTERM exited 143 on node 1's host with no DCP checkpoint of its newest
+    step. Every node now reads the copy's outcome from the store: both wait for it, and both report its failure."""
+    root, shm = small_tmpfs(10) / JOB, tmp_path / "shm"
+    shm.mkdir()
+    big = [{"w": torch.arange(1 << 20, dtype=torch.float32)}] * 2  # 4 MiB a rank, 8 of 10 MiB: no room for a copy
+    nodes, server = two_nodes(root, ckpt_format="dcp")
+    copies = nodes[0].copies
+    assert copies is not None
+    try:
+        persist_round(nodes, shm, big, 10, final=True)
+        assert [node.final_outcome() for node in nodes] == [None, None]  # its copy runs
+        running_copy(copies).wait()
+        nodes[0].tick({}, 10)
+        outcomes = [node.final_outcome() for node in nodes]
+        assert outcomes[0] == outcomes[1], outcomes
+        assert outcomes[0] is not None and outcomes[0].startswith("its DCP copy failed (cannot write"), outcomes
+    finally:
+        copies.stop()
+    del server
+
+
 def running_copy(copies: DcpCopies) -> subprocess.Popen[str]:
     assert copies._running is not None
     return copies._running[1]

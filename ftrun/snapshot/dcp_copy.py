@@ -15,8 +15,8 @@ Invariants:
   ``Popen`` then reports 0); it goes with its step when the step is pruned.
 * One copy runs at a time, of the newest complete step asked for; a step finished meanwhile replaces an older
   one still waiting, and the job's final step (which its end waits for) stops an older one still running. A copy
-  of a step pruned while it ran fails silently; any other failure is one warning line (the ``ftrun`` format step
-  stays complete and usable).
+  of a step pruned while it ran fails silently; any other failure is one warning line, and recorded
+  (:attr:`DcpCopies.failure`, until a newer copy is written; the ``ftrun`` format step stays complete and usable).
 * The copy ends with the process that started it (the supervisor): it watches its parent, and exits, leaving its
   partial directory, once it has another (the supervisor was killed: its node was lost, or the launcher was
   killed and took it along), so nothing of a killed job goes on writing to its directory.
@@ -63,6 +63,7 @@ class DcpCopies:
         self._running: tuple[int, subprocess.Popen[str], float] | None = None
         found = newest_dcp(root)
         self.done = found[0] if found else 0  # the newest step whose copy is complete (an earlier run's too)
+        self.failure: tuple[int, str] | None = None  # (step, why) of the newest copy that failed, while none newer is
 
     def want(self, step: int, final: bool = False) -> None:
         """Copy ``step`` once the copy running ends; ``final``: the job's last, with training over: it starts at once,
@@ -73,10 +74,6 @@ class DcpCopies:
         self._wanted = max(self._wanted, step)
         self._final = final
         self.poll()
-
-    def pending(self, step: int) -> bool:
-        """Whether the copy of ``step`` (or of a newer one) is still to be written."""
-        return self.done < step and (self._wanted >= step or self._running is not None)
 
     def spare(self) -> frozenset[int]:
         """The steps pruning must keep beyond ``--keep``: the one being copied (an export takes seconds; pruned
@@ -110,6 +107,8 @@ class DcpCopies:
         error = (child.stderr.read() if child.stderr else "").strip().splitlines()
         if os.path.isdir(path):
             self.done = max(self.done, step)
+            if self.failure is not None and self.failure[0] < step:
+                self.failure = None
             self.events.emit("dcp", f"wrote step {step} in DCP format to {path} in {seconds:.2f}s", step=step,
                              path=path, seconds=seconds)
             return
@@ -117,6 +116,7 @@ class DcpCopies:
         if not os.path.isdir(os.path.join(self.root, step_name(step))):
             return  # pruned while it was copied: a newer step is on disk
         reason = error[-1].removeprefix("ftrun: error: ") if error else "its exporter ended without a word"
+        self.failure = (step, reason)
         self.events.emit("durability", f"WARNING the DCP copy of step {step} failed ({reason}); the step stays on "
                          f"disk in ftrun's format", step=step, degraded=True, reason=reason)
 

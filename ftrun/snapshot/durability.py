@@ -33,7 +33,13 @@ longer change) skips the hold and names the newest committed step at once.
 
 Outcome keys, written by node 0: ``done`` (newest step complete on disk) and ``done_time``; ``degraded`` (why the
 last round failed; "" once one succeeds); ``failed`` and ``failed_reason`` (the newest step whose round failed,
-and why); ``rounds`` and ``failures`` (counts). :mod:`ftrun.ui.durable` reads them.
+and why); ``rounds`` and ``failures`` (counts); with ``--ckpt-format dcp``, ``dcp_done`` (the newest step with a
+complete DCP copy) and ``dcp_failed`` (``{"step": S, "reason": ...}``: the newest step whose copy failed, while no
+newer copy is written; "" after). :mod:`ftrun.ui.durable` reads them.
+
+The final persist succeeded, on every node alike (:meth:`Durability.final_outcome` reads only these keys), once
+its step is complete on disk and, with ``--ckpt-format dcp`` (the user asked for a DCP checkpoint), its DCP copy
+too, checked and renamed into place; it failed once either failed.
 """
 
 from __future__ import annotations
@@ -116,6 +122,7 @@ class Durability:
         self._rounds = number(coord.get("persist", "rounds")) or 0
         self._failures = number(coord.get("persist", "failures")) or 0
         self.copies = DcpCopies(self.root, events) if self.leader and spec.ckpt_format == "dcp" else None
+        self._copies_told: tuple[int, tuple[int, str] | None] = (0, None)  # (done, failure) node 0 last published
         self._aside = ""  # where this process moved steps of another world size (one directory, not one per move)
 
     def disk_steps(self) -> set[int]:
@@ -344,6 +351,14 @@ class Durability:
         assert self.copies is not None
         copied = self.copies.done
         self.copies.poll()
+        done, failure = self._copies_told
+        self._copies_told = (self.copies.done, self.copies.failure)
+        if done != self.copies.done:
+            self.coord.store.set(self.coord.key("persist", "dcp_done"), str(self.copies.done))
+        if failure != self.copies.failure:
+            failed = self.copies.failure
+            self.coord.store.set(self.coord.key("persist", "dcp_failed"),
+                                 json.dumps({"step": failed[0], "reason": failed[1]}) if failed else "")
         if self.copies.done > copied and self.done:
             pruned = self._tidy(self.done)
             if pruned:
@@ -391,19 +406,29 @@ class Durability:
         self.coord.store.set(self.coord.key("persist", "failures"), str(self._failures))
 
     def final_outcome(self) -> str | None:
-        """After :meth:`ask_final` (by node 0): "" once the final step is on disk, why not once it failed, None
-        while unknown."""
+        """After :meth:`ask_final` (by node 0): "" once the final step is on disk (with ``--ckpt-format dcp``: and
+        its DCP copy), why not once it failed, None while unknown. The same on every node: read from the store."""
         final = number(self.coord.get("persist", "final"))
         if final is None:
             return None
         done, failed = number(self.coord.get("persist", "done")), number(self.coord.get("persist", "failed"))
-        if final == 0 or (done is not None and done >= final):  # 0: nothing was ever committed
-            if self.copies is not None and self.copies.pending(int(done or 0)):
-                return None  # node 0 waits for the DCP copy of the final step too
+        if final == 0:  # nothing was ever committed
             return ""
+        if done is not None and done >= final:
+            return self._final_copy(int(final)) if self.spec.ckpt_format == "dcp" else ""
         if failed is not None and failed >= final:
             reason = self.coord.get("persist", "degraded")
             return reason.decode(errors="replace") if reason else "failed"
+        return None
+
+    def _final_copy(self, final: int) -> str | None:
+        """"" once the DCP copy of step ``final`` (or of a newer one) is written, why not once it failed, else
+        None."""
+        if (number(self.coord.get("persist", "dcp_done")) or 0) >= final:
+            return ""
+        failed = dcp_failure(self.coord.get("persist", "dcp_failed"))
+        if failed is not None and failed[0] >= final:
+            return f"its DCP copy failed ({failed[1]}); step {final} is on disk in ftrun's format only"
         return None
 
     def step_path(self, step: int) -> str:
@@ -417,6 +442,15 @@ def _outcome(raw: str) -> dict[str, Any]:
     except ValueError:
         doc = None
     return doc if isinstance(doc, dict) else {"error": "malformed outcome"}
+
+
+def dcp_failure(raw: bytes | None) -> tuple[int, str] | None:
+    """The ``dcp_failed`` document read as (step, reason); None when absent, cleared or malformed."""
+    try:
+        doc = json.loads(raw) if raw else None
+        return (int(doc["step"]), str(doc["reason"])) if doc else None
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def number(raw: bytes | None, kind: type = int) -> int | float | None:
