@@ -639,14 +639,14 @@ def test_a_node_0_replaced_and_back_leaves_the_persist_rounds_of_the_job_alone(t
     del server
 
 
-def two_nodes(root: Path, **settings: Any) -> tuple[list[Durability], TCPStore]:
-    """Node 0 and node 1 of a job of 2 nodes x 1 rank persisting to ``root`` (every snapshot step), in generation 0;
-    and the control store's server (keep it while they run)."""
+def two_nodes(root: Path, lines: io.StringIO | None = None, **settings: Any) -> tuple[list[Durability], TCPStore]:
+    """Node 0 and node 1 of a job of 2 nodes x 1 rank persisting to ``root`` (every snapshot step), in generation 0,
+    their terminal lines written to ``lines``; and the control store's server (keep it while they run)."""
     server = host_store(0)
     store = SignedStore(C10dStore(server), "0123456789abcdef" * 4)
     spec = NodeSpec(JOB, 0, 2, 1, "127.0.0.1", 1, "127.0.0.1", "x.py", [], False, False, "/", 1, 0, 1.0, 1.0, 1.0,
                     1.0, 1.0, 1.0, False, ckpt_dir=str(root), persist_every=1, **settings)
-    events = EventLog("test", None, stream=None)
+    events = EventLog("test", None, stream=lines)
     nodes = [Durability(replace(spec, node_rank=rank), Coordinator(store, JOB, rank, 2, run=1), events)
              for rank in (0, 1)]
     nodes[0].coord.init_job({"ckpt_dir": str(root)})
@@ -744,6 +744,35 @@ def test_every_node_judges_the_final_dcp_persist_by_its_copy(small_tmpfs, tmp_pa
         assert outcomes[0] is not None and outcomes[0].startswith("its DCP copy failed (cannot write"), outcomes
     finally:
         copies.stop()
+    del server
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_dcp_copy_is_degraded_durability_warned_once(dirs, states):
+    """--ckpt-format dcp: a DCP copy that fails (here: a rank file corrupted before the copy read it) left the
+    summary and ``ftrun status`` at "durability ok" though no DCP copy of the newest step existed, and warned again
+    for every step. Now durability is DEGRADED, naming the failed copy and the newest copy there is, while no newer
+    copy is written; the warning is one line until a copy is written again (the event log has each)."""
+    root, shm = dirs
+    lines = io.StringIO()
+    nodes, server = two_nodes(root, lines, ckpt_format="dcp")
+    copies = nodes[0].copies
+    assert copies is not None
+    try:
+        for step in (10, 20):
+            persist_round(nodes, shm, states, step)
+            flip_byte(root / persist.step_name(step) / "rank-00001.snap", HEADER_SIZE + 3)
+            copies.want(step, final=True)  # at once, at the normal priority (a busy host starves an idle one)
+            running_copy(copies).wait()
+            nodes[0].tick({}, step)
+            state = disk_state(nodes[0].coord, step)
+            assert state is not None and state.degraded, state
+            assert state.describe().startswith(f"DEGRADED: the DCP copy of step {step} failed ("), state.describe()
+            assert "newest DCP copy: none); newest step on disk" in state.describe(), state.describe()
+    finally:
+        copies.stop()
+    said = [line for line in lines.getvalue().splitlines() if "DCP copy" in line]
+    assert len(said) == 1 and "the DCP copy of step 10 failed" in said[0], said
     del server
 
 

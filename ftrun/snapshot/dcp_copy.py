@@ -15,8 +15,9 @@ Invariants:
   ``Popen`` then reports 0); it goes with its step when the step is pruned.
 * One copy runs at a time, of the newest complete step asked for; a step finished meanwhile replaces an older
   one still waiting, and the job's final step (which its end waits for) stops an older one still running. A copy
-  of a step pruned while it ran fails silently; any other failure is one warning line, and recorded
-  (:attr:`DcpCopies.failure`, until a newer copy is written; the ``ftrun`` format step stays complete and usable).
+  of a step pruned while it ran fails silently; any other failure is recorded (:attr:`DcpCopies.failure`, until a
+  newer copy is written), and warned in one line until a copy is written again (the event log has every one; the
+  ``ftrun`` format step stays complete and usable).
 * The copy ends with the process that started it (the supervisor): it watches its parent, and exits, leaving its
   partial directory, once it has another (the supervisor was killed: its node was lost, or the launcher was
   killed and took it along), so nothing of a killed job goes on writing to its directory.
@@ -116,9 +117,9 @@ class DcpCopies:
         if not os.path.isdir(os.path.join(self.root, step_name(step))):
             return  # pruned while it was copied: a newer step is on disk
         reason = error[-1].removeprefix("ftrun: error: ") if error else "its exporter ended without a word"
-        self.failure = (step, reason)
+        warned, self.failure = self.failure is not None, (step, reason)
         self.events.emit("durability", f"WARNING the DCP copy of step {step} failed ({reason}); the step stays on "
-                         f"disk in ftrun's format", step=step, degraded=True, reason=reason)
+                         f"disk in ftrun's format", console=not warned, step=step, degraded=True, reason=reason)
 
     def stop(self) -> None:
         """Stop a copy still running, and remove its partial directory."""

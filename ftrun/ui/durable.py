@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 
 from ftrun.control.coordination import Coordinator
-from ftrun.snapshot.durability import number
+from ftrun.snapshot.durability import dcp_failure, number
 from ftrun.snapshot.persist import complete_steps, manifest
 
 
@@ -27,7 +27,15 @@ class DiskState:
     rounds: int  # persists finished, written or failed
     failures: int
     reason: str  # why the last failed persist failed ("" when none did)
-    degraded: bool  # the newest persist failed: no persist has succeeded since (a disk freed again is not)
+    failing: bool  # the newest persist failed: no persist has succeeded since (a disk freed again is not)
+    copy_failed: tuple[int, str] | None = None  # --ckpt-format dcp: (step, why) of the newest DCP copy that failed,
+    # while no newer one is written
+    copied: int | None = None  # --ckpt-format dcp: the newest step with a DCP copy (None: none, or not that format)
+
+    @property
+    def degraded(self) -> bool:
+        """Whether the newest persist, or the newest DCP copy, failed."""
+        return self.failing or self.copy_failed is not None
 
     def where(self) -> str:
         if self.step is None:
@@ -41,8 +49,13 @@ class DiskState:
         persists failed before (last: ...)" when the disk came back), or "DEGRADED: 3 of 9 persists failed (last: No
         space left on device); newest step on disk 20 (...)"."""
         failed = f"{self.failures} of {self.rounds} persists failed"
-        if self.degraded:
-            return f"DEGRADED: {failed} (last: {self.reason}); {self.where()}"
+        problems = [f"{failed} (last: {self.reason})"] if self.failing else []
+        if self.copy_failed is not None:
+            newest = f"step {self.copied}" if self.copied else "none"
+            problems.append(f"the DCP copy of step {self.copy_failed[0]} failed ({self.copy_failed[1]}; newest DCP "
+                            f"copy: {newest})")
+        if problems:
+            return f"DEGRADED: {'; '.join(problems)}; {self.where()}"
         return f"ok: {self.where()}" + (f"; {failed} before (last: {self.reason})" if self.failures else "")
 
 
@@ -60,11 +73,15 @@ def disk_state(coord: Coordinator, committed: int, now: float | None = None) -> 
         step = on_disk[-1] if on_disk else None
         written = manifest(root, step)["time"] if step is not None else None
     reason = coord.get("persist", "failed_reason")
+    copied, copy_failed = number(coord.get("persist", "dcp_done")), dcp_failure(coord.get("persist", "dcp_failed"))
+    if copy_failed is not None and copy_failed[0] <= (copied or 0):  # a replacement node 0 wrote a newer copy since
+        copy_failed = None
     return DiskState(step, now - written if written is not None else None,
                      max(0, committed - step) if step is not None and committed else None,
                      int(number(coord.get("persist", "rounds")) or 0),
                      int(number(coord.get("persist", "failures")) or 0),
-                     reason.decode(errors="replace") if reason else "", bool(coord.get("persist", "degraded")))
+                     reason.decode(errors="replace") if reason else "",
+                     bool(coord.get("persist", "degraded")), copy_failed, copied)
 
 
 def newest_committed(coord: Coordinator) -> int:
