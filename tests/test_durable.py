@@ -127,6 +127,7 @@ def test_full_disk_degrades_durability_and_training_completes_from_ram(start_job
     assert "ftrun: durability DEGRADED" in job.output
     final = [line for line in job.output.splitlines() if "the final persist" in line]  # fails at once, no timeout
     assert final and all("failed: " in line and "did not complete" not in line for line in final), job.output
+    assert len(final) == 1 and "[node 0]" in final[0], final  # the job's outcome, said once (not once per node)
     assert restores(job)[1]["restored_from"] == "ram"  # the crash still restores from RAM
     assert glob.glob(f"{small}/*/step-*") == []
 

@@ -561,9 +561,10 @@ class Supervisor:
         if self.spec.ckpt_dir is None or self.link is None:
             return True
         problem = self.link.finish(self.spec.persist_grace)
-        if problem is not None:
+        if problem is not None:  # "failed: ..." is the job's outcome, alike on every node: node 0 says it
             self.events.emit("durability", f"WARNING the final persist to {self.spec.ckpt_dir} {problem}",
-                             node=self.node, degraded=True, reason=problem)
+                             console=self.node == 0 or not problem.startswith("failed"), node=self.node,
+                             degraded=True, reason=problem)
         return problem is None
 
     def _rendezvous(self, gen: int, seen: bytes) -> bytes | None:
