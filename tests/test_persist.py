@@ -655,6 +655,13 @@ def two_nodes(root: Path, lines: io.StringIO | None = None, **settings: Any) -> 
     return nodes, server
 
 
+def dcp_nodes(root: Path, lines: io.StringIO | None = None) -> tuple[list[Durability], TCPStore, DcpCopies]:
+    """:func:`two_nodes` with ``--ckpt-format dcp``, and node 0's DCP copies."""
+    nodes, server = two_nodes(root, lines, ckpt_format="dcp")
+    assert nodes[0].copies is not None
+    return nodes, server, nodes[0].copies
+
+
 def persist_round(nodes: list[Durability], shm: Path, states: list[dict], step: int, error: str | None = None,
                   final: bool = False) -> None:
     """One round of ``nodes`` persisting ``step`` (the final one if ``final``): each node's keeper writes its rank's
@@ -707,9 +714,7 @@ def test_the_final_persist_copies_its_step_to_dcp_at_once_stopping_an_older_copy
     once, stopping the older one (which the final copy supersedes), and at the normal priority: training is over,
     and an idle-priority copy on a busy host missed --persist-grace even for a tiny state."""
     root, shm = dirs
-    nodes, server = two_nodes(root, ckpt_format="dcp")
-    copies = nodes[0].copies
-    assert copies is not None
+    nodes, server, copies = dcp_nodes(root)
     try:
         persist_round(nodes, shm, states, 10)
         assert copies.spare() == {10}  # its copy runs (a child process that imports torch: seconds)
@@ -731,9 +736,7 @@ def test_every_node_judges_the_final_dcp_persist_by_its_copy(small_tmpfs, tmp_pa
     root, shm = small_tmpfs(10) / JOB, tmp_path / "shm"
     shm.mkdir()
     big = [{"w": torch.arange(1 << 20, dtype=torch.float32)}] * 2  # 4 MiB a rank, 8 of 10 MiB: no room for a copy
-    nodes, server = two_nodes(root, ckpt_format="dcp")
-    copies = nodes[0].copies
-    assert copies is not None
+    nodes, server, copies = dcp_nodes(root)
     try:
         persist_round(nodes, shm, big, 10, final=True)
         assert [node.final_outcome() for node in nodes] == [None, None]  # its copy runs
@@ -755,9 +758,7 @@ def test_a_failed_dcp_copy_is_degraded_durability_warned_once(dirs, states):
     copy is written; the warning is one line until a copy is written again (the event log has each)."""
     root, shm = dirs
     lines = io.StringIO()
-    nodes, server = two_nodes(root, lines, ckpt_format="dcp")
-    copies = nodes[0].copies
-    assert copies is not None
+    nodes, server, copies = dcp_nodes(root, lines)
     try:
         for step in (10, 20):
             persist_round(nodes, shm, states, step)
@@ -773,6 +774,25 @@ def test_a_failed_dcp_copy_is_degraded_durability_warned_once(dirs, states):
         copies.stop()
     said = [line for line in lines.getvalue().splitlines() if "DCP copy" in line]
     assert len(said) == 1 and "the DCP copy of step 10 failed" in said[0], said
+    del server
+
+
+def test_a_final_step_persisted_before_the_end_has_its_copy_made_at_once(dirs, states):
+    """--ckpt-format dcp, the job's newest step persisted by a periodic round just before training ended (say with
+    --persist-every 1): no final round opens, and its DCP copy went on in SCHED_IDLE, which a busy host starves for
+    minutes while the job's end waits for it (--persist-grace, then 'did not complete'). The final persist now
+    restarts that copy at once at the normal priority, as a final round's."""
+    root, shm = dirs
+    nodes, server, copies = dcp_nodes(root)
+    try:
+        persist_round(nodes, shm, states, 10)
+        assert os.sched_getscheduler(running_copy(copies).pid) == os.SCHED_IDLE
+        nodes[0].ask_final(10)
+        nodes[0].tick({}, 10)
+        assert copies.spare() == {10}
+        assert os.sched_getscheduler(running_copy(copies).pid) == os.SCHED_OTHER
+    finally:
+        copies.stop()
     del server
 
 

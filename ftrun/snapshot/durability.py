@@ -212,9 +212,12 @@ class Durability:
     def _lead(self, restorable: int) -> None:
         opened = self.open
         if opened is None:
-            if self._final > self.done and not self._final_opened:
+            if self._final and not self._final_opened:
                 self._final_opened = True
-                self._open(self._final, final=True)
+                if self._final > self.done:
+                    self._open(self._final, final=True)
+                elif self.copies is not None and self.copies.done < self.done and self.copies.failure is None:
+                    self.copies.want(self.done, final=True)  # on disk before: its copy, still to come, at once
             elif self._due and self.generation >= 0 and not self._final:
                 self._snapshots = 0
                 self._open()
