@@ -8,12 +8,14 @@ import socket
 import subprocess
 import sys
 import uuid
+from pathlib import Path
 
 import pytest
 
 from conftest import SCRIPTS, TRAIN_PLAIN, free_port, job_processes, job_segments
 from ftrun.control.spec import shm_dir, write_shm_file
 from ftrun.errors import UsageError
+from ftrun.snapshot.dcp_copy import write_sums
 
 
 def run_ftrun(*args: str, cwd=None, env: dict | None = None) -> tuple[int, str, str]:
@@ -236,23 +238,54 @@ def test_a_step_persisted_at_another_world_size_is_not_resumed_nor_lost(tmp_path
     assert sorted(p.name for p in step.iterdir()) == ["manifest.json"]
 
 
+def steps_at_world_2(root: Path, *numbers: int) -> None:
+    """Complete-looking steps ``numbers`` of 2 ranks in the job directory ``root`` (manifests only)."""
+    for number in numbers:
+        step = root / f"step-{number:08d}"
+        step.mkdir(parents=True)
+        ranks = {str(r): {"file": f"rank-{r:05d}.snap", "bytes": 4096, "checksum": 1, "digest": 1} for r in range(2)}
+        (step / "manifest.json").write_text(json.dumps({"format": 1, "job": root.name, "step": number, "world": 2,
+                                                        "nnodes": 1, "nproc_per_node": 2, "time": 0, "ranks": ranks}))
+
+
+def resume_at_world_1(ckpt: Path, job: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, "--ckpt-dir", str(ckpt),
+                           str(SCRIPTS / "hello.py")], capture_output=True, text=True, timeout=100)
+
+
 @pytest.mark.timeout(120)
 def test_at_another_world_size_a_resume_goes_on_when_an_older_step_has_a_dcp_copy(tmp_path):
     """A job killed whole while its newest step's DCP copy was written: an older step's copy is the one
     ftrun.dcp.MemoryReader reshards; the resume says which instead of refusing."""
     job = f"older-dcp-{uuid.uuid4().hex[:6]}"
-    for number in (10, 20):
-        step = tmp_path / "ckpt" / job / f"step-{number:08d}"
-        step.mkdir(parents=True)
-        ranks = {str(r): {"file": f"rank-{r:05d}.snap", "bytes": 4096, "checksum": 1, "digest": 1} for r in range(2)}
-        (step / "manifest.json").write_text(json.dumps({"format": 1, "job": job, "step": number, "world": 2,
-                                                        "nnodes": 1, "nproc_per_node": 2, "time": 0, "ranks": ranks}))
+    steps_at_world_2(tmp_path / "ckpt" / job, 10, 20)
     (tmp_path / "ckpt" / job / "step-00000010" / "dcp").mkdir()
-    result = subprocess.run([sys.executable, "-m", "ftrun", "--rdzv-id", job, "--ckpt-dir", str(tmp_path / "ckpt"),
-                             str(SCRIPTS / "hello.py")], capture_output=True, text=True, timeout=100)
+    result = resume_at_world_1(tmp_path / "ckpt", job)
     assert "the newest persisted step, 20, was saved at world size 2 and this run has 1: ftrun.dcp.MemoryReader " \
         "loads the newest DCP copy, step 10's (" in result.stderr + result.stdout, result.stderr
     assert result.returncode == 0, result.stderr
+    assert not job_processes(job) and not job_segments(job)
+
+
+@pytest.mark.timeout(120)
+def test_at_another_world_size_a_corrupt_dcp_copy_is_never_loaded(tmp_path):
+    """DCP's files carry no checksum: a DCP copy with a flipped bit (a disk, a copy between file systems) was loaded
+    by ftrun.dcp.MemoryReader, resharded, without a word. A copy records the CRC-32 of its files; a resume at
+    another world size checks the copy it would load, moves a corrupt one aside (kept) and falls to the next one."""
+    job = f"bad-dcp-{uuid.uuid4().hex[:6]}"
+    root = tmp_path / "ckpt" / job
+    steps_at_world_2(root, 10, 20)
+    for number, data in ((10, b"good"), (20, b"flipped")):
+        copy = root / f"step-{number:08d}" / "dcp"
+        copy.mkdir()
+        (copy / "__0_0.distcp").write_bytes(b"good")
+        write_sums(str(copy))
+        (copy / "__0_0.distcp").write_bytes(data)
+    result = resume_at_world_1(tmp_path / "ckpt", job)
+    said = result.stderr + result.stdout
+    assert f"WARNING the DCP copy of step 20 is corrupt (__0_0.distcp does not hold the bytes written" in said, said
+    assert "loads the newest DCP copy, step 10's (" in said and result.returncode == 0, said
+    assert sorted(os.listdir(root / "step-00000020")) == ["dcp.corrupt", "manifest.json"]
     assert not job_processes(job) and not job_segments(job)
 
 

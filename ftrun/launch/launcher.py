@@ -72,7 +72,7 @@ from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import Recovery, print_summary
-from ftrun.snapshot.dcp_copy import newest_dcp
+from ftrun.snapshot.dcp_copy import dcp_problem, newest_dcp
 from ftrun.snapshot.dir_owner import DirOwner, check as check_dir_owner
 from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, remove_partial,
                                     step_dirs, step_name, steps_text)
@@ -699,7 +699,7 @@ class Launcher:
             return  # a corrupt step is reported (and not loaded) by the restore
         if saved == world:
             return
-        copied = newest_dcp(root)  # the newest step's, else an older one's (a job killed while it wrote the copy)
+        copied = self._checked_dcp(root)  # the newest step's, else an older one's (a job killed while it wrote it)
         if copied is not None:
             step, path = copied
             which = "its DCP copy" if step == newest else f"the newest DCP copy, step {step}'s"
@@ -712,6 +712,22 @@ class Launcher:
                          f"at world size {saved} and this run has {world}; ftrun resumes at the same world size, or "
                          "from a step persisted with --ckpt-format dcp (resharded by ftrun.dcp.MemoryReader); start "
                          "afresh with --no-resume (the steps are moved aside, kept)")
+
+    def _checked_dcp(self, root: str) -> tuple[int, str] | None:
+        """(step, path) of the newest DCP copy in ``root`` that passes its check, or None. Each newer one that fails
+        is renamed ``dcp.corrupt`` (kept, never loaded: the trainers' ``MemoryReader`` no longer sees it), unless
+        another launcher of the run (a shared file system) just did."""
+        while (copied := newest_dcp(root)) is not None and (problem := dcp_problem(copied[1])) is not None:
+            try:
+                os.rename(copied[1], copied[1] + ".corrupt")
+            except FileNotFoundError:
+                continue
+            except OSError as err:
+                raise UsageError(f"the DCP copy {copied[1]} is corrupt ({problem}) and cannot be moved aside: "
+                                 f"{error_text(err)}") from None
+            self.events.emit("resume", f"WARNING the DCP copy of step {copied[0]} is corrupt ({problem}): not loaded, "
+                             f"moved to {copied[1]}.corrupt", step=copied[0], reason=problem)
+        return copied
 
     def _report_unreadable_steps(self, root: str, newest: int) -> None:
         """One line when step directories newer than the newest complete step are not steps of this job (a

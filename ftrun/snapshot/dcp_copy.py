@@ -13,6 +13,9 @@ Invariants:
 * A ``step-N/dcp`` directory is complete: only the child renames it, and only after its export succeeded. The
   parent goes by that directory, not by the child's exit code (a supervisor reaps every child that exits, and
   ``Popen`` then reports 0); it goes with its step when the step is pruned.
+* A copy records the CRC-32 of each of its files (:data:`SUMS`) before it is renamed into place (DCP's own
+  metadata has none: a flipped bit loads silently); :func:`dcp_problem` checks them, and a resume at another world
+  size loads no copy that fails (the launcher moves it aside).
 * One copy runs at a time, of the newest complete step asked for; a step finished meanwhile replaces an older
   one still waiting, and the job's final step (which its end waits for) stops an older one still running. A copy
   of a step pruned while it ran fails silently; any other failure is recorded (:attr:`DcpCopies.failure`, until a
@@ -25,20 +28,24 @@ Invariants:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import threading
 import time
+import zlib
 
 from ftrun.events import EventLog
-from ftrun.snapshot.persist import complete_steps, step_name
+from ftrun.snapshot.persist import complete_steps, private, step_name
 from ftrun.snapshot.priority import spawn_lowered
 
 DCP_DIR = "dcp"
 PARENT_POLL = 0.1  # seconds between two looks of a copy at its parent
 ENV_DCP_ROOT = "FTRUN_DCP_ROOT"  # a trainer's: its job's durable directory (--ckpt-dir)
+SUMS = "ftrun-crc32.json"  # in a copy: {file name: CRC-32} of its other files
+READ_CHUNK = 1 << 24
 
 
 def newest_dcp(root: str) -> tuple[int, str] | None:
@@ -50,6 +57,40 @@ def newest_dcp(root: str) -> tuple[int, str] | None:
 def dcp_path(root: str, step: int) -> str:
     """Where step ``step`` of the job directory ``root`` has its DCP copy."""
     return os.path.join(root, step_name(step), DCP_DIR)
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(READ_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def write_sums(path: str) -> None:
+    """Record the CRC-32 of every file of the copy in directory ``path`` in its :data:`SUMS` file (fsynced)."""
+    sums = {name: _crc32(os.path.join(path, name)) for name in sorted(os.listdir(path))
+            if os.path.isfile(os.path.join(path, name))}
+    with open(os.path.join(path, SUMS), "w", opener=private) as f:  # mode 0600, as the copy's other files
+        json.dump(sums, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def dcp_problem(path: str) -> str | None:
+    """Why the copy in ``path`` fails its check (a file it recorded missing or of another CRC-32; its record
+    unreadable), or None. A copy without a record (written before ftrun kept one) is not checked."""
+    try:
+        with open(os.path.join(path, SUMS)) as f:
+            sums = json.load(f)
+        for name, crc in sorted(sums.items()):
+            if _crc32(os.path.join(path, name)) != crc:
+                return f"{name} does not hold the bytes written (CRC-32 mismatch)"
+    except FileNotFoundError as err:
+        return None if err.filename == os.path.join(path, SUMS) else f"{os.path.basename(err.filename)} is missing"
+    except (OSError, ValueError, AttributeError, TypeError) as err:
+        return f"its {SUMS} or a file it names cannot be read ({err})"
+    return None
 
 
 class DcpCopies:
@@ -153,6 +194,7 @@ def main(argv: list[str]) -> int:
     try:
         for _ in export_step(root, partial, "dcp", step):
             pass
+        write_sums(partial)
         os.rename(partial, dcp_path(root, step))
     except UsageError as err:
         print(f"ftrun: error: {err}", file=sys.stderr)
