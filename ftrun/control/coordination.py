@@ -450,14 +450,6 @@ class Coordinator:
         doc = json.loads(raw)
         return int(doc["step"]), str(doc["source"])
 
-    def durability(self) -> str | None:
-        """The durable tier in a few words ("step 60 on disk", "DEGRADED: ..."); None when nothing was persisted
-        or tried (keys of :mod:`ftrun.snapshot.durability`)."""
-        degraded, done = self.get("persist/degraded"), self.get("persist/done")
-        if degraded:
-            return f"DEGRADED: {degraded.decode()}" + (f" (newest step on disk: {int(done)})" if done else "")
-        return f"ok: newest step on disk {int(done)}" if done else None
-
     def publish_master(self, gen: int, addr: str, port: int) -> None:
         self.store.set(self.key("gen", gen, "master"), f"{addr}:{port}")
 
