@@ -681,3 +681,19 @@ def test_spares_that_keep_dying_are_started_again_only_up_to_the_restart_limit(t
     gone = [e["message"] for e in read_events(str(tmp_path)) if e["event"] == "spare_gone"]
     assert gone[-1].endswith("starting no more (a lost node gets a replacement supervisor instead)"), gone
     assert gone[:-1] == [f"spare spare-{i} exited (0); starting another" for i in range(RESTART_LIMIT - 1)]
+
+
+@pytest.mark.timeout(90)
+def test_a_standby_whose_job_s_control_store_is_lost_does_not_exit_0(start_job):
+    """Node 0's ftrun, which hosts the c10d control store, is SIGKILLed while a --standby waits: the standby said
+    "control store lost" and exited 0, as when the job ends well, so a script or scheduler saw success. A job's
+    end is recorded in the store before its host closes it (and the host waits for the waiting spares to see it),
+    so a lost store is no end: the standby exits 3, as the job's nodes do."""
+    common = ("--nnodes", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node", "1",
+              str(SCRIPTS / "sleeper.py"), "--seconds", "60")
+    node0 = start_job("--node-rank", "0", *common)
+    standby = start_job("--standby", *common[2:], job_id=node0.job_id)
+    standby.wait_for_event(lambda e: e["event"] == "spare_up", timeout=60)
+    node0.proc.kill()  # the control store goes with it
+    assert standby.wait(60) == 3, standby.output
+    assert "control store lost" in standby.output, standby.output

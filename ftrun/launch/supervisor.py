@@ -1256,21 +1256,27 @@ def _reaped(pid: int) -> bool:
 
 def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None, keeper: KeeperAhead) -> int:
     """A hot spare: wait with a warm zygote and a keeper started ahead for a lost node, then supervise the node
-    rank it claimed."""
+    rank it claimed. Unused, it exits :data:`EXIT_DONE` only when the run's end was read from the control store
+    (recorded there before the store's host closes it, which waits for the spares still waiting to see it); a
+    control store lost before that is the job's failure, as for its nodes: :data:`EXIT_JOB_FAILED`, or under
+    srun with a c10d store (node 0's ftrun gone, the step with it) :data:`EXIT_STEP_ENDED`."""
     events = EventLog(f"spare {spec.spare}", spec.log_dir)
+    code = EXIT_DONE
     try:
         use_job(spec.job_id, secret, lambda message: events.emit("store_rejected", message), run=spec.run)
         report = OutageReport(lambda message: events.emit("store_outage", message))
         coord = Coordinator(open_store(spec_address(spec), spec.rdzv_timeout, report), spec.job_id, -1, spec.nnodes)
         claimed = Spare(spec, coord, events, me).wait(zygote)
     except DistError as err:
-        events.emit("failed", f"control store lost: {str(err).splitlines()[0]}")
+        code = EXIT_STEP_ENDED if spec.slurm_step and spec.rdzv_backend == "c10d" else EXIT_JOB_FAILED
+        events.emit("failed", f"control store lost: {str(err).splitlines()[0]}; the job's end was never "
+                    "recorded there: this spare ends as the job's nodes do")
         claimed = None
     if claimed is None:
         if zygote is not None:
             zygote.close()
         keeper.close()
-        return EXIT_DONE
+        return code
     node_spec = replace(spec, node_rank=claimed.node)
     events = EventLog(f"node {claimed.node}", spec.log_dir)
     return Supervisor(node_spec, me, secret, claimed.incarnation, zygote, events, keeper).run()
