@@ -111,6 +111,19 @@ def test_bad_flags(args, fragments):
     assert_one_line_error(*run_ftrun(*args)[:2], *fragments)
 
 
+def test_a_node_of_a_multi_node_job_that_cannot_fit_this_host_memory_is_one_line():
+    """--nproc-per-node 1024 on one node of a multi-node job started that node (and up to 1024 trainers once its
+    peers joined) with no check of this host: the local mode's memory floor now applies to it (not its cores)."""
+    from ftrun.launch.capacity import needed_memory, this_host
+
+    if this_host().memory >= needed_memory(1, 1024):
+        pytest.skip("this host has the memory of 1024 trainers")
+    args = ["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--nproc-per-node",
+            "1024", str(TRAIN_PLAIN)]
+    assert_one_line_error(*run_ftrun(*args)[:2], "--nproc-per-node 1024: this node and its 1024 trainer(s) need",
+                          "fewer trainers")
+
+
 @pytest.mark.parametrize("args, env", [
     (["--nnodes", "x" * 5000], {}),
     (["--rdzv-backend=" + "x" * 5000], {}),

@@ -206,6 +206,19 @@ def test_local_jobs_must_fit_this_host_cores_and_memory():
     assert "EiB" in (local_fit_problem(100000, 100000, roomy) or "")
 
 
+def test_a_node_of_a_multi_node_job_must_fit_this_host_memory_not_its_cores():
+    """A node of a multi-node job (--node-rank, a standby, an srun task) forked up to 1024 trainers with no check:
+    now its memory floor is checked as a local job's is, but not its cores (an srun task may have 1 CPU for 8
+    GPU trainers)."""
+    from ftrun.launch.capacity import Host, needed_memory, node_fit_problem
+
+    assert node_fit_problem(8, Host(cores=1, memory=needed_memory(1, 8))) is None
+    short = node_fit_problem(8, Host(cores=64, memory=needed_memory(1, 8) - 1))
+    assert short is not None and "\n" not in short, short
+    for fragment in ("--nproc-per-node 8: this node and its 8 trainer(s) need at least 2.3 GiB", "fewer trainers"):
+        assert fragment in short, short
+
+
 def test_local_hot_spares_must_fit_this_host_memory():
     """``--spares K`` forked K supervisors (each with a zygote and a keeper) before any check: a typo of K forked
     processes until the host ran out of them. Each spare counts as a node without trainers."""

@@ -1,4 +1,5 @@
-"""Does a local-mode job (every node simulated on this host) fit this host? Checked before anything starts.
+"""Does a local-mode job (every node simulated on this host), or this host's node of a multi-node job, fit this
+host? Checked before anything starts.
 
 Without ``--node-rank`` ftrun starts all ``--nnodes`` nodes on this host: a supervisor, a keeper and a zygote per
 node and ``--nproc-per-node`` trainers each. A torchrun command moved over without ``--node-rank`` (or a typo in
@@ -16,6 +17,10 @@ cannot run here, with one line saying what it would start, what the host has, an
   spare (``--spares``: the same three processes, forked before anything else starts). A real model needs more;
   this is a floor, so a job refused here could not have run. Compared with the memory available now (and the
   cgroup v2 limit, when one is set).
+- **one node of a multi-node job** (``--node-rank``, a node whose rank the control store gives, ``--standby``,
+  a SLURM step's task): memory only, the same floor for one node and its ``--nproc-per-node`` trainers
+  (:func:`node_fit_problem`). Not cores: an srun task often has one CPU for eight GPU trainers, which wait on
+  their devices, not on that CPU.
 - **/dev/shm** is not checked here: a snapshot's size is unknown before the first ``save()``, and the lower
   bound (two 4 KiB slot headers per trainer) is far below the memory floor above. The keeper stops the job
   with one line saying how much is needed and how much is free when /dev/shm cannot hold the slots.
@@ -84,6 +89,17 @@ def local_fit_problem(nnodes: int, nproc_per_node: int, host: Host, spares: int 
     return (f"{what}: {nodes} and {trainers} trainer(s) on this host, at least {_size(memory)} of "
             f"memory; it has {host.cores} core(s) (at most {max_trainers} trainers, {OVERSUBSCRIPTION} per core) "
             f"and {_size(host.memory)} available; {how}")
+
+
+def node_fit_problem(nproc_per_node: int, host: Host) -> str | None:
+    """Why one node of a multi-node job with ``nproc_per_node`` trainers cannot run on ``host`` (one line), or None
+    when its memory floor fits (cores are not counted: see the module doc)."""
+    memory = needed_memory(1, nproc_per_node)
+    if memory <= host.memory:
+        return None
+    return (f"--nproc-per-node {nproc_per_node}: this node and its {nproc_per_node} trainer(s) need at least "
+            f"{_size(memory)} of memory; this host has {_size(host.memory)} available; give fewer trainers with "
+            "--nproc-per-node")
 
 
 def _size(nbytes: int) -> str:

@@ -36,7 +36,7 @@ from typing import IO, TYPE_CHECKING, NoReturn
 
 from ftrun.control.spec import ENV_SHM_DIR, FORWARDED_SIGNALS, NodeSpec, safe_job_id, shm_dir
 from ftrun.errors import UsageError
-from ftrun.launch.capacity import local_fit_problem, this_host
+from ftrun.launch.capacity import local_fit_problem, node_fit_problem, this_host
 from ftrun.launch.env import CPP_LOG_LEVEL, ENV_JOB_ID, ENV_QUIET_CPP_LOG
 from ftrun.launch.import_settings import ImportSetting, import_time_settings
 from ftrun.launch.processes import ForkedChild, die_with_parent
@@ -139,8 +139,10 @@ def begin(cfg: JobConfig, script: str) -> Begun:
     target = resolve_target(cfg, script)
     check_directories(cfg)
     check_shm_dir()
-    if cfg.local_mode and (problem := local_fit_problem(cfg.nnodes, cfg.nproc_per_node, this_host(),
-                                                             cfg.spares)):
+    host = this_host()
+    problem = (local_fit_problem(cfg.nnodes, cfg.nproc_per_node, host, cfg.spares) if cfg.local_mode
+               else node_fit_problem(cfg.nproc_per_node, host))
+    if problem:
         raise UsageError(problem)
     settings = import_time_settings(target, cfg.module, os.environ) if cfg.zygote and not cfg.no_python else []
     if settings:
