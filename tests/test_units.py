@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import select
 import subprocess
 import sys
@@ -45,6 +46,22 @@ def test_config_consistency_checks():
     assert build_config(None, {"nnodes": 2, "node_rank": 1}).rdzv_endpoint == "127.0.0.1:29500"
     with pytest.raises(UsageError, match="-m and --no-python"):
         build_config(None, {"module": True, "no_python": True})
+
+
+@pytest.mark.parametrize("key, value, fragment", [
+    ("keep", 10**30, "--keep must be an integer from 1 to 2147483647, got 1000000000000000000000000000000"),
+    ("persist_every", 10**30, "--persist-every must be an integer from 1 to 2147483647"),
+    ("max_restarts", 2**63, "--max-restarts must be an integer from 0 to 2147483647"),
+    ("keep", 0, "--keep must be an integer from 1"),
+    ("persist_every", -1, "--persist-every must be an integer from 1"),
+    ("max_restarts", -1, "--max-restarts must be an integer from 0"),
+])
+def test_counts_out_of_their_bounds_are_refused_naming_the_setting(key, value, fragment):
+    """--keep and --persist-every of 10**30 (or --max-restarts of 2**63) passed validation: each count now has a
+    documented bound, and a value outside it is one line naming the flag (the same for the YAML key)."""
+    with pytest.raises(UsageError, match=re.escape(fragment)):
+        build_config(None, {key: value}, env={})
+    assert getattr(build_config(None, {key: 2**31 - 1}, env={}), key) == 2**31 - 1
 
 
 def test_fault_specs_parse_with_generation_default_zero():

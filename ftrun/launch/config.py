@@ -34,6 +34,9 @@ START_METHODS = ("spawn", "fork", "forkserver")
 CKPT_FORMATS = ("ftrun", "dcp")
 MAX_CONFIG_BYTES = 1 << 20  # a config file is a few lines; a larger one is refused before it is parsed
 MAX_SECONDS = 1e7  # the most any duration setting may be (115 days); NaN and infinity are refused too
+# The most any count setting may be (--max-restarts, --persist-every, --keep): far beyond any job's restarts or
+# snapshots (a larger one is a typo), and what a 32-bit integer holds for whatever reads the job's documents.
+MAX_COUNT = (1 << 31) - 1
 # The most nodes a job may have: every launcher keeps a few values per node in the control store and node 0 reads
 # every node's documents on each poll, so a count far beyond any cluster (a typo) spun in O(nnodes) loops or ended in
 # a MemoryError before any timeout; 65536 nodes is above the largest training jobs run (tens of thousands of GPUs).
@@ -170,14 +173,13 @@ class JobConfig:
             raise UsageError("--rdzv-bind is for multi-node jobs (--node-rank): local jobs listen on 127.0.0.1 only")
         if self.standalone and self.node_rank is not None:
             raise UsageError("--standalone cannot be combined with --node-rank")
-        if self.max_restarts < 0:
-            raise UsageError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        _check_count("--max-restarts", self.max_restarts, 0)
         if self.ckpt_format not in CKPT_FORMATS:
             raise UsageError(f"--ckpt-format must be one of {', '.join(CKPT_FORMATS)}, not {self.ckpt_format!r}")
         if self.ckpt_format != "ftrun" and self.ckpt_dir is None:
             raise UsageError(f"--ckpt-format {self.ckpt_format} needs --ckpt-dir (the directory to persist to)")
-        if self.persist_every < 1 or self.keep < 1:
-            raise UsageError(f"--persist-every and --keep must be at least 1, got {self.persist_every} and {self.keep}")
+        _check_count("--persist-every", self.persist_every, 1)
+        _check_count("--keep", self.keep, 1)
         for name in ("rdzv_timeout", "hang_timeout", "hang_timeout_initial", "hang_step_factor",
                      "node_timeout", "stop_grace", "persist_grace"):
             _check_seconds(f"--{name.replace('_', '-')}", getattr(self, name))
@@ -374,6 +376,12 @@ def _check_seconds(setting: str, seconds: float, shown: str | None = None) -> No
     if not 0 < seconds <= MAX_SECONDS:
         raise UsageError(f"{setting} must be a positive number of at most {MAX_SECONDS:g}, got "
                          f"{seconds if shown is None else shown}")
+
+
+def _check_count(setting: str, count: int, least: int) -> None:
+    """A count ``setting`` is an integer from ``least`` to :data:`MAX_COUNT`; else a :class:`UsageError`."""
+    if not least <= count <= MAX_COUNT:
+        raise UsageError(f"{setting} must be an integer from {least} to {MAX_COUNT}, got {count}")
 
 
 def _conf_bool(key: str, value: str) -> bool:
