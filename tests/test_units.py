@@ -444,3 +444,22 @@ def test_job_ids_in_file_names_never_collide_nor_climb():
     assert len(names) == 7 and not names & {".", ".."}
     assert all(len(name) <= 64 and safe_job_id(name) == name for name in names)
     assert safe_job_id("slurm-12.0") == "slurm-12.0" and safe_job_id("a_b") == "a_b"  # safe ids stay as they are
+
+
+def test_no_python_says_why_a_file_it_cannot_run_is_not_run(tmp_path, monkeypatch):
+    """--no-python with a shell script that is not executable, a directory, or a script of this directory named
+    without ./ (the trainers look on PATH only) said "executable not found" of a file that is there; each now
+    says what is wrong and how to run it."""
+    from ftrun.launch.handoff import resolve_target
+
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    monkeypatch.chdir(tmp_path)
+    cfg = JobConfig(no_python=True)
+    for target, fragment in ((str(script), "is not executable (chmod +x it, or drop --no-python"),
+                             (str(tmp_path), "is a directory, not an executable"),
+                             ("run.sh", "run.sh is not on PATH; ./run.sh runs the one in this directory")):
+        with pytest.raises(UsageError, match=re.escape(fragment)):
+            resolve_target(cfg, target)
+    script.chmod(0o700)
+    assert resolve_target(cfg, str(script)) == str(script)

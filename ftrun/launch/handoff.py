@@ -204,7 +204,7 @@ def resolve_target(cfg: JobConfig, target: str) -> str:
     if cfg.no_python:
         found = shutil.which(target)
         if found is None:
-            raise UsageError(f"executable not found: {target}")
+            raise UsageError(_no_executable(target))
         return found
     if os.path.isdir(target):  # as python: a directory (or a zip file) runs its __main__.py
         if not os.path.isfile(os.path.join(target, "__main__.py")):
@@ -214,6 +214,18 @@ def resolve_target(cfg: JobConfig, target: str) -> str:
     elif not os.path.isfile(target):  # a FIFO or a device reads once; every trainer and restart reads the script
         raise UsageError(f"script {target} is not a regular file (a pipe or device can be read only once)")
     return target  # as given, as python keeps it in sys.argv[0]: the trainers run in this directory
+
+
+def _no_executable(target: str) -> str:
+    """Why ``--no-python`` cannot run ``target`` (which :func:`shutil.which` did not find), in one line."""
+    if os.sep not in target and os.path.isfile(target):  # as execvp, the trainers look only on PATH
+        return f"executable not found: {target} is not on PATH; ./{target} runs the one in this directory"
+    if os.sep in target and os.path.isdir(target):
+        return f"--no-python: {target} is a directory, not an executable"
+    if os.sep in target and os.path.exists(target):
+        return (f"--no-python: {target} is not executable (chmod +x it, or drop --no-python to run it with "
+                "Python)")
+    return f"executable not found: {target}"
 
 
 def check_directories(cfg: JobConfig) -> None:
