@@ -24,6 +24,11 @@ def test_rdzv_endpoint_and_nnodes_without_node_rank_is_one_node_of_a_multi_node_
                   {"nnodes": 2, "master_port": 29555}):
         cfg = build_config(None, local)
         assert (cfg.rank_by_store, cfg.local_mode) == (False, True), local
+    # --standalone: a local store on a free port, as torchrun, whatever the rendezvous flags say (an endpoint of
+    # another host, or etcd's, was refused or used)
+    for given in ({"rdzv_endpoint": "198.51.100.7:29500"}, {"rdzv_backend": "etcd", "rdzv_endpoint": "e1:2379"}):
+        cfg = build_config(None, {"standalone": True, **given})
+        assert (cfg.local_mode, cfg.rdzv_backend, cfg.rdzv_endpoint) == (True, "c10d", None), given
     for ranked in ({"nnodes": 2, "node_rank": 1, **endpoint}, {"standby": True, **endpoint}):
         assert not build_config(None, ranked).rank_by_store
 

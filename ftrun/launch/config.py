@@ -196,6 +196,8 @@ class JobConfig:
         parse_faults(self.inject, *shape)  # raises UsageError on a bad spec, or a rank or node the job lacks
 
     def _validate_backend(self) -> None:
+        if self.standalone:  # as torchrun: a local c10d store on a free port, whatever the rendezvous flags say
+            self.rdzv_backend, self.rdzv_endpoint = "c10d", None
         if self.rdzv_backend == "static":  # torchrun's name for a store at a fixed endpoint: what c10d is here
             self.rdzv_backend = "c10d"
         if self.rdzv_backend == "etcd-v2":
