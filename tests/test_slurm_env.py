@@ -150,6 +150,10 @@ def test_sbatch_template_loops_srun_steps_with_spares():
     assert 'srun --nodes=2 --ntasks=2 --ntasks-per-node=1 "${FTRUN[@]}"' in script
     with pytest.raises(UsageError, match="at least"):
         render(0, 1, 4, ["train.py"])
+    # a typo of a count printed a script asking SLURM for 10**30 nodes, or a loop bash's integers cannot count
+    for counts in ((10**30, 1, 4), (65537, 1, 4), (2, 10**30, 4), (2, 1, 10**30)):
+        with pytest.raises(UsageError, match=r"at most 65536 \(ftrun's --nnodes\).*at most 2147483647"):
+            render(*counts, ["train.py"])
     with pytest.raises(UsageError, match="after --"):
         render(2, 1, 4, [])
 

@@ -17,6 +17,7 @@ import shlex
 import sys
 
 from ftrun.errors import USAGE_EXIT_CODE, UsageError
+from ftrun.launch.config import MAX_COUNT, MAX_NNODES
 from ftrun.launch.launcher import EXIT_FAILED
 
 EXIT_PREEMPTED = 143  # 128 + SIGTERM: ftrun stopped and persisted the newest step; requeue it to resume
@@ -85,8 +86,10 @@ def render(nodes: int, spares: int, attempts: int, ftrun_args: list[str], ftrun:
            script_at: int | None = None) -> str:
     """The batch script for ``ftrun [ftrun_args]`` on ``nodes`` nodes plus ``spares`` spares. ``script_at``: the
     index in ``ftrun_args`` where the script and its arguments start (None: unknown, no flag is first-run only)."""
-    if nodes < 1 or spares < 0 or attempts < 1:
-        raise UsageError("--nodes and --attempts must be at least 1 and --spares at least 0")
+    if not (1 <= nodes <= MAX_NNODES and 0 <= spares <= MAX_NNODES and 1 <= attempts <= MAX_COUNT):
+        raise UsageError(f"--nodes must be at least 1 and at most {MAX_NNODES} (ftrun's --nnodes), --spares at least 0 "
+                         f"and at most {MAX_NNODES}, --attempts at least 1 and at most {MAX_COUNT}; got {nodes}, "
+                         f"{spares} and {attempts}")
     if not ftrun_args:
         raise UsageError("give the ftrun arguments after --, for example: -- --nproc-per-node 8 train.py")
     flags, script = (ftrun_args, []) if script_at is None else (ftrun_args[:script_at], ftrun_args[script_at:])
