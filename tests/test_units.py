@@ -236,6 +236,27 @@ def test_a_node_of_a_multi_node_job_must_fit_this_host_memory_not_its_cores():
         assert fragment in short, short
 
 
+def test_the_memory_left_is_the_least_of_the_cgroup_limits_up_from_this_process_s_own(tmp_path):
+    """Only the root's memory.max was read: under srun (cgroup v2, no cgroup namespace) the step's limit (--mem)
+    is on the job's or step's cgroup below the root, so a node's fit was checked against the host's memory."""
+    from ftrun.launch.capacity import cgroup_memory_left
+
+    def limit(path: str, maximum: str, current: int) -> None:
+        (tmp_path / path).mkdir(parents=True, exist_ok=True)
+        (tmp_path / path / "memory.max").write_text(maximum + "\n")
+        (tmp_path / path / "memory.current").write_text(f"{current}\n")
+
+    own = "/system.slice/slurmstepd.scope/job_7/step_0"
+    assert cgroup_memory_left(str(tmp_path), own) is None
+    limit("system.slice", "max", 5)
+    limit("system.slice/slurmstepd.scope/job_7", str(8 << 30), 3 << 30)  # the job's --mem
+    limit("system.slice/slurmstepd.scope/job_7/step_0", str(16 << 30), 1 << 30)
+    assert cgroup_memory_left(str(tmp_path), own) == 5 << 30
+    limit("", str(4 << 30), 0)  # a container's own limit, seen at its root
+    assert cgroup_memory_left(str(tmp_path), own) == 4 << 30
+    assert cgroup_memory_left(str(tmp_path), "/../../elsewhere") == 4 << 30  # never above the root
+
+
 def test_local_hot_spares_must_fit_this_host_memory():
     """``--spares K`` forked K supervisors (each with a zygote and a keeper) before any check: a typo of K forked
     processes until the host ran out of them. Each spare counts as a node without trainers."""

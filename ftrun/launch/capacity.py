@@ -16,7 +16,7 @@ cannot run here, with one line saying what it would start, what the host has, an
   node :data:`NODE_BYTES` more (supervisor 224 MiB, zygote 290 MiB, keeper 29 MiB RSS), and so does each hot
   spare (``--spares``: the same three processes, forked before anything else starts). A real model needs more;
   this is a floor, so a job refused here could not have run. Compared with the memory available now (and the
-  cgroup v2 limit, when one is set).
+  cgroup v2 limits of this process's cgroup and those above it, when any is set: a SLURM step's --mem).
 - **one node of a multi-node job** (``--node-rank``, a node whose rank the control store gives, ``--standby``,
   a SLURM step's task): memory only, the same floor for one node and its ``--nproc-per-node`` trainers
   (:func:`node_fit_problem`). Not cores: an srun task often has one CPU for eight GPU trainers, which wait on
@@ -49,18 +49,37 @@ class Host:
 
 
 def this_host() -> Host:
-    """Cores this process may run on; memory available now (within the cgroup v2 limit, when one is set)."""
+    """Cores this process may run on; memory available now (within the cgroup v2 limits, when any is set)."""
     memory = psutil.virtual_memory().available
     try:
-        with open(os.path.join(_CGROUP, "memory.max")) as f:
-            limit = f.read().strip()
-        with open(os.path.join(_CGROUP, "memory.current")) as f:
-            used = int(f.read())
-        if limit != "max":
-            memory = min(memory, int(limit) - used)
-    except (OSError, ValueError):
-        pass
-    return Host(len(os.sched_getaffinity(0)), max(0, memory))
+        with open("/proc/self/cgroup") as f:
+            own = next((line[3:].strip() for line in f if line.startswith("0::")), "/")
+    except OSError:
+        own = "/"
+    left = cgroup_memory_left(_CGROUP, own)
+    return Host(len(os.sched_getaffinity(0)), max(0, memory if left is None else min(memory, left)))
+
+
+def cgroup_memory_left(root: str, own: str) -> int | None:
+    """The least memory any cgroup v2 from ``own`` (a path under ``root``, as ``/proc/self/cgroup`` names it) up to
+    ``root`` may still take (its ``memory.max`` less its ``memory.current``): a SLURM step's limit (``--mem``) is
+    on the step's or job's cgroup, below the root (whose own file a container sees); None when none is set."""
+    root = os.path.normpath(root)
+    levels = [part for part in os.path.normpath("/" + own).split("/") if part]
+    left = None
+    for depth in range(len(levels), -1, -1):
+        path = os.path.join(root, *levels[:depth])
+        try:
+            with open(os.path.join(path, "memory.max")) as f:
+                limit = f.read().strip()
+            if limit == "max":
+                continue
+            with open(os.path.join(path, "memory.current")) as f:
+                room = int(limit) - int(f.read())
+        except (OSError, ValueError):
+            continue
+        left = room if left is None else min(left, room)
+    return left
 
 
 def needed_memory(nnodes: int, nproc_per_node: int, spares: int = 0) -> int:
