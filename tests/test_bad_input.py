@@ -396,6 +396,8 @@ def test_a_shm_dir_filled_after_the_start_check_is_one_line_and_leaves_no_file(s
     ("crash@rank=2,step=1", "--inject 'crash@rank=2,step=1': the job has 2 rank(s), numbered from 0"),
     ("node-loss@node=1,step=1", "the job has 1 node(s)"),
     ("crash@rank=0,step=1,step=2", "step is given twice"),
+    # a generation past the restart limit: the job ended before it, the rehearsed failure never happened
+    ("crash@rank=0,step=1,gen=11", "the job restarts at most 10 time(s) (--max-restarts), so generation 11 never"),
 ])
 def test_an_injected_fault_that_could_never_fire_is_refused(spec, fragment):
     assert_one_line_error(*run_ftrun("--nproc-per-node", "2", "--inject", spec, str(TRAIN_PLAIN))[:2], fragment)

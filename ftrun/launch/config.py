@@ -193,7 +193,11 @@ class JobConfig:
         if problem is not None:  # a standby takes the job's groups (its own flags may be the nodes' command line)
             raise UsageError(problem)
         shape = () if self.standby else (self.nnodes, self.nproc_per_node)  # a standby takes the job's shape
-        parse_faults(self.inject, *shape)  # raises UsageError on a bad spec, or a rank or node the job lacks
+        faults = parse_faults(self.inject, *shape)  # raises UsageError on a bad spec, or a rank or node the job lacks
+        late = [(spec, fault.gen) for fault, spec in zip(faults, self.inject) if fault.gen > self.max_restarts]
+        if late and not self.standby:  # a standby takes the job's --max-restarts
+            raise UsageError(f"--inject {late[0][0]!r}: the job restarts at most {self.max_restarts} time(s) "
+                             f"(--max-restarts), so generation {late[0][1]} never runs")
 
     def _validate_backend(self) -> None:
         if self.standalone:  # as torchrun: a local c10d store on a free port, whatever the rendezvous flags say
