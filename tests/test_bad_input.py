@@ -62,6 +62,9 @@ def listening_port():
     (["--inject", "node-loss@rank=1,step=2", str(TRAIN_PLAIN)], ["unknown key 'rank' for node-loss"]),
     (["--no-python", "no-such-executable-ftrun"], ["executable not found"]),
     (["--rdzv-endpoint", "host:99999", str(TRAIN_PLAIN)], ["--rdzv-endpoint must be HOST:PORT"]),
+    # etcd's list given to c10d: a node tried to resolve '127.0.0.1:1,127.0.0.1' until --rdzv-timeout (600 s)
+    (["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "127.0.0.1:1,127.0.0.1:2", str(TRAIN_PLAIN)],
+     ["must be one HOST:PORT for a c10d control store, got '127.0.0.1:1,127.0.0.1:2'", "--rdzv-backend etcd"]),
     (["--rdzv-endpoint", "nohostport", str(TRAIN_PLAIN)], ["host 'nohostport' does not resolve"]),  # port 29400
     # a typo: resolving it raised a UnicodeError traceback (idna: a label empty or over 63 characters)
     (["--rdzv-endpoint", "node0..cluster:29400", str(TRAIN_PLAIN)],

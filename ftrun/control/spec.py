@@ -118,6 +118,9 @@ def split_endpoint(endpoint: str, any_port: bool = False) -> tuple[str, int]:
     port = natural(text)
     if not sep or not host or port is None or not (0 if any_port else 1) <= port < 65536:
         raise UsageError(f"--rdzv-endpoint must be HOST:PORT, got {endpoint!r}")
+    if "," in host:  # a node would try to resolve it until --rdzv-timeout
+        raise UsageError(f"--rdzv-endpoint must be one HOST:PORT for a c10d control store, got {endpoint!r} (a list "
+                         "of members is for --rdzv-backend etcd)")
     try:
         host.strip("[]").encode("idna")  # as the socket module encodes a host name to resolve it
     except UnicodeError:
