@@ -145,6 +145,9 @@ def test_torchrun_settings_map_onto_ftrun():
                               "last_call_timeout=1,close_timeout=1,use_libuv=0,is_host=1,store_type=tcp"})
     assert (cfg.min_nnodes, cfg.nnodes, cfg.rdzv_timeout, cfg.node_timeout) == (1, 4, 20.0, 6.0)
     assert build_config(None, {"rdzv_conf": "timeout=30"}).rdzv_timeout == 30.0
+    # an empty --rdzv-endpoint (torchrun's default, a wrapper's unset variable) is none, not a bad HOST:PORT
+    assert build_config(None, {"rdzv_endpoint": ""}).local_mode
+    assert build_config(None, {"nnodes": 2, "node_rank": 1, "rdzv_endpoint": " "}).rdzv_endpoint == "127.0.0.1:29500"
     # static rendezvous: --node-rank alone is node 0 at 127.0.0.1:29500, --master-* say otherwise
     assert build_config(None, {"nnodes": 2, "node_rank": 1}).rdzv_endpoint == "127.0.0.1:29500"
     multi = build_config(None, {"nnodes": 2, "node_rank": 0, "master_addr": "h", "master_port": 1234})

@@ -200,6 +200,8 @@ class JobConfig:
                              f"(--max-restarts), so generation {late[0][1]} never runs")
 
     def _validate_backend(self) -> None:
+        if self.rdzv_endpoint is not None and not self.rdzv_endpoint.strip():
+            self.rdzv_endpoint = None  # as torchrun: an empty endpoint is none (its default is "")
         if self.standalone:  # as torchrun: a local c10d store on a free port, whatever the rendezvous flags say
             self.rdzv_backend, self.rdzv_endpoint = "c10d", None
         if self.rdzv_backend == "static":  # torchrun's name for a store at a fixed endpoint: what c10d is here
