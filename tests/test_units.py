@@ -39,6 +39,17 @@ def test_flags_override_yaml_which_overrides_defaults(tmp_path):
     assert (cfg.nnodes, cfg.nproc_per_node, cfg.hang_timeout, cfg.max_restarts) == (2, 4, 7.0, 10)
 
 
+def test_a_home_directory_path_is_expanded_as_the_shell_would(tmp_path, monkeypatch):
+    """``log_dir: ~/logs`` in YAML (or ``--ckpt-dir=~/ckpt``, which bash leaves alone) made a directory named
+    ``~`` in the current directory; --secret-file's ``~`` was expanded already."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    config = tmp_path / "c.yaml"
+    config.write_text("log_dir: ~/logs\nckpt_dir: ~/ckpt\n")
+    cfg = build_config(str(config), {})
+    assert (cfg.log_dir, cfg.ckpt_dir) == (str(tmp_path / "logs"), str(tmp_path / "ckpt"))
+    assert build_config(None, {"log_dir": "a/~"}).log_dir == "a/~"  # only a leading ~ is the home directory
+
+
 def test_config_consistency_checks():
     with pytest.raises(UsageError, match="needs --rdzv-endpoint"):
         build_config(None, {"standby": True})

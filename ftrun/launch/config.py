@@ -149,6 +149,9 @@ class JobConfig:
         settings first (``--nnodes MIN:MAX``, ``--nproc-per-node gpu``, ``--master-addr``/``--master-port``,
         ``--start-method``, ``--run-path``, c10d's ``--rdzv-conf`` keys)."""
         self.min_nnodes, self.nnodes = parse_nnodes(self.nnodes, self.min_nnodes)
+        # ~ as --secret-file's: YAML has no shell to expand it, nor has bash in --log-dir=~/x ("./~" was made)
+        self.log_dir, self.ckpt_dir = (None if path is None else os.path.expanduser(path)
+                                       for path in (self.log_dir, self.ckpt_dir))
         self.nproc_per_node = resolve_nproc(self.nproc_per_node)
         if not 1 <= self.nproc_per_node <= MAX_NPROC_PER_NODE:
             raise UsageError(f"--nproc-per-node must be at least 1 and at most {MAX_NPROC_PER_NODE}, got "
