@@ -107,6 +107,19 @@ def test_heartbeat_table_round_trip_and_mode(table, monkeypatch):
     assert table.read(0).beats == 0
 
 
+def test_a_step_the_heartbeat_slot_cannot_hold_is_refused_and_the_slot_keeps_the_last(table):
+    """``snap.save(2**63)`` (or ``ftrun.heartbeat(1.5)``) failed in struct.pack with "argument out of range", and
+    the bad step, already stored, made the exit's last beat (atexit) fail with a traceback of ftrun's own."""
+    writer = HeartbeatWriter(table.path, slot=0, generation=0, faults=[])
+    writer.beat(5)
+    with pytest.raises(ValueError, match="step 9223372036854775808 is out of range: a step is a signed 64-bit"):
+        writer.beat(2**63)
+    with pytest.raises(TypeError):
+        writer.beat(1.5)  # type: ignore[arg-type]
+    writer.exiting()  # what atexit runs
+    assert (table.read(0).step, table.read(0).beats) == (5, 2)
+
+
 def test_injected_crash_fires_at_its_step(table):
     code = ("import sys; from ftrun.control.heartbeat import HeartbeatWriter as W; "
             f"w = W({table.path!r}, 0, 0, [('crash', 3)]); [w.beat(s) for s in range(10)]; print('survived')")

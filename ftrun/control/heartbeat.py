@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import mmap
+import operator
 import os
 import signal
 import struct
@@ -47,6 +48,7 @@ _VERSION = 1
 _HEADER = struct.Struct("<8sII")
 _HEADER_SIZE = 64
 _SLOT = struct.Struct("<qqQQqq")
+STEP_LIMIT = 1 << 63  # a step is a signed 64-bit integer in the slot (and in a snapshot's header)
 _SLOT_SIZE = 64
 
 
@@ -129,7 +131,13 @@ class HeartbeatWriter:
                    decode_trainer_faults(os.environ.get(ENV_TRAINER_FAULTS, "")))
 
     def beat(self, step: int | None = None, phase: int = PHASE_RUNNING) -> None:
+        """Write this trainer's slot, at ``step`` when given: an integer of the slot's signed 64 bits (else a
+        ``TypeError`` or ``ValueError``, and the slot keeps the step before, which the exit's last beat writes)."""
         if step is not None:
+            step = operator.index(step)
+            if not -STEP_LIMIT <= step < STEP_LIMIT:
+                raise ValueError(f"ftrun: step {step} is out of range: a step is a signed 64-bit integer (below "
+                                 f"{STEP_LIMIT})")
             self._step = step
         self._write(phase)
         if self._faults and self._step >= self._faults[0][1]:
