@@ -491,6 +491,21 @@ def test_job_ids_in_file_names_never_collide_nor_climb():
     assert safe_job_id("slurm-12.0") == "slurm-12.0" and safe_job_id("a_b") == "a_b"  # safe ids stay as they are
 
 
+def test_a_module_name_that_names_no_module_is_refused_before_anything_starts(tmp_path, monkeypatch):
+    """``-m train.py``, ``-m ''`` or ``-m dir/train`` started the job, whose trainers failed to import it twice
+    (a crash loop, exit 3); a name that cannot be a module is now one line at once."""
+    from ftrun.launch.handoff import resolve_target
+
+    (tmp_path / "train.py").write_text("")
+    monkeypatch.chdir(tmp_path)
+    cfg = JobConfig(module=True)
+    for target, fragment in (("train.py", "train.py is a file, not a module name (drop -m, or -m train)"),
+                             ("", "-m '' is not a module name"), ("pkg/train", "is not a module name")):
+        with pytest.raises(UsageError, match=re.escape(fragment)):
+            resolve_target(cfg, target)
+    assert resolve_target(cfg, "pkg.train") == "pkg.train"  # found by the trainers' import
+
+
 def test_no_python_says_why_a_file_it_cannot_run_is_not_run(tmp_path, monkeypatch):
     """--no-python with a shell script that is not executable, a directory, or a script of this directory named
     without ./ (the trainers look on PATH only) said "executable not found" of a file that is there; each now

@@ -199,7 +199,13 @@ def resume() -> tuple[JobConfig, Begun, list[str]]:
 def resolve_target(cfg: JobConfig, target: str) -> str:
     """Check that the script (or executable) exists before anything starts; a script's path is kept as given
     (relative to the launcher's directory, where every trainer runs)."""
-    if cfg.module:
+    if cfg.module:  # found when the trainers import it; what can never be a module's name is refused here
+        if not target.strip() or os.sep in target:
+            raise UsageError(f"-m {target!r} is not a module name (a dotted name such as pkg.train)"
+                             + (": for a file, drop -m" if os.path.isfile(target) else ""))
+        if target.endswith(".py") and os.path.isfile(target):
+            raise UsageError(f"-m {target}: {target} is a file, not a module name (drop -m, or -m "
+                             f"{target.removesuffix('.py')})")
         return target
     if cfg.no_python:
         found = shutil.which(target)
