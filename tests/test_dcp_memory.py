@@ -5,6 +5,7 @@ line; outside ftrun both classes refuse at once."""
 
 from __future__ import annotations
 
+import io
 import json
 import math
 import os
@@ -17,6 +18,7 @@ import time
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.stateful import Stateful
 
 import ftrun.dcp
 from conftest import ROOT, assert_job_left_nothing, primary_failures
@@ -114,6 +116,36 @@ def test_values_round_trip_through_json_and_an_unpicklable_free_value_is_refused
     with pytest.raises(dcp.CheckpointException) as err:
         dcp.save({"lock": object()}, storage_writer=ftrun.dcp.MemoryWriter(8), no_dist=True)
     assert "MemoryWriter keeps non-tensor values as JSON, never pickled: cannot snapshot object at" in str(err.value)
+
+
+class TitanTrainState(Stateful):
+    """torchtitan's TrainState and dataloader shape: lists in ``torch.save``'d BytesIO, a pickled loader state."""
+
+    def __init__(self, step: int, losses: list[float]) -> None:
+        self.step, self.losses = step, losses
+
+    def state_dict(self) -> dict:
+        losses = io.BytesIO()
+        torch.save(self.losses, losses)
+        return {"step": torch.tensor(self.step, dtype=torch.int32), "global_avg_losses": losses,
+                "dp_rank_0": pickle.dumps({"samples_yielded": self.step})}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+        state["global_avg_losses"].seek(0)
+        self.losses = torch.load(state["global_avg_losses"], weights_only=False)
+        assert pickle.loads(state["dp_rank_0"]) == {"samples_yielded": self.step}
+
+
+@SINGLE_PROCESS
+@pytest.mark.timeout(60)
+def test_torchtitan_s_train_state_of_bytesio_values_round_trips(keeper, monkeypatch):
+    dcp.save({"train_state": TitanTrainState(5, [4.5, 4.25])}, storage_writer=ftrun.dcp.MemoryWriter(5),
+             no_dist=True)
+    monkeypatch.setattr(ftrun.dcp, "_saved", False)  # a restarted trainer
+    live = TitanTrainState(0, [])
+    dcp.load({"train_state": live}, storage_reader=ftrun.dcp.MemoryReader(), no_dist=True)
+    assert (live.step, live.losses) == (5, [4.5, 4.25])
 
 
 @SINGLE_PROCESS

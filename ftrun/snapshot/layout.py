@@ -12,6 +12,8 @@ Skeleton: ``{"format": 1, "state": {key: node, ...}, "rng": node}`` ("rng" only 
           | {"d": [[key, node], ...], "o": 1, "m": node}       dict in order; "o": OrderedDict, "m": its _metadata
           | {"F": "7ff8000000000000"}                          non-finite float: IEEE-754 bits (nan payload kept)
           | {"b": "<base64>"} | {"n": ["<f4", "<hex>"]}        bytes | numpy scalar (dtype.str, raw bytes)
+          | {"B": ["<base64>", pos]}                           io.BytesIO: its bytes and position (torchtitan's
+                                                               TrainState returns torch.save'd lists in them)
           | {"T": i, "g": 1} | {"N": i}                        tensor ("g": requires_grad) | numpy array: entry i
           | {"D": i, "mesh": [[rank, ...], ...], "names": [..] | null, "pl": ["Shard(dim=0)", ...],
              "shape": [...], "stride": [...], "at": [...], "g": 1}
@@ -65,6 +67,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import io
 import json
 import math
 import random
@@ -330,6 +333,8 @@ class _Walker:
             return {"n": [v.dtype.str, v.tobytes().hex()]}
         if kind is bytes:
             return {"b": base64.b64encode(v).decode("ascii")}
+        if kind is io.BytesIO:
+            return {"B": [base64.b64encode(v.getvalue()).decode("ascii"), v.tell()]}
         if kind is tuple:
             return {"t": [self.node(x, _join(path, i), live) for i, x in enumerate(v)]}
         if kind is Borrowed:
@@ -432,6 +437,10 @@ class _Builder:
             return struct.unpack(">d", bytes.fromhex(node["F"]))[0]
         if "b" in node:
             return base64.b64decode(node["b"])
+        if "B" in node:
+            buffer = io.BytesIO(base64.b64decode(node["B"][0]))
+            buffer.seek(node["B"][1])
+            return buffer
         if "n" in node:
             return np.frombuffer(bytes.fromhex(node["n"][1]), dtype=np.dtype(node["n"][0]))[0]
         if "T" in node:
