@@ -115,6 +115,26 @@ def resumed_draws(after: int, guard: bool) -> tuple[list, list]:
     return straight, resumed
 
 
+@pytest.mark.timeout(60)
+def test_accelerate_s_prepared_stateful_loader_draws_its_resume_seed_from_the_throwaway():
+    """accelerate's prepared loader (``use_stateful_dataloader``) passes for the StatefulDataLoader it wraps: the
+    throwaway set on it stayed on the wrapper, the wrapped loader drew its seed from the restored RNG, and dropout
+    after a restore differed from the run without failure (2 nodes x 2 ranks, kill -9: another final hash)."""
+    accelerate = pytest.importorskip("accelerate", reason="accelerate is not installed (pip install accelerate)")
+    pytest.importorskip("torchdata.stateful_dataloader", reason="torchdata is ftrun's optional [data] extra")
+    prepared = accelerate.Accelerator(cpu=True, dataloader_config=accelerate.DataLoaderConfiguration(
+        use_stateful_dataloader=True)).prepare(DataLoader(numbered(), batch_size=4))
+    next(iter(prepared))
+    saved = prepared.state_dict()
+    torch.manual_seed(0)
+    rng = torch.get_rng_state()
+    prepared.load_state_dict(saved)
+    seeds = LoaderSeedGuard({"data": prepared})
+    next(iter(prepared))
+    seeds.release()
+    assert torch.equal(torch.get_rng_state(), rng)
+
+
 def test_the_ddp_warm_up_puts_back_a_parameter_its_forward_replaced():
     """MoCo's and BYOL's momentum encoders: their forward sets ``param_k.data = param_k.data * m + param_q.data *
     (1 - m)``. With 3 or more ranks the warm-up ran that forward once more after a restore, and its new tensor

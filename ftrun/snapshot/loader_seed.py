@@ -56,7 +56,9 @@ class LoaderSeedGuard:
 def _stateful_loaders(value: Any, path: str) -> Iterator[tuple[str, DataLoader]]:
     if isinstance(value, DataLoader):
         if callable(getattr(value, "load_state_dict", None)):
-            yield path, value
+            # accelerate's prepared loader (DataLoaderShard) passes for the StatefulDataLoader it wraps, reads its
+            # attributes through to it but keeps those set on it: the wrapped loader draws the seed
+            yield path, getattr(value, "base_dataloader", value)
     elif isinstance(value, Mapping):
         for key, item in value.items():
             yield from _stateful_loaders(item, f"{path}/{key}" if path else str(key))
