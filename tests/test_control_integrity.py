@@ -439,17 +439,28 @@ def test_a_store_whose_host_is_frozen_fails_its_operations_within_the_timeout():
 
 
 @pytest.mark.timeout(60)
-def test_a_store_frozen_for_a_while_is_one_pause_line_and_one_line_when_it_answers_again():
-    """As etcd's outages: an operation unanswered for 2 s is told once, and its answer once (the job pauses)."""
+@pytest.mark.parametrize("then", ["answers", "dies"])
+def test_a_store_frozen_for_a_while_is_one_pause_line_and_one_line_when_it_answers_again(then):
+    """As etcd's outages: an operation unanswered for 2 s is told once, and its answer once (the job pauses). One
+    that fails instead (the store's host gone: as a c10d node 0 cut off the network, its connection reset or timed
+    out) is no answer: 'control store back after 13s; going on' came just before 'control store lost: Connection
+    timed out'."""
     host = subprocess.Popen([sys.executable, "-c", STORE_HOST], stdout=subprocess.PIPE, text=True,
                             start_new_session=True)
     said: list[str] = []
     try:
         port = int(host.stdout.readline())
         store = C10dStore(TCPStore(LOOPBACK, port, is_master=False), op_timeout=30.0, on_outage=said.append,
-                          on_recovered=lambda seconds: said.append(f"back after {seconds:.0f}s"))
+                          on_recovered=lambda seconds: said.append(f"back after {seconds:.0f}s"),
+                          on_failed=lambda: said.append("failed"))
         store.set("key", b"value")
         os.kill(host.pid, signal.SIGSTOP)
+        if then == "dies":
+            threading.Timer(3.5, host.kill).start()  # after the pause line: the operation fails, unanswered
+            with pytest.raises(DistError):
+                store.get_many(["key"])
+            assert len(said) == 2 and "has not answered for" in said[0] and said[1] == "failed", said
+            return
         threading.Timer(5.5, os.kill, (host.pid, signal.SIGCONT)).start()  # several looks of the watchdog: one
         assert store.get_many(["key"]) == [b"value"]  # late under load still leaves another
         assert len(said) == 2 and re.search(r"has not answered for [2-5]s; ftrun waits up to 30s", said[0]), said

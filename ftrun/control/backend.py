@@ -44,6 +44,12 @@ class OutageReport:
                 self._since = time.monotonic()
                 self._say(f"control store unavailable, pausing: {message}")
 
+    def failed(self) -> None:
+        """A stalled operation ended without an answer: no longer stalled, and nothing said (its caller reports
+        the store lost)."""
+        with self._lock:
+            self._stalled = max(0, self._stalled - 1)
+
     def recovered(self, seconds: float) -> None:
         with self._lock:
             self._stalled = max(0, self._stalled - 1)
@@ -64,7 +70,8 @@ def open_store(address: StoreAddress, timeout: float, report: OutageReport | Non
                             on_recovered=report.recovered if report else None)
     host, _, port = address.endpoint.rpartition(":")
     return C10dStore(connect_store(host.strip("[]"), int(port), timeout, waiting),
-                     on_outage=report.outage if report else None, on_recovered=report.recovered if report else None)
+                     on_outage=report.outage if report else None, on_recovered=report.recovered if report else None,
+                     on_failed=report.failed if report else None)
 
 
 def spec_address(spec: NodeSpec) -> StoreAddress:

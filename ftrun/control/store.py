@@ -89,20 +89,22 @@ class C10dStore:
     timeout bounds only waits for keys. A watchdog thread (started with the first operation) shuts down this
     process's connections to the server when one operation outlives it, so that operation (and every later one)
     raises ``DistError``, as for a store that is gone. An operation unanswered for :data:`OUTAGE_NOTICE` seconds
-    is told to ``on_outage`` (one line: the job pauses), and its answer to ``on_recovered``, as etcd's are."""
+    is told to ``on_outage`` (one line: the job pauses), and its answer to ``on_recovered``, as etcd's are; one that
+    fails instead (the store gone meanwhile) is no answer: it is told to ``on_failed``, not to ``on_recovered``."""
 
     poll_interval = 0.0
 
     def __init__(self, store: TCPStore, op_timeout: float = STORE_OP_TIMEOUT.total_seconds(),
                  on_outage: Callable[[str], None] | None = None,
-                 on_recovered: Callable[[float], None] | None = None) -> None:
+                 on_recovered: Callable[[float], None] | None = None,
+                 on_failed: Callable[[], None] | None = None) -> None:
         self.tcp = store
         self.op_timeout = op_timeout
         self.unanswered = False  # the watchdog cut the connections: the server did not answer in time
         self._began: dict[int, float] = {}  # thread -> when its operation began
         self._reported: set[int] = set()  # threads whose operation was told to on_outage
         self._lock = threading.Lock()
-        self._on_outage, self._on_recovered = on_outage, on_recovered
+        self._on_outage, self._on_recovered, self._on_failed = on_outage, on_recovered, on_failed
         self._watchdog: threading.Thread | None = None
 
     def _call(self, operation: Callable[..., Any], *args: Any) -> Any:
@@ -111,8 +113,11 @@ class C10dStore:
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watch, name="ftrun-store-watchdog", daemon=True)
             self._watchdog.start()
+        answered = False
         try:
-            return operation(*args)
+            result = operation(*args)
+            answered = True
+            return result
         except DistError as err:
             if self.unanswered:
                 raise DistError(f"the control store at {self.tcp.host}:{self.tcp.port} did not answer for "
@@ -123,8 +128,10 @@ class C10dStore:
                 began = self._began.pop(thread)
                 reported = thread in self._reported
                 self._reported.discard(thread)
-            if reported and self._on_recovered is not None and not self.unanswered:
+            if reported and answered and self._on_recovered is not None and not self.unanswered:
                 self._on_recovered(time.monotonic() - began)
+            elif reported and self._on_failed is not None:
+                self._on_failed()
 
     def _watch(self) -> None:
         interval = min(OUTAGE_NOTICE / 2, self.op_timeout / 4)
