@@ -21,7 +21,8 @@ from ftrun.snapshot.gf_kernels import ENV_ISAL_LIBRARY, PROBE, Combination, load
 from ftrun.snapshot.ec_groups import BACKENDS, DEFAULT_BACKEND, default_group, group_problem
 from ftrun.snapshot.erasure import (ALIGN, CODE_PART, PIECE, Codec, CorruptFragment, Segment, StripeLayout, Terms,
                                     encode_parity, rebuild_chunk)
-from ftrun.snapshot.link import Holdings, RestorePlan, plan_restore, rebuild_candidate, start_over_reason
+from ftrun.snapshot.link import (Holdings, RestorePlan, losses_covered, plan_restore, rebuild_candidate,
+                                 start_over_reason)
 from ftrun.snapshot.redundancy import _BlobWriter
 
 
@@ -299,6 +300,13 @@ def test_a_restart_before_every_rank_committed_a_snapshot_says_so_not_that_snaps
     lost = start_over_reason(every, 1, 1, 0)
     assert lost.startswith("ranks [0-1, 3] lost their snapshots; step 1, held by every other rank") and \
         "more nodes of a group lost than its 1 parity cover" in lost
+    # a node lost while the step's parity was computed: one lost node, which m = 1 covers (node 0 cut off the
+    # network during a parity push was said to be "more nodes of a group lost than its 1 parity cover")
+    assert "its parity is not complete on enough other nodes of the group" in start_over_reason(every, 1, 1, 0,
+                                                                                                 covered=True)
+    one_lost = {0: holdings({0: []}, []), 1: holdings({1: [10]}, []), 2: holdings({2: [10]}, [10])}
+    assert losses_covered(one_lost, 3, 1) and not losses_covered({**one_lost, 1: holdings({1: []}, [])}, 3, 1)
+    assert losses_covered({**one_lost, 4: holdings({4: []}, [])}, 3, 1)  # one lost node in each of two groups
     assert start_over_reason({0: set(), 1: {5}}, 0, 5, 0).endswith("(erasure coding is off)")
     many = start_over_reason({**{r: set() for r in range(0, 20000, 2)}, 1: {5}}, 1, 5, 0)
     assert many.startswith("ranks [0, 2, 4, 6, 8, 10, 12, 14, ... (10000 in all)] lost their snapshots"), many

@@ -259,11 +259,21 @@ def plan_restore(held: dict[int, Holdings], group: int, parity: int, bad: frozen
     return RestorePlan(step, rebuild, "parity" if rebuild else "ram" if step else "none")
 
 
-def start_over_reason(every: dict[int, set[int]], parity: int, secured: int, since: int) -> str:
+def losses_covered(held: dict[int, Holdings], group: int, parity: int) -> bool:
+    """Whether no EC group of size ``group`` has more nodes that hold no snapshot at all (lost, their RAM gone)
+    than its ``parity`` covers."""
+    emptied = {node for node, holdings in held.items() if not any(holdings.ranks.values())}
+    return all(len(emptied.intersection(group_of(node, group))) <= parity for node in emptied)
+
+
+def start_over_reason(every: dict[int, set[int]], parity: int, secured: int, since: int, *,
+                      covered: bool = False) -> str:
     """Why a generation restores nothing though some rank holds a snapshot step (``every``: rank -> the steps it
     holds), in words: ``secured`` is the newest step every rank had committed before it (0: none) since generation
-    ``since``. Ranks that hold no step lost their snapshots only if every rank had committed one: after a failure
-    before the first snapshot every rank took, they never had one."""
+    ``since``; ``covered``: no group lost more nodes than its ``parity`` covers, so what was missing is the step's
+    parity (a node lost before its parity was complete on the others, or the parity found corrupt). Ranks that hold
+    no step lost their snapshots only if every rank had committed one: after a failure before the first snapshot
+    every rank took, they never had one."""
     lost = sorted(rank for rank, steps in every.items() if not steps)
     best = newest_common([steps for steps in every.values() if steps])
     if not lost:
@@ -272,7 +282,10 @@ def start_over_reason(every: dict[int, set[int]], parity: int, secured: int, sin
         when = "yet" if since == 0 else f"since generation {since} started from step 0"
         return f"no snapshot step was committed by every rank {when} (ranks {brief_numbers(lost)} hold none)"
     if best:
-        cover = f"more nodes of a group lost than its {parity} parity cover" if parity else "erasure coding is off"
+        cover = ("erasure coding is off" if not parity else
+                 f"its parity is not complete on enough other nodes of the group: a node lost before the parity was "
+                 f"complete, or the parity found corrupt" if covered else
+                 f"more nodes of a group lost than its {parity} parity cover")
         return (f"ranks {brief_numbers(lost)} lost their snapshots; step {best}, held by every other rank, cannot be "
                 f"rebuilt from parity ({cover})")
     return f"ranks {brief_numbers(lost)} lost their snapshots"
@@ -568,7 +581,8 @@ class KeeperLink(threading.Thread):
         elif any(every.values()):
             lost = sorted(rank for rank, steps in every.items() if not steps)
             best = newest_common([steps for steps in every.values() if steps])
-            why = start_over_reason(every, self.parity, *self._secured_before(gen))
+            why = start_over_reason(every, self.parity, *self._secured_before(gen),
+                                    covered=losses_covered(held, self.group, self.parity))
             self.events.emit("restore", f"WARNING generation {gen}: {why}; trainers start from step 0",
                              console=leader, restored_from="none", lost_ranks=lost, lost_step=best, **fields)
         elif gen > 0:
