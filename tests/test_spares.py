@@ -7,6 +7,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -216,6 +217,32 @@ def test_a_spare_watch_kept_up_at_every_poll_looks_a_few_times_per_timeout():
 
 
 @pytest.mark.timeout(90)
+@pytest.mark.timeout(60)
+def test_a_standby_whose_c10d_store_goes_away_while_it_joins_says_so_in_one_line(start_job, tmp_path):
+    """A --standby waiting for the job at a c10d store whose host went away (node 0 lost during the first
+    rendezvous, its host cut off the network) ended in a traceback ending 'torch.distributed.DistNetworkError:
+    Connection timed out': one line now, exit 3, nothing left behind."""
+    host = subprocess.Popen([sys.executable, "-c", "import time; from ftrun.control.store import host_store; "
+                             "store = host_store(0); print(store.port, flush=True); time.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        port = int(host.stdout.readline())
+        args, _ = gpt_args(tmp_path, "store-gone")
+        standby = start_job("--standby", "--rdzv-endpoint", f"127.0.0.1:{port}", "--nproc-per-node", "1", *args)
+        launcher = psutil.Process(standby.proc.pid)
+        deadline = time.monotonic() + 40
+        while not any(c.raddr and c.raddr.port == port for c in launcher.net_connections("tcp")):  # polling for the job
+            assert time.monotonic() < deadline and standby.proc.poll() is None, standby.output
+            time.sleep(0.1)
+        host.kill()
+        assert standby.wait(30) == 3, standby.output
+        assert "Traceback" not in standby.output, standby.output
+        assert "ftrun: control store lost while joining the job: " in standby.output, standby.output
+    finally:
+        host.kill()
+        host.wait()
+
+
 @pytest.mark.extended  # make test: test_a_spare_counts_as_waiting_only_while_it_beats (SpareWatch)
 def test_a_standby_killed_while_it_waits_is_not_waited_for_under_srun(start_job, tmp_path):
     """Under srun, a --standby's ftrun is SIGKILLed while it waits (its host lost), then node 1's: the standby's

@@ -412,10 +412,8 @@ class Launcher:
             try:
                 self._end(coord, code, state, self._step_ended())
             except DistError as err:  # the control store went away (node 0's, or etcd without quorum)
-                hint = ("; a store that outlives any node: --rdzv-backend etcd, or `ftrun store` on a host of its own"
-                        if cfg.rdzv_backend == "c10d" and not cfg.local_mode else "")
                 self.events.emit("failed", f"control store lost{' at the end of the job' if code == 0 else ''}, no "
-                                 f"summary: {str(err).splitlines()[0]}{hint}")
+                                 f"summary: {str(err).splitlines()[0]}{store_hint(cfg)}")
         finally:
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             for pending in self.pending:  # not needed after all
@@ -1095,6 +1093,13 @@ def fork_supervisor() -> PendingSupervisor:
     return PendingSupervisor(ForkedChild(pid), write)
 
 
+def store_hint(cfg: JobConfig) -> str:
+    """What to use instead of a control store that went away with a node (nothing in local mode, or with etcd)."""
+    if cfg.rdzv_backend == "c10d" and not cfg.local_mode:
+        return "; a store that outlives any node: --rdzv-backend etcd, or `ftrun store` on a host of its own"
+    return ""
+
+
 def main() -> None:
     """``python -P -m ftrun.launch.launcher``, as :func:`ftrun.launch.handoff.exec_launcher` runs it."""
     set_process_name(LAUNCHER_NAME)
@@ -1122,6 +1127,13 @@ def main() -> None:
         if launcher is not None:  # refused while it started: what it wrote (the job's secret) goes
             launcher.remove_files()
         code = USAGE_EXIT_CODE
+    except DistError as err:  # the control store went away before there was a job to end (a standby joining)
+        print(f"ftrun: control store lost while joining the job: {str(err).splitlines()[0]}{store_hint(cfg)}",
+              file=sys.stderr)
+        if launcher is not None:
+            launcher.remove_files()
+        kill_descendants()
+        code = EXIT_FAILED
     except StartInterrupted as stop:
         signal.pthread_sigmask(signal.SIG_BLOCK, STARTUP_SIGNALS)
         print(f"ftrun: stopped by {stop.signal.name} while the job was starting", file=sys.stderr)
