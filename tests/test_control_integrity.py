@@ -22,6 +22,7 @@ import pytest
 from torch.distributed import DistError, TCPStore
 
 from conftest import SCRIPTS, assert_job_left_nothing, free_port
+from ftrun.control.backend import StoreAddress, reconnect_timeout, reopen_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, open_run
 from ftrun.control.signed import TAG_MARK, SignedStore
 from ftrun.control.ownership import Owner, take
@@ -470,6 +471,19 @@ def test_a_store_frozen_for_a_while_is_one_pause_line_and_one_line_when_it_answe
     finally:
         host.kill()
         host.wait()
+
+
+def test_a_connection_opened_after_the_store_was_reached_waits_for_it_as_long_as_an_operation():
+    """A supervisor's later connections (its beats, its generation watch, its keeper's link) waited --rdzv-timeout
+    (600 s) for a c10d store gone meanwhile (node 0 cut off during the first rendezvous), under a line saying
+    "ftrun waits up to 60s for it", then ended in a traceback (UsageError): now 60 s, then the store is lost as
+    for a failed operation. etcd's wait is its quorum pause."""
+    c10d, etcd = StoreAddress("c10d", "10.0.0.1:29400"), StoreAddress("etcd", "10.0.0.1:2379")
+    assert reconnect_timeout(c10d, 600) == 60 and reconnect_timeout(c10d, 20) == 20
+    assert reconnect_timeout(etcd, 600) == 600
+    # not reached: the store is lost, as when an operation fails (the supervisor's traceback ended in UsageError)
+    with pytest.raises(DistError, match="unreachable after 1s"):
+        reopen_store(StoreAddress("c10d", f"{LOOPBACK}:{free_port()}"), 1)
 
 
 def test_each_run_of_a_job_id_has_its_own_keys(server, signed):

@@ -14,8 +14,11 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from torch.distributed import DistError
+
 from ftrun.control.spec import NodeSpec
-from ftrun.control.store import C10dStore, Store, connect_store
+from ftrun.control.store import STORE_OP_TIMEOUT, C10dStore, Store, connect_store
+from ftrun.errors import UsageError
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,24 @@ def open_store(address: StoreAddress, timeout: float, report: OutageReport | Non
     return C10dStore(connect_store(host.strip("[]"), int(port), timeout, waiting),
                      on_outage=report.outage if report else None, on_recovered=report.recovered if report else None,
                      on_failed=report.failed if report else None)
+
+
+def reconnect_timeout(address: StoreAddress, rdzv_timeout: float) -> float:
+    """How long a process that reached the control store already waits for another connection to it: a c10d store
+    that does not answer now is gone or silent, as for any operation (60 s), not one still starting
+    (``--rdzv-timeout``); etcd's timeout is how long the job pauses without quorum, ``--rdzv-timeout``."""
+    if address.backend == "etcd":
+        return rdzv_timeout
+    return min(rdzv_timeout, STORE_OP_TIMEOUT.total_seconds())
+
+
+def reopen_store(address: StoreAddress, rdzv_timeout: float, report: OutageReport | None = None) -> Store:
+    """Another connection to the control store, for a process that reached it already: waits
+    :func:`reconnect_timeout`, and a store not reached by then is lost, ``DistError`` as for an operation."""
+    try:
+        return open_store(address, reconnect_timeout(address, rdzv_timeout), report)
+    except UsageError as err:
+        raise DistError(str(err)) from None
 
 
 def spec_address(spec: NodeSpec) -> StoreAddress:

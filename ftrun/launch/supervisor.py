@@ -68,7 +68,7 @@ from torch.distributed import DistError, TCPStore
 
 from ftrun.errors import error_text
 from ftrun.events import EventLog, brief_numbers
-from ftrun.control.backend import OutageReport, open_store, spec_address
+from ftrun.control.backend import OutageReport, open_store, reopen_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, claim, owner, take
 from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_args, trainer_env, trainer_threads
@@ -155,7 +155,7 @@ class _Beater(threading.Thread):
 
     def __init__(self, spec: NodeSpec, report: OutageReport) -> None:
         super().__init__(name="ftrun-beat", daemon=True)
-        store = open_store(spec_address(spec), spec.rdzv_timeout, report)
+        store = reopen_store(spec_address(spec), spec.rdzv_timeout, report)  # the supervisor reached it before
         self._coord = Coordinator(store, spec.job_id, spec.node_rank, spec.nnodes)
         self._stop_event = threading.Event()
 
@@ -453,7 +453,7 @@ class Supervisor:
         address = spec_address(self.spec)
         if address.backend != "c10d":
             return None
-        store = open_store(address, self.spec.rdzv_timeout, self.report)
+        store = reopen_store(address, self.spec.rdzv_timeout, self.report)
         assert isinstance(store, C10dStore)
         return GenerationWatch(store, self.coord, self.coord.current().gen)
 

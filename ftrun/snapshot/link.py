@@ -65,7 +65,7 @@ from torch.distributed import DistError
 from ftrun.events import EventLog, brief_numbers
 from ftrun.control.coordination import Coordinator
 from ftrun.control.spec import NodeSpec
-from ftrun.control.backend import OutageReport, open_store, spec_address
+from ftrun.control.backend import OutageReport, reopen_store, spec_address
 from ftrun.snapshot.durability import Durability
 from ftrun.snapshot.protocol import PEER_LOST, POLL_WAIT, KeeperClient, KeeperError, KeeperUnavailable, socket_name
 
@@ -308,7 +308,7 @@ class KeeperLink(threading.Thread):
     def __init__(self, spec: NodeSpec, job: str, events: EventLog, address: str,
                  report: OutageReport | None = None) -> None:
         super().__init__(name="ftrun-keeper-link", daemon=True)
-        store = open_store(spec_address(spec), spec.rdzv_timeout, report)
+        store = reopen_store(spec_address(spec), spec.rdzv_timeout, report)  # the supervisor reached it before
         self.coord = Coordinator(store, spec.job_id, spec.node_rank, spec.nnodes)
         self.node = spec.node_rank
         self.nnodes = spec.nnodes
