@@ -15,6 +15,7 @@ import time
 import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 from rich.console import Console
 
@@ -180,8 +181,19 @@ def ftrun_status(*args: str, timeout: float = 60) -> subprocess.CompletedProcess
                           timeout=timeout, cwd=ROOT)
 
 
-def json_status(job_id: str, predicate, timeout: float = 90) -> dict:
-    """Poll ``ftrun status --job ID --json --once`` until the document satisfies ``predicate``."""
+def listening(pid: int) -> list[int]:
+    """The TCP ports process ``pid`` listens on (for a failure message: a control store that refused connections
+    in two CI runs while its job went on; not reproduced alone)."""
+    try:
+        connections = psutil.Process(pid).net_connections("tcp")
+        return sorted(c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN)
+    except psutil.Error:
+        return []
+
+
+def json_status(job_id: str, predicate, timeout: float = 90, pid: int | None = None) -> dict:
+    """Poll ``ftrun status --job ID --json --once`` until the document satisfies ``predicate``; ``pid``: the job's
+    launcher, whose listening ports a failure names."""
     deadline, last, error = time.monotonic() + timeout, None, ""
     while time.monotonic() < deadline:
         result = ftrun_status("--job", job_id, "--json", "--once")
@@ -193,7 +205,9 @@ def json_status(job_id: str, predicate, timeout: float = 90) -> dict:
             assert result.returncode == 2 and result.stderr.startswith("ftrun: error: "), result.stderr
             error = result.stderr.strip()
         time.sleep(0.2)
-    pytest.fail(f"no status of job {job_id} satisfied the check within {timeout}s; last: {last}; last error: {error}")
+    ports = f"; its launcher listens on {listening(pid)}" if pid is not None else ""
+    pytest.fail(f"no status of job {job_id} satisfied the check within {timeout}s; last: {last}; last error: {error}"
+                f"{ports}")
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -218,17 +232,19 @@ def recovered(doc: dict) -> bool:
 @pytest.mark.timeout(240)
 def test_json_once_during_the_run_and_after_recovery(start_job, tmp_path):
     job = crash_job(start_job, tmp_path, steps=200)  # 20 s: status commands are slow on a loaded host
-    running = json_status(job.job_id, lambda doc: len(doc["nodes"]) == 2)
+    running = json_status(job.job_id, lambda doc: len(doc["nodes"]) == 2, pid=job.proc.pid)
     assert running["job"] == job.job_id and running["nnodes"] == 2 and running["nproc_per_node"] == 1
     assert running["state"] in ("running", "restarting")
     assert {r["rank"] for doc in running["nodes"].values() for r in doc["ranks"]} == {0, 1}
     assert_one_line_error(ftrun_status("--job", "no-such-job", "--json", "--once"), "no running job 'no-such-job'")
     endpoint = json.loads(Path(shm_dir(), f"ftrun-{job.job_id}-launcher").read_text())["endpoint"]
-    assert_one_line_error(ftrun_status("--endpoint", endpoint, "--job", "no-such-job", "--once"),
-                          f"no job 'no-such-job' at the control store {endpoint}")
+    unknown = ftrun_status("--endpoint", endpoint, "--job", "no-such-job", "--once")
+    assert f"no job 'no-such-job' at the control store {endpoint}" in unknown.stderr, (
+        unknown.stderr, f"the launcher listens on {listening(job.proc.pid)}")
+    assert_one_line_error(unknown)
 
     after = json_status(job.job_id, lambda doc: recovered(doc) and doc["state"] in ("running", "done")
-                        and doc["tiers"][0]["step"] and doc["tiers"][0]["step"] > 20)  # done: a slow status
+                        and doc["tiers"][0]["step"] and doc["tiers"][0]["step"] > 20, pid=job.proc.pid)  # done: slow
     assert after["generation"] == 1 and after["restarts"] == 1
     event = after["events"][0]
     assert event["kind"] == "crash" and event["failed_step"] == 25 and "rank 1" in event["reason"]

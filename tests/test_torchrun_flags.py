@@ -221,7 +221,7 @@ def test_a_directory_runs_its_main_as_python_does(start_job, tmp_path):
     app = tmp_path / "app"
     app.mkdir()
     (app / "__main__.py").write_text("import os, sys\n"
-                                     "print('hello from rank', os.environ['RANK'], sys.argv[1:], sys.path[0])\n")
+                                     "print(f'hello from rank {os.environ[\"RANK\"]} {sys.argv[1:]} {sys.path[0]}')\n")
     job = start_job("--nproc-per-node", "2", "app", "--", "--flag", "1", "--", "x")  # torchrun drops the first --
     assert job.wait(90) == 0, job.output
     for rank in (0, 1):
@@ -234,7 +234,8 @@ def test_the_local_rank_macro_in_the_script_s_arguments_is_each_trainer_s_local_
     """torchrun replaces ``${local_rank}`` in the script's arguments (``--local_rank=${local_rank}``, scripts of
     torch.distributed.launch's days): before, ftrun passed the text itself, and ``type=int`` refused it."""
     script = tmp_path / "args.py"
-    script.write_text("import os, sys\nprint('hello from rank', os.environ['RANK'], sys.argv[1:])\n")
+    script.write_text("import os, sys\n"  # one write: two trainers' lines interleaved word by word in a CI run
+                      "sys.stdout.write(f\"hello from rank {os.environ['RANK']} {sys.argv[1:]}\\n\")\n")
     job = start_job("--nnodes", "2", "--nproc-per-node", "2", str(script), "--local_rank=${local_rank}",
                     "out_${local_rank}_$${local_rank}_${rank}")
     assert job.wait(90) == 0, job.output
