@@ -299,7 +299,7 @@ def test_at_another_world_size_a_corrupt_dcp_copy_is_never_loaded(tmp_path):
         (copy / "__0_0.distcp").write_bytes(data)
     result = resume_at_world_1(tmp_path / "ckpt", job)
     said = result.stderr + result.stdout
-    assert f"WARNING the DCP copy of step 20 is corrupt (__0_0.distcp does not hold the bytes written" in said, said
+    assert "WARNING the DCP copy of step 20 is corrupt (__0_0.distcp does not hold the bytes written" in said, said
     assert "loads the newest DCP copy, step 10's (" in said and result.returncode == 0, said
     assert sorted(os.listdir(root / "step-00000020")) == ["dcp.corrupt", "manifest.json"]
     assert not job_processes(job) and not job_segments(job)

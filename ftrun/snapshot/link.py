@@ -283,8 +283,8 @@ def start_over_reason(every: dict[int, set[int]], parity: int, secured: int, sin
         return f"no snapshot step was committed by every rank {when} (ranks {brief_numbers(lost)} hold none)"
     if best:
         cover = ("erasure coding is off" if not parity else
-                 f"its parity is not complete on enough other nodes of the group: a node lost before the parity was "
-                 f"complete, or the parity found corrupt" if covered else
+                 "its parity is not complete on enough other nodes of the group: a node lost before the parity was "
+                 "complete, or the parity found corrupt" if covered else
                  f"more nodes of a group lost than its {parity} parity cover")
         return (f"ranks {brief_numbers(lost)} lost their snapshots; step {best}, held by every other rank, cannot be "
                 f"rebuilt from parity ({cover})")
