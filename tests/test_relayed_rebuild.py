@@ -27,8 +27,8 @@ pytestmark = pytest.mark.timeout(60)
 
 STEP = 10
 PIECE = 16 * ALIGN  # small coding pieces, so a chunk has several and a segment can end inside one
-RELAY_PART = 5 * ALIGN  # relayed requests that start and end inside pieces (every survivor on the host)
-RELAY_PART_NIC = 3 * ALIGN  # likewise, through a NIC
+RELAY_PART = 5 * ALIGN  # relayed requests of terms that start and end inside pieces
+RELAY_PART_NIC = 3 * ALIGN  # likewise, of XOR chains
 SIZES = (5 * PIECE + 123, 2 * PIECE + 7)  # payload bytes of local ranks 0 and 1 (the blob spans two slot files)
 
 
@@ -153,12 +153,14 @@ def test_a_relayed_rebuild_is_bit_exact_and_receives_each_byte_once(make_group, 
     assert not group.events("rebuild_relay_failed")
 
 
+@pytest.mark.parametrize("one_host", [False, True], ids=["relayed", "direct"])
 @pytest.mark.parametrize("shape,lost", [((3, 1), 1), ((6, 2), 2)], ids=["k2", "k4m2"])
-def test_survivors_serve_a_rebuild_at_normal_priority_though_they_served_encoders_at_idle(make_group, shape, lost):
+def test_survivors_serve_a_rebuild_at_normal_priority_though_they_served_encoders_at_idle(make_group, shape, lost,
+                                                                                         one_host):
     """Encoding is background work: a thread serving an encoder's fetch runs in SCHED_IDLE from then on. A rebuild
     is not: its requests, the survivors' relayed fetches among them, go over connections of their own, so no
     survivor serves them on a thread an encoder lowered (which waits for every idle core)."""
-    group = make_group(*shape, one_host=True)
+    group = make_group(*shape, one_host=one_host)
     policies: list[int] = []
     for keeper in group.keepers.values():
         def record(step: int, serving: Any = keeper.redundancy.serving_rebuild) -> None:
@@ -169,6 +171,7 @@ def test_survivors_serve_a_rebuild_at_normal_priority_though_they_served_encoder
     group.lose(lost)
     reply = group.rebuild(lost)
     assert reply.get("bytes") == group.blob(lost) and group.holds(lost), reply
+    assert group.keepers[lost].redundancy.relayed is not one_host
     assert policies and os.SCHED_IDLE not in policies, policies
 
 
@@ -235,8 +238,9 @@ def test_two_lost_of_two_parity_are_relayed_as_pyeclibs_terms_and_receive_each_b
     assert not group.events("rebuild_relay_failed"), group.events("rebuild_relay_failed")
 
 
-def test_two_lost_on_one_host_are_rebuilt_directly_one_reconstruction_per_byte(make_group):
-    """With no NIC in the way, k fragments fetched and reconstructed once cost less than a term at every holder."""
+def test_every_survivor_on_one_host_is_a_direct_rebuild(make_group):
+    """With no NIC in the way, k fragments fetched and reconstructed once cost less than a term at every holder, and
+    fetching them costs less than an XOR chain whose hops are CPU copies too (Redundancy._on_this_host)."""
     group = make_group(4, 2, one_host=True)
     for node in (1, 2):
         group.lose(node)
@@ -245,20 +249,20 @@ def test_two_lost_on_one_host_are_rebuilt_directly_one_reconstruction_per_byte(m
         assert "error" not in group.rebuild(node, received, complete=[0, 3])
         assert not group.keepers[node].redundancy.relayed and group.holds(node)
         assert sum(received) >= 2 * group.blob(node)  # k = 2 fragments per byte
-    xor = make_group(3, 1, one_host=True)  # XOR chains cost no more than fetching: relayed on one host too
+    xor = make_group(3, 1, one_host=True)
     xor.lose(1)
-    assert "error" not in xor.rebuild(1) and xor.keepers[1].redundancy.relayed and xor.holds(1)
+    received: list[int] = []
+    assert "error" not in xor.rebuild(1, received) and not xor.keepers[1].redundancy.relayed and xor.holds(1)
+    assert sum(received) >= 2 * xor.blob(1)
+    assert [e["relayed"] for e in xor.events("rebuilt")] == [False] and not xor.events("rebuild_relay_failed")
 
 
-@pytest.mark.parametrize("shape,lost,one_host,part", [((3, 1), (1,), False, RELAY_PART_NIC),
-                                                      ((3, 1), (1,), True, RELAY_PART),
-                                                      ((4, 2), (1, 2), False, RELAY_PART)],
-                         ids=["xor-through-nics", "xor-one-host", "terms-through-nics"])
-def test_relayed_parts_are_small_through_a_nic_and_large_on_one_host(make_group, monkeypatch, shape, lost, one_host,
-                                                                     part):
-    """Through NICs small parts keep every link of an XOR chain busy; on one host, where the CPU moves every
-    byte, larger parts cost fewer requests; so do terms, computed per part at every hop (see RELAY_PART)."""
-    group = make_group(*shape, one_host=one_host)
+@pytest.mark.parametrize("shape,lost,part", [((3, 1), (1,), RELAY_PART_NIC), ((4, 2), (1, 2), RELAY_PART)],
+                         ids=["xor", "terms"])
+def test_relayed_parts_are_small_for_xor_and_large_for_terms(make_group, monkeypatch, shape, lost, part):
+    """Small parts keep every link of an XOR chain busy; terms, computed per part at every hop, take larger ones
+    (see RELAY_PART)."""
+    group = make_group(*shape)
     for node in lost:
         group.lose(node)
     survivors = sorted(set(range(shape[0])) - set(lost))

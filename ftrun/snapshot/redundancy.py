@@ -33,8 +33,8 @@ once, straight into its slots, and every holder sends about one blob's worth per
 k chunks start at different survivors), so on a cluster whose NICs limit a rebuild it takes about as long as
 copying the blob (repair pipelining, as in ECPipe), and twice as long with two lost (the survivors send for both;
 fetched directly, each replacement would receive k blobs' worth). When every survivor is on the replacement's
-host (no NIC in the way), chunks that need terms are rebuilt directly instead: there the relay's hops cost CPU
-copies, not NIC time.
+host (no NIC in the way), the rebuild is direct instead: there the relay's hops are CPU copies, not NIC time, and
+a relay keeps the survivors' keepers busy (receive, XOR, send) while they restart their own trainers.
 A holder checks each whole parity piece it reads against its CRC-32; a relay that fails (a corrupt piece, a
 survivor answering with an error, a rebuilt image that fails its checksum) is done again directly, every
 fragment fetched by the replacement, which checks what it receives and reports the fragment at fault.
@@ -125,10 +125,9 @@ PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are
 # parts keep every link busy, down to where the cost per request shows. x the TCP copy, benchmarks/network.py (NICs
 # of 1 Gbit/s, 128 MiB per rank): k=2 m=1 1 MiB 1.11, 256 KiB 1.04; k=4 m=2 two lost 1 MiB 2.85-3.05, 256 KiB
 # 2.49-2.61, 128 KiB 2.89 (measured before terms were ISA-L's; since, 1 MiB 2.40-2.53, 256 KiB 2.65-2.78: each hop
-# computes a term per part). Over loopback, where the CPU moves every byte (every survivor on this host; on 2 cores,
-# benchmarks/erasure.py, k=2 m=1), 256 KiB doubles it: 7.09 and 5.38 against 3.54 with 1 MiB
-RELAY_PART = 1 << 20  # terms, or every survivor on this host; the most a relay request may ask for
-RELAY_PART_NIC = 256 << 10  # XOR chains with a survivor on another host
+# computes a term per part)
+RELAY_PART = 1 << 20  # terms; the most a relay request may ask for
+RELAY_PART_NIC = 256 << 10  # XOR chains
 REBUILD_IDLE_CONNECTIONS = 2  # idle connections per peer kept after a rebuild (rare; an encoder's pool keeps 4)
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
 REJECT_NOTICE = 60.0  # seconds between two console lines about peer connections refused or ended by a fault
@@ -892,14 +891,13 @@ class Redundancy:
         writer = self._take_prepared(step, images) or _BlobWriter(self.keeper, step, images)
         self.allocated_ahead = writer.memory.allocated
         t2 = time.perf_counter()
-        one_host = self._on_this_host(complete)
-        chains = self._chains(stripes, complete, piece_layout, one_host)
+        chains = None if self._on_this_host(complete) else self._chains(stripes, complete, piece_layout)
         self.relayed = chains is not None
         try:
             if chains is not None:
                 try:
                     xor = all(terms is None for _, terms in chains)
-                    part = RELAY_PART_NIC if xor and not one_host else RELAY_PART
+                    part = RELAY_PART_NIC if xor else RELAY_PART
                     self._rebuild_relayed(step, stripes, chains, chunk_len, writer, blob, part)
                     t3 = time.perf_counter()
                     writer.finish()
@@ -919,17 +917,13 @@ class Redundancy:
                        "waited_for_memory": writer.memory.waited}
         return blob, t4 - t0
 
-    def _chains(self, stripes: list[int], complete: list[int], layout: StripeLayout, one_host: bool
+    def _chains(self, stripes: list[int], complete: list[int], layout: StripeLayout
                 ) -> list[tuple[list[int], Terms | None]] | None:
         """For each chunk of this node (of ``stripes``), the fragments whose holders sum it along a chain, in
         chain order, and how: XOR (None: parity k and the other data fragments survive) or the terms of k
         surviving fragments (:class:`~ftrun.snapshot.erasure.Terms`). None when no chunk is to be relayed (k = 1:
-        a copy) or one cannot be (fewer than k survive), or terms are needed and every survivor is on this host
-        (``one_host``, :meth:`_on_this_host`):
-        with no NIC in the way the direct rebuild is cheaper (benchmarks/erasure.py, k=4 m=2, two lost, on 2
-        cores: with pyeclib's terms relayed 3.6 s, direct 1.0-1.2 s; with ISA-L's, relayed 2.2-2.3 s, direct
-        0.86-0.94 s). Chunk c's chain starts at the position c + 1 after this one, so the survivors send
-        alike."""
+        a copy) or one cannot be (fewer than k survive). Chunk c's chain starts at the position c + 1 after this
+        one, so the survivors send alike."""
         if layout.k < 2:
             return None
         chains: list[tuple[list[int], Terms | None]] = []
@@ -939,7 +933,7 @@ class Redundancy:
             terms = None
             fragments = xor_fragments(layout.k, chunk)
             if not (self.codec.xor_first and set(fragments) <= set(alive)):
-                if len(alive) < layout.k or one_host:
+                if len(alive) < layout.k:
                     return None
                 terms = Terms(chunk, tuple(alive[:layout.k]))  # data fragments first: no parity to check
                 fragments = list(terms.sources)
@@ -948,7 +942,11 @@ class Redundancy:
         return chains
 
     def _on_this_host(self, nodes: list[int]) -> bool:
-        """Whether every node of ``nodes`` serves its peers from this node's host (no NIC between them)."""
+        """Whether every node of ``nodes`` serves its peers from this node's host (no NIC between them): then the
+        rebuild is direct, not relayed (module doc). benchmarks/erasure.py, all nodes on one host, in the job: k=2
+        m=1 on 16 cores relayed 0.16-0.28 s, direct 0.15-0.20 s (9 and 6 jobs, 4 and 2 with a hot spare); on 2
+        cores relayed 0.42-0.53 s, direct 0.36-0.45 s (6 and 3 jobs); k=4 m=2, two lost, on 2 cores, terms relayed
+        2.2-2.3 s, direct 0.86-0.94 s."""
         host = self.peers.get(self.place.node, "").rpartition(":")[0]
         return bool(host) and all(self.peers.get(node, "").rpartition(":")[0] == host for node in nodes)
 
