@@ -16,7 +16,7 @@ import psutil
 import pytest
 import typer
 
-from conftest import SCRIPTS, assert_job_left_nothing, free_port, restores, run_bitwise
+from conftest import SCRIPTS, TRAIN_PLAIN, assert_job_left_nothing, free_port, restores, run_bitwise
 from ftrun.cli import app, main
 from ftrun.launch.config import build_config
 from ftrun.errors import UsageError
@@ -204,6 +204,19 @@ def test_an_endpoint_on_port_0_hosts_the_store_of_a_job_of_this_host_on_a_free_p
     assert job.wait(90) == 0, job.output
     store = re.search(r"control store 127\.0\.0\.1:(\d+)", job.output)
     assert store is not None and int(store.group(1)) > 0, job.output
+    assert_job_left_nothing(job)
+
+
+@pytest.mark.timeout(120)
+def test_a_long_monitor_interval_does_not_delay_failure_detection(start_job, tmp_path):
+    """Scripts written for older torch pass ``--monitor-interval 5`` (torchrun's agent polls its workers that
+    often): a supervisor's looks also do its checks, and each waited that long at least, so a hang at
+    --hang-timeout 2 went unseen for minutes with --monitor-interval 20. Above a quarter second it acts as one."""
+    job = start_job("--nproc-per-node", "2", "--monitor-interval", "3600", "--hang-timeout", "2",
+                    "--inject", "hang@rank=1,step=7", str(TRAIN_PLAIN), "--steps", "10", "--step-time", "0.1",
+                    "--ckpt-dir", str(tmp_path / "ck"))
+    assert job.wait(90) == 0, job.output
+    assert "rank 1 hung" in job.output and "succeeded: 1 failure(s), 1 restart(s)" in job.output, job.output
     assert_job_left_nothing(job)
 
 

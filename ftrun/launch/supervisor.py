@@ -118,6 +118,10 @@ BEAT_INTERVAL = 0.25
 # A beating trainer's heartbeat is read at least this often per its hang timeout: its last beat is seen within an
 # eighth of the timeout, and a step interval measured across looks (5 x at most an eighth) stays below the floor.
 LOOKS_PER_HANG_TIMEOUT = 8
+# --monitor-interval above it acts as it: torchrun's agent polls its workers every --monitor-interval (scripts written
+# for older torch pass 5), while a supervisor's look also does its checks (the generation, the peers, hang deadlines),
+# which a longer pause would delay (a hang at --hang-timeout 2 went unseen for minutes with --monitor-interval 20)
+MAX_LOOK_PAUSE = GEN_CHECK_INTERVAL
 KEEPER_START_TIMEOUT = 30.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (the job-wide ``hang`` key names g, Coordinator.open_hang_vote);
@@ -466,10 +470,12 @@ class Supervisor:
         return GEN_CHECK_INTERVAL
 
     def _pause(self, until: float) -> None:
-        """Until ``until`` (``time.monotonic()``; at least --monitor-interval from now), an exit of a trainer or the
-        keeper, a move of the generation or a stop signal, whichever comes first."""
+        """Until ``until`` (``time.monotonic()``; at least --monitor-interval from now, or :data:`MAX_LOOK_PAUSE` when
+        that is less), an exit of a trainer or the keeper, a move of the generation or a stop signal, whichever comes
+        first."""
         wakers = [*self.exits.fds(), self._signalled, *([self.gen_watch.moved] if self.gen_watch is not None else [])]
-        select.select(wakers, [], [], max(self.spec.monitor_interval, until - time.monotonic()))
+        least = min(self.spec.monitor_interval, MAX_LOOK_PAUSE)
+        select.select(wakers, [], [], max(least, until - time.monotonic()))
 
     def _next_look(self, *checks: float) -> float:
         """When the next look is due, ``checks`` being when the loop's own checks are: the earliest of them, this
