@@ -1,6 +1,7 @@
 """Command line: ``ftrun [run] [flags] script.py [script args]`` and ``ftrun store``.
 
-Flags keep torchrun's names (dashes or underscores) so job files move over unchanged. Every flag can also be
+Flags keep torchrun's names (dashes or underscores) so job files move over unchanged, abbreviated as torchrun's
+argparse allows (a unique prefix of a torchrun flag; ftrun's own flags are written out). Every flag can also be
 set in ``--config FILE.yaml``; flags given on the command line win. Errors in the input are one line on
 stderr and exit code 2; nothing is started then.
 """
@@ -23,6 +24,19 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   context_settings={"help_option_names": ["-h", "--help"]})  # -h as torchrun's
 
 SUBCOMMANDS = ("run", "store", "inspect", "export", "status", "sbatch-template", "clean")
+# torchrun's long options (torch 2.13's torch/distributed/run.py; tests/test_torchrun_flags.py compares them): its
+# argparse takes a unique prefix of one of them for it, so job files written for torchrun abbreviate them
+TORCHRUN_OPTIONS = (
+    "--duplicate-stderr-filters", "--duplicate-stdout-filters", "--duplicate_stderr_filters",
+    "--duplicate_stdout_filters", "--event-log-handler", "--event_log_handler", "--help", "--local-addr",
+    "--local-ranks-filter", "--local_addr", "--local_ranks_filter", "--log-dir", "--log_dir", "--logs-specs",
+    "--logs_specs", "--master-addr", "--master-port", "--master_addr", "--master_port", "--max-restarts",
+    "--max_restarts", "--module", "--monitor-interval", "--monitor_interval", "--nnodes", "--no-python",
+    "--no_python", "--node-rank", "--node_rank", "--nproc-per-node", "--nproc_per_node", "--numa-binding",
+    "--numa_binding", "--rdzv-backend", "--rdzv-conf", "--rdzv-endpoint", "--rdzv-id", "--rdzv_backend",
+    "--rdzv_conf", "--rdzv_endpoint", "--rdzv_id", "--redirects", "--role", "--run-path", "--run_path",
+    "--shutdown-timeout", "--shutdown_timeout", "--signals-to-handle", "--signals_to_handle", "--standalone",
+    "--start-method", "--start_method", "--tee", "--virtual-local-rank", "--virtual_local_rank")
 
 
 @app.command(context_settings={"allow_interspersed_args": False})
@@ -348,6 +362,42 @@ def _run_command() -> typer.core.TyperCommand:
     return typer.main.get_command(app).commands["run"]  # type: ignore[attr-defined,return-value]
 
 
+def _run_options() -> tuple[set[str], set[str]]:
+    """Every option string of ``ftrun run``, and those of them that take a value."""
+    names, takes_value = {"-h", "--help"}, set()
+    for param in _run_command().params:
+        if isinstance(param, typer.core.TyperOption):
+            names.update(param.opts, param.secondary_opts)
+            if not param.is_flag:
+                takes_value.update(param.opts)
+    return names, takes_value
+
+
+def written_out(args: list[str]) -> list[str]:
+    """``args`` of ``ftrun run`` with each abbreviated torchrun flag before the script written out, as torchrun's
+    argparse reads it: a prefix of exactly one of :data:`TORCHRUN_OPTIONS` (``--nnode``, ``--nproc_per=2``) is that
+    option; a prefix of several is a UsageError, as argparse's "ambiguous option" (``--max`` could be
+    ``--max-restarts`` or ``--max_restarts``). Any other unknown flag is left for the parser to refuse: ftrun's own
+    flags are not abbreviated, so a mistyped one is an error, not another flag."""
+    names, takes_value = _run_options()
+    args = list(args)
+    index = 1 if args[:1] == ["run"] else 0
+    while index < len(args):
+        arg = args[index]
+        if arg == "--" or not arg.startswith("-") or arg == "-":
+            break
+        name, equals, value = arg.partition("=")
+        if name.startswith("--") and name not in names:
+            matches = [option for option in TORCHRUN_OPTIONS if option.startswith(name)]
+            if len(matches) > 1:
+                raise UsageError(f"ambiguous option: {name} could match {', '.join(matches)}")
+            if matches:
+                name = matches[0]
+                args[index] = name + equals + value
+        index += 2 if name in takes_value and not equals else 1
+    return args
+
+
 def script_index(args: list[str]) -> int:
     """Where the script starts in the arguments of ``ftrun [run]`` (``len(args)``: no script): after the options,
     the values of those that take one, and a ``--``."""
@@ -449,6 +499,8 @@ def main(argv: list[str] | None = None) -> None:
     # run: until the launcher's exec holds it, Ctrl-C ends the start in one line (typer makes it a silent 130)
     previous = signal.signal(signal.SIGINT, stopped_while_starting) if args[0] == "run" else None
     try:
+        if args[0] == "run":
+            args = written_out(args)
         code = app(args=args, prog_name="ftrun", standalone_mode=False)
     except typer.Exit as done:
         code = done.exit_code

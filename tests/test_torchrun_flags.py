@@ -17,7 +17,7 @@ import pytest
 import typer
 
 from conftest import SCRIPTS, TRAIN_PLAIN, assert_job_left_nothing, free_port, restores, run_bitwise
-from ftrun.cli import app, main
+from ftrun.cli import TORCHRUN_OPTIONS, app, main, written_out
 from ftrun.launch.config import build_config
 from ftrun.errors import UsageError
 from ftrun.launch.env import TrainerPlace, trainer_env
@@ -86,6 +86,22 @@ def test_every_torchrun_flag_is_known_to_ftrun(capsys):
         with pytest.raises(SystemExit) as exited:
             main([flag])
         assert exited.value.code == 0 and "--master-port" not in capsys.readouterr().err
+
+
+@pytest.mark.timeout(120)
+def test_torchrun_s_abbreviations_of_its_flags_are_read_as_torchrun_reads_them(capsys):
+    """torchrun's argparse takes a unique prefix of a flag for it (``--nnode``, ``--nproc_per=2``, ``--stand``);
+    a prefix of several is an error there ("ambiguous option"). ftrun's own flags are not abbreviated."""
+    assert set(TORCHRUN_OPTIONS) == {name for name in torchrun_help() if name.startswith("--")}
+    args = ["run", "--nnode", "2", "--nproc_per=3", "--rdzv-i", "x.py", "--stand", "x.py", "--nnode", "--stand"]
+    assert written_out(args) == ["run", "--nnodes", "2", "--nproc_per_node=3", "--rdzv-id", "x.py", "--standalone",
+                                 "x.py", "--nnode", "--stand"]  # the script's own arguments are its own
+    ctx = run_command().make_context("run", written_out(args)[1:])
+    assert (ctx.params["nnodes"], ctx.params["nproc_per_node"], ctx.params["rdzv_id"]) == ("2", "3", "x.py")
+    assert ctx.params["standalone"] and ctx.params["script"] == "x.py"
+    assert "ambiguous option: --max could match --max-restarts, --max_restarts" in one_line_error(capsys, [
+        "--max", "1", HELLO])
+    assert "No such option: --standb" in one_line_error(capsys, ["--standb", HELLO])  # ftrun's --standby
 
 
 def test_every_torchrun_flag_read_from_its_pet_variable_is_read_from_it_by_ftrun_too():
