@@ -55,6 +55,7 @@ from ftrun.control.signed import SignedStore
 from ftrun.launch.clean import claim_nodes
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
 from ftrun.launch.env import default_omp_threads, trainer_threads
+from ftrun.launch.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LEFT, EXIT_UNSAVED
 from ftrun.launch.peers import SpareWatch
 from ftrun.launch.processes import (LAUNCHER_NAME, RESTART_WINDOW, ExitWatch, ForkedChild, RestartLimit,
                                     become_subreaper, describe_exit, kill_descendants, left_by_user, reap_orphans,
@@ -80,14 +81,9 @@ from ftrun.snapshot.reserve import SlotReserve, unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
-EXIT_FAILED = 3  # the training failed for good (restart limit, fatal error): do not requeue or run it again
-EXIT_INTERRUPTED = 130
-EXIT_UNSAVED = 1  # stopped by a signal, but the final persist did not complete
-EXIT_LEFT = 4  # this node was seen as lost while it ran (cut off, stalled), a spare took its rank: the job goes on
 # A second stop signal within this many seconds of the first is the same stop delivered twice (a signal to the
 # process group that a wrapper such as `timeout` relays too); a later one stops the job at once (no final persist)
 REPEAT_GAP = 1.0
-# Any other non-zero exit (a lost node, the launcher killed): running it again resumes from RAM, parity or disk.
 _ACK_TIMEOUT = 10.0
 # a spare whose record says it waits but whose beats stopped this long, at the job's end, is gone (killed while it
 # waited): a live one sees the end within its poll and says so

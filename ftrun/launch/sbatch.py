@@ -18,9 +18,8 @@ import sys
 
 from ftrun.errors import USAGE_EXIT_CODE, UsageError
 from ftrun.launch.config import MAX_COUNT, MAX_NNODES
-from ftrun.launch.launcher import EXIT_FAILED
+from ftrun.launch.exit_codes import EXIT_FAILED, EXIT_PREEMPTED
 
-EXIT_PREEMPTED = 143  # 128 + SIGTERM: ftrun stopped and persisted the newest step; requeue it to resume
 TERM_WARNING = 180  # seconds before the time limit at which SLURM sends the steps SIGTERM (--signal)
 FIRST_RUN_FLAGS = ("--no-resume",)  # ftrun flags for the first attempt of the job's first run only
 EXIT_MEANING = {
