@@ -72,7 +72,7 @@ from ftrun.control.backend import OutageReport, open_store, reopen_store, spec_a
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, claim, owner, take
 from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_args, trainer_env, trainer_threads
-from ftrun.control.faults import parse_faults, trainer_faults_env
+from ftrun.control.faults import Fault, parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
 from ftrun.launch.processes import (RESTART_WINDOW, SUPERVISOR_NAME, ExitWatch, RestartLimit, become_subreaper,
@@ -122,6 +122,10 @@ LOOKS_PER_HANG_TIMEOUT = 8
 # for older torch pass 5), while a supervisor's look also does its checks (the generation, the peers, hang deadlines),
 # which a longer pause would delay (a hang at --hang-timeout 2 went unseen for minutes with --monitor-interval 20)
 MAX_LOOK_PAUSE = GEN_CHECK_INTERVAL
+# An injected node loss at step S whose node's trainers are one step short of S when the generation moves (a failure
+# elsewhere: another node's loss injected at S too, whose ranks beat S tens of milliseconds sooner on a loaded host)
+# still happens if they reach S within this many seconds: losses injected at one step are one failure, not two
+INJECTED_LOSS_WAIT = 1.0
 KEEPER_START_TIMEOUT = 30.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (the job-wide ``hang`` key names g, Coordinator.open_hang_vote);
@@ -798,6 +802,7 @@ class Supervisor:
                 else:
                     now_raw = self.coord.current_raw()
                 if now_raw != seen:
+                    self._lose_node_before_leaving(node_faults)
                     return now_raw
                 if done and self.coord.marked(g, "done") is not None:  # the job is done: leave at once
                     if leader is not None:
@@ -1089,6 +1094,20 @@ class Supervisor:
                                  node=self.node, generation=Generation.decode(seen).gen, signal=name)
                 break
         return "stop"
+
+    def _lose_node_before_leaving(self, faults: list[Fault]) -> None:
+        """Before this node follows a moved generation: a node loss injected in it (``faults``) whose step the
+        trainers are one short of happens when they reach it within :data:`INJECTED_LOSS_WAIT` seconds."""
+        assert self.heartbeats is not None
+        deadline = time.monotonic() + INJECTED_LOSS_WAIT
+        for fault in faults:
+            while time.monotonic() < deadline:
+                reached = max(self.heartbeats.read(local).step for local in range(self.spec.nproc_per_node))
+                if reached >= fault.step:
+                    self._lose_node(fault.spec)
+                if reached < fault.step - 1:
+                    break
+                time.sleep(min(self.spec.monitor_interval, MAX_LOOK_PAUSE))
 
     def _lose_node(self, spec: str) -> None:
         """Injected node loss: SIGKILL every process of this node, supervisor included, and unlink its segments."""
