@@ -349,3 +349,73 @@ def test_a_keeper_waits_on_a_silent_peer_for_the_node_timeout(shm):
     finally:
         keeper.redundancy.close()
         keeper.unlink_all()
+
+
+@pytest.mark.parametrize("shape,lost", [((4, 2), (1, 2)), ((6, 2), (1, 2)), ((6, 2), (0, 3))])
+@pytest.mark.parametrize("budget", [redundancy.DECODED_BUDGET, 0], ids=["kept", "nothing-kept"])
+def test_two_lost_chunks_of_a_stripe_are_decoded_once_for_both_replacements(make_group, monkeypatch, shape, lost,
+                                                                             budget):
+    """Where both lost nodes hold data of a stripe, a survivor decodes each cell of it once for both: the second
+    replacement is answered with what the first one's request decoded (``decode``; redundancy's module doc). With
+    no room to keep a decoded piece, each replacement's request decodes its cell again: bit for bit the same."""
+    monkeypatch.setattr(redundancy, "DECODED_BUDGET", budget)
+    group = make_group(*shape)
+    for node in lost:
+        group.lose(node)
+    survivors = sorted(set(range(shape[0])) - set(lost))
+    asked: list[tuple[Any, ...]] = []
+    for node in survivors:
+        decode = group.keepers[node].redundancy._decode
+
+        def spy(step: int, request: dict[str, Any], decode: Any = decode, node: int = node) -> bytes:
+            start = int(request["offset"]) - int(request["offset"]) % RELAY_PART
+            asked.append((node, request["stripe"], start, int(request["want"])))
+            return decode(step, request)
+
+        monkeypatch.setattr(group.keepers[node].redundancy, "_decode", spy)
+    for node in lost:
+        received: list[int] = []
+        assert "error" not in group.rebuild(node, received, complete=survivors)
+        assert group.keepers[node].redundancy.relayed and group.holds(node)
+        assert sum(received) == group.blob(node)
+    assert not group.events("rebuild_relay_failed"), group.events("rebuild_relay_failed")
+    wants: dict[tuple[Any, ...], set[int]] = {}
+    for *cell, want in asked:
+        wants.setdefault(tuple(cell), set()).add(want)
+    by_both = [cell for cell, wanted in wants.items() if len(wanted) == 2]
+    assert by_both, asked  # the shape has stripes with both lost nodes' data
+    computed = sum(group.keepers[node].redundancy._decoded.computed for node in survivors)
+    assert computed == (len(asked) if budget == 0 else len(wants))  # every request, or every cell once
+
+
+def test_a_decode_refuses_requests_for_other_fragments_or_bytes_and_keeps_serving(make_group):
+    group = make_group(4, 2)
+    host, _, port = group.peers["0"].rpartition(":")
+    client = PeerClient(host, int(port), group.secret, timeout=10)
+    layout = StripeLayout(4, 2, PIECE)
+    stripe = next(s for s in range(4) if layout.position(s, 2) == 0)  # node 0 holds parity fragment 2 of it
+    good = {"step": STEP, "stripe": stripe, "chunk_len": 4 * PIECE, "offset": 0, "length": ALIGN, "rebuild": True,
+            "want": 0, "sources": [2, 3], "others": [1]}  # both data fragments from both parity fragments
+    for fields in ({"sources": [1, 3]}, {"sources": [2]}, {"sources": [2, 2]}, {"sources": [2, 3, 1]},
+                   {"sources": [2, 7]}, {"want": 1}, {"want": 2}, {"others": [0]}, {"others": [3]},
+                   {"others": [1, 1]}, {"others": [1, 5]}, {"length": RELAY_PART + ALIGN},
+                   {"offset": RELAY_PART - ALIGN, "length": 2 * ALIGN}, {"offset": -ALIGN}, {"offset": 4 * PIECE},
+                   {"length": 0}, {"stripe": 4}, {"stripe": (stripe + 1) % 4}):
+        with pytest.raises(PeerError, match="bad decode request"):
+            client.request("decode", into=memoryview(bytearray(ALIGN)), **{**good, **fields})
+    _, got = client.request("decode", into=memoryview(bytearray(ALIGN)), **good)
+    assert got == ALIGN
+    client.close()
+
+
+def test_a_survivor_that_does_not_answer_a_decoding_survivor_is_lost_without_a_direct_retry(make_group):
+    """Two of six lost: node 5 stops serving, so every survivor that decodes a cell from its fragment fails to
+    fetch it, and the rebuild fails as a lost survivor, not as a bad relay."""
+    group = make_group(6, 2)
+    for node in (1, 2):
+        group.lose(node)
+    group.keepers[5].redundancy.server.close()
+    reply = group.rebuild(1, complete=[0, 3, 4, 5])
+    assert PEER_LOST in reply.get("error", ""), reply
+    assert [e.get("peer_lost") for e in group.events("rebuild_failed")] == [True]
+    assert not group.events("rebuild_relay_failed")

@@ -31,8 +31,13 @@ of a chain for the sum (``xor``): each holder asks the next one for the sum of t
 (or term) and answers, and the last one answers with its fragment (or term). The replacement receives each byte
 once, straight into its slots, and every holder sends about one blob's worth per lost node (the chains of the
 k chunks start at different survivors), so on a cluster whose NICs limit a rebuild it takes about as long as
-copying the blob (repair pipelining, as in ECPipe), and twice as long with two lost (the survivors send for both;
-fetched directly, each replacement would receive k blobs' worth). When every survivor is on the replacement's
+copying the blob (repair pipelining, as in ECPipe). With two data fragments of a stripe lost, chains would make
+every survivor send one blob's worth per lost node; instead a chunk is *decoded* by its sources in turn
+(``decode``): for each cell of :data:`RELAY_PART` bytes, one source (the same for every replacement, a different
+one for the next cell) fetches the other k - 1 sources' bytes of the cell, computes every lost data fragment's
+bytes from them, answers with the one asked for and keeps the others until their replacements ask
+(:mod:`ftrun.snapshot.decoded`). Each survivor then sends (k + 1) / k of a chunk per such stripe instead of 2:
+k = 4, m = 2, two of six lost: 5.75 to 6.5 chunks instead of 8. When every survivor is on the replacement's
 host (no NIC in the way), the rebuild is direct instead: there the relay's hops are CPU copies, not NIC time, and
 a relay keeps the survivors' keepers busy (receive, XOR, send) while they restart their own trainers.
 A holder checks each whole parity piece it reads against its CRC-32; a relay that fails (a corrupt piece, a
@@ -62,7 +67,9 @@ keeper holds parity of the step already (then it pushes none: its holders do not
 ``parity_meta {step}`` -> the parity file's JSON; ``parity {step, t, offset, length}`` -> parity bytes;
 ``xor {step, stripe, parts, chunk_len, offset, length[, want, sources]}`` -> the XOR of those bytes of fragments
 ``parts`` of ``stripe`` (parts[0] this node's; relayed), or of their terms in the reconstruction of fragment
-``want`` from ``sources``; ``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece;
+``want`` from ``sources``; ``decode {step, stripe, want, sources, others, chunk_len, offset, length}`` -> those
+bytes of fragment ``want`` reconstructed from ``sources`` (this node's one of them), fragments ``others``
+decoded alongside and kept; ``parity_put {step, t, offset, chunk_len, crc}`` + a parity piece;
 ``parity_put_end {step, t, infos}``. A rebuild's requests carry ``rebuild`` and go over connections of their
 own: a thread that served an encoder's ``chunk`` runs in ``SCHED_IDLE`` from then on (encoding is background
 work), and none of those serves a rebuild, which the whole job waits for.
@@ -86,6 +93,7 @@ from typing import Any, Protocol
 from isal.isal_zlib import crc32
 
 from ftrun.events import EventLog
+from ftrun.snapshot.decoded import DecodedPieces
 from ftrun.snapshot.priority import lower_to_background
 from ftrun.snapshot.erasure import (Buffer, Codec, CorruptFragment, Scratch, Segment, SendPiece, StripeLayout, Terms,
                                     encode_parity, rebuild_chunk, xor_fragments, xor_into)
@@ -128,6 +136,7 @@ PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are
 # computes a term per part)
 RELAY_PART = 1 << 20  # terms; the most a relay request may ask for
 RELAY_PART_NIC = 256 << 10  # XOR chains
+DECODED_BUDGET = 64 << 20  # bytes of pieces a survivor keeps for another replacement of a joint rebuild
 REBUILD_IDLE_CONNECTIONS = 2  # idle connections per peer kept after a rebuild (rare; an encoder's pool keeps 4)
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
 REJECT_NOTICE = 60.0  # seconds between two console lines about peer connections refused or ended by a fault
@@ -227,6 +236,7 @@ class Redundancy:
         self._prepared_lock = threading.Lock()
         self._checked = _CheckedParity(None, [], {}, set())  # parity pieces checked for relays and rebuilds
         self._relay_buffers = threading.local()  # a relaying thread's copy of its own fragment (_add_own)
+        self._decoded = DecodedPieces(DECODED_BUDGET)  # cells decoded for the replacements of a joint rebuild
         self.relayed = False  # whether the last rebuild was relayed through the survivors (module doc)
         self.serving_rebuild: Callable[[int], None] = lambda step: None  # told each piece served to a rebuild
         self.pushing = place.parity > 1 and self.layout.k > 1  # stripes' other parity pushed (module doc)
@@ -331,6 +341,8 @@ class Redundancy:
                                                + int(request["offset"]), int(request["length"])))
         if op == "xor":
             return Reply({}, self._relay(step, request))
+        if op == "decode":
+            return Reply({}, self._decode(step, request))
         if op == "parity_meta":
             file = self.files[self._parity_index(step)]
             assert file is not None
@@ -412,6 +424,45 @@ class Redundancy:
         self._add_own(step, parts[0], chunk_len, offset, view, terms)
         return out
 
+    def _decode(self, step: int, request: dict[str, Any]) -> bytes:
+        """The answer to ``decode``: bytes ``[offset, offset + length)`` of data fragment ``want`` of ``stripe``,
+        reconstructed here from fragments ``sources`` (this node's among them) in the cell of :data:`RELAY_PART`
+        bytes that holds them; the cell of every fragment in ``others`` (lost too) is computed from the same bytes
+        and kept for its replacement (:class:`~ftrun.snapshot.decoded.DecodedPieces`; module doc)."""
+        layout = self.layout
+        stripe, chunk_len = int(request["stripe"]), int(request["chunk_len"])
+        offset, length = int(request["offset"]), int(request["length"])
+        sources = tuple(int(i) for i in request["sources"])
+        wants = [int(request["want"]), *(int(i) for i in request.get("others") or [])]
+        start = offset - offset % RELAY_PART
+        own = next((i for i in sources if 0 <= stripe < layout.group and 0 <= i < layout.group
+                    and layout.position(stripe, i) == self.place.position), None)
+        if not (own is not None and len(set(wants)) == len(wants) <= layout.group - layout.k
+                and all(Terms(w, sources).problem(layout.k, layout.group) is None for w in wants)
+                and 0 < length and 0 <= offset and offset + length <= min(start + RELAY_PART, chunk_len)):
+            raise ValueError(f"bad decode request for stripe {stripe}, fragments {wants} from {list(sources)}, "
+                             f"bytes {offset}+{length}")
+        for node, address in dict(request.get("peers") or {}).items():  # what its link has not told it yet
+            self.peers.setdefault(int(node), str(address))
+        cell = min(RELAY_PART, chunk_len - start)
+
+        def compute() -> dict[int, bytearray]:
+            pieces = {want: bytearray(cell) for want in wants}
+            fragment = memoryview(bytearray(cell))
+            for index in sources:
+                if index == own:
+                    if index < layout.k:
+                        fragment[:] = bytes(cell)  # a chunk's bytes past the blob are zeros
+                    self._own_fragment(step, index, chunk_len, start, fragment, _copy)
+                else:
+                    self._fetch_fragments(step, stripe, [index], chunk_len, start, fragment)
+                for want in wants:
+                    self.codec.add_term(Terms(want, sources), index, fragment, memoryview(pieces[want]))
+            return pieces
+
+        key = (step, stripe, chunk_len, start, sources, tuple(sorted(wants)))
+        return self._decoded.take(key, wants[0], offset - start, length, compute)
+
     def _fetch_fragments(self, step: int, stripe: int, parts: list[int], chunk_len: int, offset: int,
                          into: memoryview, terms: Terms | None = None) -> None:
         """Fill ``into`` with bytes from ``offset`` of fragment ``parts[0]`` of ``stripe``, from its holder; with
@@ -427,16 +478,34 @@ class Redundancy:
             fields["peers"] = {str(n): self.peers[n] for n in after if n in self.peers}
             if terms is not None:
                 fields.update(want=terms.want, sources=list(terms.sources))
-            try:
-                self._fetch_into(node, "xor", into, stripe=stripe, parts=parts, chunk_len=chunk_len, **fields)
-            except PeerError as err:
-                if str(err).startswith(f"{PeerUnavailable.__name__}:"):
-                    raise PeerUnavailable(f"node {node} relayed: {err}") from err
-                raise
+            self._ask_relay(node, "xor", into, stripe=stripe, parts=parts, chunk_len=chunk_len, **fields)
         elif parts[0] < k:
             self._fetch_into(node, "chunk", into, chunk=parts[0], chunk_len=chunk_len, **fields)
         else:
             self._fetch_into(node, "parity", into, t=parts[0] - k, **fields)
+
+    def _fetch_decoded(self, step: int, stripe: int, terms: Terms, others: tuple[int, ...], chunk_len: int,
+                       offset: int, into: memoryview) -> None:
+        """Fill ``into`` with bytes from ``offset`` of data fragment ``terms.want`` of ``stripe``, decoded by the
+        holder of one of ``terms.sources``, which decodes the lost fragments ``others`` with it (``decode``).
+        The holder is the same for every replacement of a cell, and each source holds the cells in turn."""
+        layout = self.layout
+        decoder = terms.sources[(offset // RELAY_PART + stripe) % layout.k]
+        node = self._node(layout.position(stripe, decoder))
+        around = (self._node(layout.position(stripe, i)) for i in terms.sources if i != decoder)
+        self._ask_relay(node, "decode", into, step=step, stripe=stripe, chunk_len=chunk_len, offset=offset,
+                        length=len(into), want=terms.want, sources=list(terms.sources), others=list(others),
+                        peers={str(n): self.peers[n] for n in around if n in self.peers}, rebuild=True)
+
+    def _ask_relay(self, node: int, op: str, into: memoryview, **fields: Any) -> None:
+        """``_fetch_into`` for a request that ``node`` answers with what it fetched from others: a holder behind
+        it that did not answer is :class:`PeerUnavailable` here too (a lost survivor, not a bad answer)."""
+        try:
+            self._fetch_into(node, op, into, **fields)
+        except PeerError as err:
+            if str(err).startswith(f"{PeerUnavailable.__name__}:"):
+                raise PeerUnavailable(f"node {node} relayed: {err}") from err
+            raise
 
     def _add_own(self, step: int, index: int, chunk_len: int, offset: int, into: memoryview,
                  terms: Terms | None) -> None:
@@ -452,10 +521,7 @@ class Redundancy:
         if index < self.layout.k:
             own[:] = bytes(len(own))  # a chunk's bytes past the blob are zeros
 
-        def copy(target: memoryview, source: Buffer) -> None:
-            target[:] = source
-
-        self._own_fragment(step, index, chunk_len, offset, own, copy)
+        self._own_fragment(step, index, chunk_len, offset, own, _copy)
         self.codec.add_term(terms, index, own, into)
 
     def _own_fragment(self, step: int, index: int, chunk_len: int, offset: int, into: memoryview,
@@ -653,6 +719,7 @@ class Redundancy:
         """Compute and commit this node's parity of ``step``; raises on a peer failure or changed data."""
         place, layout = self.place, self.layout
         t0 = time.perf_counter()
+        self._decoded.expire()  # what a joint rebuild decoded for a replacement that did not ask for it
         done: set[int] = set()  # nodes that hold parity of ``step`` already (and will push none of it)
         infos = {p: (self._local_info(step) if p == place.position else self._info(self._node(p), step, done))
                  for p in range(place.group)}
@@ -896,7 +963,7 @@ class Redundancy:
         try:
             if chains is not None:
                 try:
-                    xor = all(terms is None for _, terms in chains)
+                    xor = all(terms is None for _, terms, _ in chains)
                     part = RELAY_PART_NIC if xor else RELAY_PART
                     self._rebuild_relayed(step, stripes, chains, chunk_len, writer, blob, part)
                     t3 = time.perf_counter()
@@ -918,27 +985,29 @@ class Redundancy:
         return blob, t4 - t0
 
     def _chains(self, stripes: list[int], complete: list[int], layout: StripeLayout
-                ) -> list[tuple[list[int], Terms | None]] | None:
+                ) -> list[tuple[list[int], Terms | None, tuple[int, ...]]] | None:
         """For each chunk of this node (of ``stripes``), the fragments whose holders sum it along a chain, in
         chain order, and how: XOR (None: parity k and the other data fragments survive) or the terms of k
-        surviving fragments (:class:`~ftrun.snapshot.erasure.Terms`). None when no chunk is to be relayed (k = 1:
-        a copy) or one cannot be (fewer than k survive). Chunk c's chain starts at the position c + 1 after this
-        one, so the survivors send alike."""
+        surviving fragments (:class:`~ftrun.snapshot.erasure.Terms`); and the other data fragments of the stripe
+        that are lost too (then the chunk is decoded by its sources in turn, not summed along a chain: module
+        doc). None when no chunk is to be relayed (k = 1: a copy) or one cannot be (fewer than k survive). Chunk
+        c's chain starts at the position c + 1 after this one, so the survivors send alike."""
         if layout.k < 2:
             return None
-        chains: list[tuple[list[int], Terms | None]] = []
+        chains: list[tuple[list[int], Terms | None, tuple[int, ...]]] = []
         for chunk, stripe in enumerate(stripes):
             alive = [i for i in range(layout.group)
                      if i != chunk and self._node(layout.position(stripe, i)) in complete]
-            terms = None
+            terms, others = None, ()
             fragments = xor_fragments(layout.k, chunk)
             if not (self.codec.xor_first and set(fragments) <= set(alive)):
                 if len(alive) < layout.k:
                     return None
                 terms = Terms(chunk, tuple(alive[:layout.k]))  # data fragments first: no parity to check
                 fragments = list(terms.sources)
+                others = tuple(i for i in range(layout.k) if i != chunk and i not in alive)
             chains.append((sorted(fragments, key=lambda i, s=stripe, c=chunk: (
-                layout.position(s, i) - self.place.position - 1 - c) % layout.group), terms))
+                layout.position(s, i) - self.place.position - 1 - c) % layout.group), terms, others))
         return chains
 
     def _on_this_host(self, nodes: list[int]) -> bool:
@@ -950,25 +1019,31 @@ class Redundancy:
         host = self.peers.get(self.place.node, "").rpartition(":")[0]
         return bool(host) and all(self.peers.get(node, "").rpartition(":")[0] == host for node in nodes)
 
-    def _rebuild_relayed(self, step: int, stripes: list[int], chains: list[tuple[list[int], Terms | None]],
+    def _rebuild_relayed(self, step: int, stripes: list[int],
+                         chains: list[tuple[list[int], Terms | None, tuple[int, ...]]],
                          chunk_len: int, writer: _BlobWriter, blob: int, part: int) -> None:
-        """Every chunk summed along its chain (:meth:`_chains`; module doc), in requests of ``part`` bytes at most:
-        this node receives each byte once. As many requests are in flight as the pool has threads."""
+        """Every chunk summed along its chain, or decoded by its sources with the other lost chunks of its
+        stripe (:meth:`_chains`; module doc), in requests of ``part`` bytes at most: this node receives each byte
+        once. As many requests are in flight as the pool has threads."""
         requests = []
-        for chunk, (stripe, (parts, terms)) in enumerate(zip(stripes, chains)):
+        for chunk, (stripe, (parts, terms, others)) in enumerate(zip(stripes, chains)):
             for segment in writer.segments(chunk * chunk_len, chunk_len, part):
                 if segment.into is not None:
-                    requests.append((chunk * chunk_len, stripe, parts, terms, segment))
+                    requests.append((chunk * chunk_len, stripe, parts, terms, others, segment))
 
         failed = threading.Event()  # after a failure no request starts (a silent peer costs one timeout)
 
-        def fetch(base: int, stripe: int, parts: list[int], terms: Terms | None, segment: Segment) -> None:
+        def fetch(base: int, stripe: int, parts: list[int], terms: Terms | None, others: tuple[int, ...],
+                  segment: Segment) -> None:
             assert segment.into is not None
             if failed.is_set():
                 return
             try:
                 writer.ready(min(base + segment.offset + segment.length, blob))  # ``into`` is the slots' memory
-                self._fetch_fragments(step, stripe, parts, chunk_len, segment.offset, segment.into, terms)
+                if terms is not None and others:
+                    self._fetch_decoded(step, stripe, terms, others, chunk_len, segment.offset, segment.into)
+                else:
+                    self._fetch_fragments(step, stripe, parts, chunk_len, segment.offset, segment.into, terms)
             except BaseException:
                 failed.set()
                 raise
@@ -1001,6 +1076,10 @@ class Redundancy:
                           writer.segments(chunk * chunk_len, chunk_len, layout.piece_len),
                           lambda offset, data, base=chunk * chunk_len: writer.write(base + offset, data),
                           self._pool, self._scratch, {layout.k + t: held["piece_crcs"][str(stripe)]})
+
+
+def _copy(target: memoryview, source: Buffer) -> None:
+    target[:] = source
 
 
 def _infos_doc(infos: dict[int, tuple[list[int], list[int]]]) -> dict[str, list[list[int]]]:
