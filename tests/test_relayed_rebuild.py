@@ -419,3 +419,38 @@ def test_a_survivor_that_does_not_answer_a_decoding_survivor_is_lost_without_a_d
     assert PEER_LOST in reply.get("error", ""), reply
     assert [e.get("peer_lost") for e in group.events("rebuild_failed")] == [True]
     assert not group.events("rebuild_relay_failed")
+
+
+def test_an_encoders_info_waits_for_a_committed_slot_being_checksummed(make_group, monkeypatch):
+    """A peer's encoder asks for a step as soon as the job commits it, often before this keeper's background
+    thread has checksummed its slot: the answer waits for the seal (up to SEAL_WAIT) instead of failing the
+    encode, which would wait ENCODE_RETRY and log a parity failure every step."""
+    monkeypatch.setattr(redundancy, "SEAL_WAIT", 0.5)
+    group = make_group(3, 1)
+    keeper = group.keepers[0]
+    slots = []
+    for rank, size in enumerate(SIZES):
+        reply = keeper.handle({"op": "reserve", "rank": rank, "step": STEP + 1, "generation": 0, "size": size})
+        slot = keeper.ranks[rank].files[reply["slot"]]
+        write_snapshot(slot, STEP + 1, os.urandom(size))
+        keeper.handle({"op": "commit", "rank": rank, "slot": reply["slot"], "step": STEP + 1})
+        slots.append(slot)
+    host, _, port = group.peers["0"].rpartition(":")
+    client = PeerClient(host, int(port), group.secret, timeout=10)
+    with pytest.raises(PeerError, match="not sealed yet"):  # never sealed: after SEAL_WAIT, as before
+        client.request("info", reply_len=0, step=STEP + 1)
+
+    def seal() -> None:
+        for slot in slots:
+            with keeper.cond:
+                slot.seal(checksum(slot.map, slot.header()))
+                keeper.cond.notify_all()
+
+    timer = threading.Timer(0.2, seal)
+    timer.start()
+    reply, _ = client.request("info", reply_len=0, step=STEP + 1)
+    timer.join()
+    assert reply["crcs"] == [slot.header().checksum for slot in slots]
+    with pytest.raises(PeerError, match="not held"):  # a step not held fails at once
+        client.request("info", reply_len=0, step=STEP + 2)
+    client.close()

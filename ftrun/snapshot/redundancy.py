@@ -61,7 +61,8 @@ still on another step, or no push within :data:`PUSH_IDLE` seconds) it fetches t
 the fragment itself, as with m = 1. A holder expects pushes before it allocates its parity file; a piece that
 comes meanwhile waits for the memory. An encode moves (1 + (m - 1)/k) x the node's state instead of m x.
 
-Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths and checksums, and whether this
+Peer requests (JSON; payloads are raw bytes): ``info {step}`` -> image lengths and checksums (of a slot still
+being checksummed once sealed, within :data:`SEAL_WAIT`), and whether this
 keeper holds parity of the step already (then it pushes none: its holders do not wait for it);
 ``chunk {step, chunk, offset, length, chunk_len}`` -> bytes of a chunk of the blob (zeros past its end);
 ``parity_meta {step}`` -> the parity file's JSON; ``parity {step, t, offset, length}`` -> parity bytes;
@@ -137,6 +138,7 @@ PUSH_POLL = 0.05  # seconds between two looks at the generation while pushes are
 RELAY_PART = 1 << 20  # terms; the most a relay request may ask for
 RELAY_PART_NIC = 256 << 10  # XOR chains
 DECODED_BUDGET = 64 << 20  # bytes of pieces a survivor keeps for another replacement of a joint rebuild
+SEAL_WAIT = 1.0  # seconds an encoder's ``info`` waits for a committed slot's checksum (the keeper seals at idle)
 REBUILD_IDLE_CONNECTIONS = 2  # idle connections per peer kept after a rebuild (rare; an encoder's pool keeps 4)
 PEER_TIMEOUT = 30.0  # seconds without progress on a request to a peer (the keeper sets it from --node-timeout)
 REJECT_NOTICE = 60.0  # seconds between two console lines about peer connections refused or ended by a fault
@@ -327,7 +329,7 @@ class Redundancy:
         if op in ("parity_put", "parity_put_end"):
             return self._pushed(op, step, request)
         if op == "info":
-            images = self._images(step)
+            images = self._images(step, wait=SEAL_WAIT)
             with self.keeper.cond:
                 held = step in self.steps  # parity of it already here: this keeper will not push any of it
             return Reply({"images": [len_ for _, len_, _ in images], "crcs": [crc for _, _, crc in images],
@@ -354,24 +356,32 @@ class Redundancy:
             return Reply({}, [FileRange(file.path, HEADER_SIZE + at, int(request["length"]))])
         raise ValueError(f"unknown op {op!r}")
 
-    def _images(self, step: int) -> list[tuple[str, int, int]]:
+    def _images(self, step: int, wait: float = 0.0) -> list[tuple[str, int, int]]:
         """(path, image length, checksum) of every local rank's sealed slot of ``step``."""
-        return [(file.path, size, crc) for file, size, crc in self._image_files(step)]
+        return [(file.path, size, crc) for file, size, crc in self._image_files(step, wait)]
 
-    def _image_files(self, step: int) -> list[tuple[SlotFile, int, int]]:
-        """(slot file, image length, checksum) of every local rank's sealed slot of ``step``."""
-        images = []
+    def _image_files(self, step: int, wait: float = 0.0) -> list[tuple[SlotFile, int, int]]:
+        """(slot file, image length, checksum) of every local rank's sealed slot of ``step``; a slot committed
+        but still being checksummed is waited for up to ``wait`` seconds (then LookupError, as for one not held)."""
+        deadline = time.monotonic() + wait
         with self.keeper.cond:
-            for local, rank in enumerate(self.keeper.ranks):
-                index = next((i for i, s in enumerate(rank.steps) if s == step), None)
-                file = rank.files[index] if index is not None else None
-                if file is None:
-                    raise LookupError(f"step {step} not held by local rank {local}")
-                header = file.header()
-                if header.state != COMMITTED or not header.sealed or header.step != step:
-                    raise LookupError(f"step {step} of local rank {local} not sealed yet")
-                images.append((file, HEADER_SIZE + header.payload_len, header.checksum))
-        return images
+            while True:
+                images, unsealed = [], None
+                for local, rank in enumerate(self.keeper.ranks):
+                    index = next((i for i, s in enumerate(rank.steps) if s == step), None)
+                    file = rank.files[index] if index is not None else None
+                    if file is None:
+                        raise LookupError(f"step {step} not held by local rank {local}")
+                    header = file.header()
+                    if header.state != COMMITTED or not header.sealed or header.step != step:
+                        unsealed = local
+                        break
+                    images.append((file, HEADER_SIZE + header.payload_len, header.checksum))
+                if unsealed is None:
+                    return images
+                if header.state != COMMITTED or header.step != step or not self.keeper.cond.wait(
+                        max(0.0, deadline - time.monotonic())):
+                    raise LookupError(f"step {step} of local rank {unsealed} not sealed yet")
 
     def _blob_ranges(self, step: int, offset: int, length: int) -> list[FileRange | bytes]:
         """The bytes [offset, offset + length) of this node's blob of ``step`` as file ranges (zeros past it)."""
