@@ -457,15 +457,17 @@ class Redundancy:
         cell = min(RELAY_PART, chunk_len - start)
 
         def compute() -> dict[int, bytearray]:
+            fragments = {index: memoryview(bytearray(cell)) for index in sources}
+            fetches = [self._pool.submit(self._fetch_fragments, step, stripe, [index], chunk_len, start, into)
+                       for index, into in fragments.items() if index != own]  # all at once, not one after the other
+            try:
+                self._own_fragment(step, own, chunk_len, start, fragments[own], _copy)  # zeros past the blob
+                for fetch in fetches:
+                    fetch.result()
+            finally:
+                futures_wait(fetches)  # none writes into the fragments after this returns
             pieces = {want: bytearray(cell) for want in wants}
-            fragment = memoryview(bytearray(cell))
-            for index in sources:
-                if index == own:
-                    if index < layout.k:
-                        fragment[:] = bytes(cell)  # a chunk's bytes past the blob are zeros
-                    self._own_fragment(step, index, chunk_len, start, fragment, _copy)
-                else:
-                    self._fetch_fragments(step, stripe, [index], chunk_len, start, fragment)
+            for index, fragment in fragments.items():
                 for want in wants:
                     self.codec.add_term(Terms(want, sources), index, fragment, memoryview(pieces[want]))
             return pieces
