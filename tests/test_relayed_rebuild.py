@@ -403,6 +403,10 @@ def test_a_decode_refuses_requests_for_other_fragments_or_bytes_and_keeps_servin
                    {"length": 0}, {"stripe": 4}, {"stripe": (stripe + 1) % 4}):
         with pytest.raises(PeerError, match="bad decode request"):
             client.request("decode", into=memoryview(bytearray(ALIGN)), **{**good, **fields})
+    for fields in ({"sources": "ab"}, {"sources": None}, {"others": 5}, {"want": None}, {"offset": "x"},
+                   {"chunk_len": [1]}):  # not even the right types: an error answer, not a dead server thread
+        with pytest.raises(PeerError):
+            client.request("decode", into=memoryview(bytearray(ALIGN)), **{**good, **fields})
     _, got = client.request("decode", into=memoryview(bytearray(ALIGN)), **good)
     assert got == ALIGN
     client.close()
