@@ -46,7 +46,7 @@ from rich.console import Console
 from torch.distributed import DistError, TCPStore
 
 from ftrun.launch.config import JobConfig
-from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_line, error_text
+from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_line
 from ftrun.events import EventLog
 from ftrun.control.backend import OutageReport, StoreAddress, open_store
 from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
@@ -57,6 +57,7 @@ from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prep
 from ftrun.launch.env import default_omp_threads, trainer_threads
 from ftrun.launch.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LEFT, EXIT_UNSAVED
 from ftrun.launch.peers import SpareWatch
+from ftrun.launch.resume_dir import move_steps_aside, prepare_resume
 from ftrun.launch.processes import (LAUNCHER_NAME, RESTART_WINDOW, ExitWatch, ForkedChild, RestartLimit,
                                     become_subreaper, describe_exit, kill_descendants, left_by_user, reap_orphans,
                                     set_process_name)
@@ -73,10 +74,8 @@ from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_
 from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
                                  route_address)
 from ftrun.ui.summary import Recovery, print_summary
-from ftrun.snapshot.dcp_copy import dcp_problem, newest_dcp
 from ftrun.snapshot.dir_owner import DirOwner, check as check_dir_owner
-from ftrun.snapshot.persist import (complete_steps, job_dir, manifest, move_aside, put_back_replaced, remove_partial,
-                                    step_dirs, step_name, steps_text)
+from ftrun.snapshot.persist import job_dir
 from ftrun.snapshot.reserve import SlotReserve, unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
@@ -384,7 +383,7 @@ class Launcher:
         if not self.claims:  # its node rank agreed just now (SLURM, the store)
             self._claim([self.node_rank])
         if cfg.ckpt_dir and not cfg.resume and self.node_rank == 0:
-            self._move_aside(job_dir(cfg.ckpt_dir, self.job_id))
+            move_steps_aside(job_dir(cfg.ckpt_dir, self.job_id), self.job_id, self.events)
         self._handle_signals()
         code = EXIT_FAILED
         try:
@@ -655,7 +654,7 @@ class Launcher:
             self.events.emit("ckpt_dir", f"{root} was held by a run of job {self.job_id} that is gone "
                              f"({dead.describe()}): taken over", host=dead.host, pid=dead.pid)
         if self.cfg.resume:
-            self._check_world_on_disk(root)
+            prepare_resume(root, self.job_id, self.cfg.nnodes * self.cfg.nproc_per_node, self.events)
         if self.node_rank == 0:
             self._take_job_dir(root, run_id)
 
@@ -668,85 +667,6 @@ class Launcher:
     def _slurm_job(self) -> str:
         """The SLURM job id of this launcher's step; "" outside SLURM."""
         return self.slurm.job_id if self.slurm is not None else ""
-
-    def _check_world_on_disk(self, root: str) -> None:
-        """Resuming: the newest persisted step of this job was saved at the world size of this run, or has a copy
-        in DCP's format (``ftrun.dcp.MemoryReader`` reshards it); else a UsageError, before anything starts. First
-        the directory is repaired: a step moved aside by an unfinished second persist is put back, and unfinished
-        steps are removed (they could fill the disk until the run reached their step again; a launcher joining a
-        running job at worst fails one persist round, which the next retries)."""
-        put_back_replaced(root)  # a step moved aside by a second persist of it that did not finish
-        unfinished = step_dirs(root, partial=True)  # an earlier run's, killed while it persisted: no round runs yet
-        for step in unfinished:
-            remove_partial(root, step)
-        if unfinished:
-            self.events.emit("resume", f"removed {len(unfinished)} unfinished step(s) an earlier run of job "
-                             f"{self.job_id} left in {root} ({steps_text(unfinished)})", steps=unfinished)
-        steps = complete_steps(root, self.job_id)
-        self._report_unreadable_steps(root, steps[-1] if steps else -1)
-        if not steps:
-            return
-        world, newest = self.cfg.nnodes * self.cfg.nproc_per_node, steps[-1]
-        try:
-            saved = manifest(root, newest)["world"]
-        except (OSError, ValueError):
-            return  # a corrupt step is reported (and not loaded) by the restore
-        if saved == world:
-            return
-        copied = self._checked_dcp(root)  # the newest step's, else an older one's (a job killed while it wrote it)
-        if copied is not None:
-            step, path = copied
-            which = "its DCP copy" if step == newest else f"the newest DCP copy, step {step}'s"
-            self.events.emit("resume", f"job {self.job_id}: the newest persisted step, {newest}, was saved at world "
-                             f"size {saved} and this run has {world}: ftrun.dcp.MemoryReader loads {which} ({path}), "
-                             f"resharded; a Snapshotter restores only at world size {saved}", step=newest,
-                             dcp_step=step, saved_world=saved, world=world)
-            return
-        raise UsageError(f"cannot resume job {self.job_id} from {root}: its newest persisted step, {newest}, was saved "
-                         f"at world size {saved} and this run has {world}; ftrun resumes at the same world size, or "
-                         "from a step persisted with --ckpt-format dcp (resharded by ftrun.dcp.MemoryReader); start "
-                         "afresh with --no-resume (the steps are moved aside, kept)")
-
-    def _checked_dcp(self, root: str) -> tuple[int, str] | None:
-        """(step, path) of the newest DCP copy in ``root`` that passes its check, or None. Each newer one that fails
-        is renamed ``dcp.corrupt`` (kept, never loaded: the trainers' ``MemoryReader`` no longer sees it), unless
-        another launcher of the run (a shared file system) just did."""
-        while (copied := newest_dcp(root)) is not None and (problem := dcp_problem(copied[1])) is not None:
-            try:
-                os.rename(copied[1], copied[1] + ".corrupt")
-            except FileNotFoundError:
-                continue
-            except OSError as err:
-                raise UsageError(f"the DCP copy {copied[1]} is corrupt ({problem}) and cannot be moved aside: "
-                                 f"{error_text(err)}") from None
-            self.events.emit("resume", f"WARNING the DCP copy of step {copied[0]} is corrupt ({problem}): not loaded, "
-                             f"moved to {copied[1]}.corrupt", step=copied[0], reason=problem)
-        return copied
-
-    def _report_unreadable_steps(self, root: str, newest: int) -> None:
-        """One line when step directories newer than the newest complete step are not steps of this job (a
-        manifest missing, edited, or another job's): the resume goes past them, and says so."""
-        skipped = [step for step in step_dirs(root) if step > newest]
-        if not skipped:
-            return
-        try:
-            reason = f"a step of job {manifest(root, skipped[-1])['job']!r}"
-        except (OSError, ValueError) as err:
-            reason = error_text(err)
-        which = f"{len(skipped)} step director{'y' if len(skipped) == 1 else 'ies'} in {root}"
-        if newest >= 0:
-            which += f" newer than its newest complete step, {newest},"
-        self.events.emit("resume", f"WARNING {which} not resumed from: {step_name(skipped[-1])} is not a complete "
-                         f"step of this job ({reason})", steps=skipped, newest=newest)
-
-    def _move_aside(self, root: str) -> None:
-        """--no-resume: move this job's persisted steps into ``previous-<time>/`` (kept, but not resumed from)."""
-        steps = complete_steps(root, self.job_id)
-        if not steps:
-            return
-        aside = move_aside(root, [os.path.join(root, step_name(step)) for step in steps])
-        self.events.emit("no_resume", f"--no-resume: moved {len(steps)} persisted step(s) of job {self.job_id} "
-                         f"(newest {steps[-1]}) to {aside}", steps=steps, path=aside)
 
     def _wait(self, coord: Coordinator, store_host: str, store_port: int) -> int:
         """Wait for the supervisors; in local mode a lost node's rank goes to a hot spare, or (none left) to a
