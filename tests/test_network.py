@@ -1,12 +1,14 @@
 """Jobs whose nodes are hosts of their own (network namespaces with a NIC each, :mod:`network_hosts`): the control
 store, the trainers' collectives and the keepers' snapshots cross real interfaces, not loopback. A standby on a
 fourth host takes a lost node's rank; its keeper rebuilds the snapshots from its group's parity, relayed through
-the survivors (each byte crosses its NIC once). A host cut off the network (its NIC down: no reset, packets just
-vanish) is a lost node too, and when it comes back it cannot disturb the job that went on without it. A slow
-network changes nothing. Every job ends with the failure-free state."""
+the survivors (each byte crosses its NIC once); with two of a group lost, the survivors decode both at once. A
+host cut off the network (its NIC down: no reset, packets just vanish) is a lost node too, and when it comes back
+it cannot disturb the job that went on without it. A slow network changes nothing. Every job ends with the
+failure-free state."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -16,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from ftrun.launch.exit_codes import EXIT_LEFT
 from conftest import ROOT, assert_job_left_nothing, gpt_args, primary_failures, restores
 from network_hosts import Hosts, hosts_problem
 
@@ -34,6 +37,21 @@ def hosts() -> Iterator[Hosts]:
     made = Hosts(4)
     yield made
     made.close()
+
+
+@contextlib.contextmanager
+def shaped_hosts(count: int, rate_mbit: int) -> Iterator[Hosts]:
+    """``count`` hosts with NICs of ``rate_mbit`` each way (the test skips where they cannot be made)."""
+    problem = hosts_problem()
+    if problem is not None:
+        pytest.skip(problem)
+    hosts = Hosts(count)
+    try:
+        for i in range(count):
+            hosts.shape(i, rate_mbit=rate_mbit)
+        yield hosts
+    finally:
+        hosts.close()
 
 
 def start_nodes(start_job, hosts: Hosts, tmp_path, name: str, nnodes: int, *flags: str, standby: bool = True):
@@ -82,6 +100,26 @@ def test_a_lost_host_is_rebuilt_relayed_through_the_survivors_on_a_standby(start
     assert_left_nothing(hosts, *nodes, spare)
 
 
+def test_two_lost_hosts_of_two_parity_are_decoded_at_once_by_the_survivors(start_job, tmp_path, gpt_baselines):
+    """Nodes 1 and 2 of a group of 4 with m = 2 are lost at the same step; their replacements (a standby on a host
+    of its own, the launcher of the other) rebuild both from nodes 0 and 3 across the hosts' NICs: the survivors
+    decode each cell of the stripes both lost nodes hold data of once, for both (redundancy's module doc)."""
+    with shaped_hosts(5, rate_mbit=400) as hosts:
+        nodes, spare, out = start_nodes(start_job, hosts, tmp_path, "nettwo", 4, "--ec-group", "4", "--ec-parity",
+                                        "2", "--inject", "node-loss@node=1,step=25", "--inject",
+                                        "node-loss@node=2,step=25")
+        assert nodes[0].wait(240) == 0, nodes[0].output
+        assert nodes[3].wait(60) == 0 and spare.wait(60) == 0, spare.output
+        assert all(node.wait(60) in (0, EXIT_LEFT) for node in nodes[1:3])  # the standby took one of them
+        assert out.read_text().strip() == gpt_baselines(4, 1)
+        events = nodes[0].events()
+        rebuilt = [e for e in events if e["event"] == "rebuilt"]
+        assert sorted(e["node"] for e in rebuilt) == [1, 2], rebuilt
+        assert all(e["relayed"] and e["decoded"] for e in rebuilt), rebuilt
+        assert not [e for e in events if e["event"] == "rebuild_relay_failed"]
+        assert_left_nothing(hosts, *nodes, spare)
+
+
 def test_a_host_cut_off_the_network_is_replaced_and_cannot_disturb_the_job_when_it_returns(start_job, hosts,
                                                                                           tmp_path, gpt_baselines):
     nodes, spare, out = start_nodes(start_job, hosts, tmp_path, "netcut", 2)
@@ -121,13 +159,7 @@ def test_a_survivor_cut_off_during_a_rebuild_is_one_more_lost_node(start_job, tm
     lost, node 2 is declared lost and taken by the second standby, and with two nodes of a k=2 m=1 group lost the
     job starts over from step 0, saying so; every rank ends bit for bit at the failure-free state. The rebuild
     gives up after one to two node timeouts (here 5 s, the least: 10.1 s from the cut; 60.9 s at 9787fb9)."""
-    problem = hosts_problem()
-    if problem is not None:
-        pytest.skip(problem)
-    hosts = Hosts(5)
-    try:
-        for i in range(5):
-            hosts.shape(i, rate_mbit=100)
+    with shaped_hosts(5, rate_mbit=100) as hosts:
         out_dir, go = tmp_path / "out", tmp_path / "go"
         out_dir.mkdir()
         go.touch()
@@ -167,5 +199,3 @@ def test_a_survivor_cut_off_during_a_rebuild_is_one_more_lost_node(start_job, tm
         shutil.rmtree(hosts.shm(2))  # its RAM went with it
         os.mkdir(hosts.shm(2))
         assert_left_nothing(hosts, *nodes, *spares)
-    finally:
-        hosts.close()

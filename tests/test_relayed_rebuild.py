@@ -148,6 +148,7 @@ def test_a_relayed_rebuild_is_bit_exact_and_receives_each_byte_once(make_group, 
     reply = group.rebuild(lost, received)
     assert reply.get("bytes") == group.blob(lost), reply
     assert group.keepers[lost].redundancy.relayed and group.holds(lost)
+    assert not group.keepers[lost].redundancy.decoded  # one lost: summed along chains
     assert sum(received) == group.blob(lost)  # the bytes past the blob (zeros) are never fetched
     assert [e["relayed"] for e in group.events("rebuilt")] == [True]
     assert not group.events("rebuild_relay_failed")
@@ -376,9 +377,10 @@ def test_two_lost_chunks_of_a_stripe_are_decoded_once_for_both_replacements(make
     for node in lost:
         received: list[int] = []
         assert "error" not in group.rebuild(node, received, complete=survivors)
-        assert group.keepers[node].redundancy.relayed and group.holds(node)
-        assert sum(received) == group.blob(node)
+        assert group.keepers[node].redundancy.relayed and group.keepers[node].redundancy.decoded
+        assert group.holds(node) and sum(received) == group.blob(node)
     assert not group.events("rebuild_relay_failed"), group.events("rebuild_relay_failed")
+    assert [e["decoded"] for e in group.events("rebuilt")] == [True, True]
     wants: dict[tuple[Any, ...], set[int]] = {}
     for *cell, want in asked:
         wants.setdefault(tuple(cell), set()).add(want)

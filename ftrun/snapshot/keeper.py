@@ -595,11 +595,14 @@ class Keeper:
                 return {"error": f"rebuild of step {step} failed: {err}"}
         sources = sorted(int(n) for n in complete)
         relayed = self.redundancy.relayed
+        how = " (relayed, the lost nodes' chunks decoded at once)" if self.redundancy.decoded else \
+            " (relayed)" if relayed else ""
         self.events.emit("rebuilt", f"rebuilt the {len(self.ranks)} slot(s) of step {step} from the parity of "
-                         f"nodes {sources}{' (relayed)' if relayed else ''} in {seconds * 1000:.0f} ms "
+                         f"nodes {sources}{how} in {seconds * 1000:.0f} ms "
                          f"({human(nbytes)}, {nbytes / max(seconds, 1e-9) / 1e9:.2f} GB/s), checksums verified",
                          node=self.node, step=step, sources=sources, bytes=nbytes, seconds=seconds, relayed=relayed,
-                         phases=self.redundancy.phases, allocated_ahead=self.redundancy.allocated_ahead)
+                         decoded=self.redundancy.decoded, phases=self.redundancy.phases,
+                         allocated_ahead=self.redundancy.allocated_ahead)
         return {"bytes": nbytes, "seconds": seconds}
 
     def op_prepare(self, step: int, holders: list[int], peers: dict[str, str]) -> dict[str, Any]:

@@ -240,6 +240,7 @@ class Redundancy:
         self._relay_buffers = threading.local()  # a relaying thread's copy of its own fragment (_add_own)
         self._decoded = DecodedPieces(DECODED_BUDGET)  # cells decoded for the replacements of a joint rebuild
         self.relayed = False  # whether the last rebuild was relayed through the survivors (module doc)
+        self.decoded = False  # whether some of its chunks were decoded by the survivors with another lost one's
         self.serving_rebuild: Callable[[int], None] = lambda step: None  # told each piece served to a rebuild
         self.pushing = place.parity > 1 and self.layout.k > 1  # stripes' other parity pushed (module doc)
         self._incoming: _Incoming | None = None
@@ -972,6 +973,7 @@ class Redundancy:
         t2 = time.perf_counter()
         chains = None if self._on_this_host(complete) else self._chains(stripes, complete, piece_layout)
         self.relayed = chains is not None
+        self.decoded = chains is not None and any(others for _, _, others in chains)
         try:
             if chains is not None:
                 try:
@@ -983,7 +985,7 @@ class Redundancy:
                 except (PeerError, RedundancyError) as err:  # a survivor's content: the direct rebuild checks it
                     self.keeper.events.emit("rebuild_relay_failed", f"relayed rebuild of step {step} failed ({err}); "
                                             "rebuilding from each survivor directly", node=place.node, step=step)
-                    self.relayed = False
+                    self.relayed = self.decoded = False
             if not self.relayed:
                 self._rebuild_direct(step, complete, stripes, holders, chunk_len, piece_layout, writer, blob, meta_of)
                 t3 = time.perf_counter()
