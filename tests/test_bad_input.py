@@ -82,7 +82,8 @@ def listening_port():
     (["--nnodes", "2", "--ec-group", "4", str(TRAIN_PLAIN)], ["--ec-group 4 is larger than --nnodes 2"]),
     (["--nnodes", "4", "--ec-group", "3", str(TRAIN_PLAIN)], ["--nnodes 4 cannot be divided into groups"]),
     (["--nnodes", "2", "--ec-backend", "jerasure_rs_vand", str(TRAIN_PLAIN)], ["'jerasure_rs_vand' is not available"]),
-    (["--spares", "-1", str(TRAIN_PLAIN)], ["--spares must be 0 or more"]),
+    (["--spares", "-1", str(TRAIN_PLAIN)], ["--spares must be at least 0 and at most 65536 (as --nnodes), got -1"]),
+    (["--spares", str(10**30), str(TRAIN_PLAIN)], ["--spares must be at least 0 and at most 65536"]),
     # far beyond any cluster: a MemoryError traceback (a list per node), or a spin in O(nnodes) loops
     (["--nnodes", "99999999999", "--node-rank", "0", "--rdzv-endpoint", "127.0.0.1:1", str(TRAIN_PLAIN)],
      ["--nnodes must be at least 1 and at most 65536, got 99999999999"]),

@@ -163,8 +163,8 @@ class JobConfig:
                                and not self.standby and not self.standalone)
         self._static_endpoint()
         self._validate_torchrun()
-        if self.spares < 0:
-            raise UsageError(f"--spares must be 0 or more, got {self.spares}")
+        if not 0 <= self.spares <= MAX_NNODES:
+            raise UsageError(f"--spares must be at least 0 and at most {MAX_NNODES} (as --nnodes), got {self.spares}")
         if self.spares and not self.local_mode:
             raise UsageError("--spares is for jobs simulated on one host; on another host of a multi-node job "
                              "start a spare with: ftrun --standby --rdzv-endpoint ... --nproc-per-node P SCRIPT")
