@@ -20,8 +20,9 @@ from conftest import (NODES, SCRIPTS, assert_job_left_nothing, free_port, gpt_ar
 from ftrun.control.coordination import Coordinator, Failure, use_job
 from ftrun.control.ownership import SpareDoc, claim, enlist, owner, spare_doc, spares, take, update_spare
 from ftrun.control.store import C10dStore, host_store
-from ftrun.launch.launcher import _ACK_TIMEOUT, Launcher
 from ftrun.events import EventLog, read_events
+from ftrun.launch.fencing import fence_verdict
+from ftrun.launch.leaving import _ACK_TIMEOUT, staying
 from ftrun.launch.peers import SpareWatch
 from ftrun.launch.processes import RESTART_LIMIT
 from ftrun.launch.spare_pool import SparePool
@@ -125,19 +126,19 @@ def test_node_0_waits_at_its_end_for_a_spare_that_took_a_rank_whose_first_launch
     coord = Coordinator(C10dStore(host_store(0)), "staying", 0, 3, run=1)
     for node in range(2):
         take(coord, node, f"first-{node}", "h")
-    assert Launcher._staying(coord, set()) == [0, 1]  # node 2 never had an owner: nothing to wait for
+    assert staying(coord, set()) == [0, 1]  # node 2 never had an owner: nothing to wait for
     coord.store.set(coord.key("node", 1, "lost"), "1")
     assert claim(coord, 1, 1, "spare-0", "spare-0", "h") == 2
     coord.store.set(coord.key("gen", 0, "left", 1), "1")  # a goodbye of incarnation 1 (not the spare's)
     coord.store.set(coord.key("gen", 0, "left", 0), "1")
     gone: set[int] = set()
-    assert Launcher._staying(coord, gone) == [1] and gone == {0, 2}
+    assert staying(coord, gone) == [1] and gone == {0, 2}
     coord.store.set(coord.key("gen", 0, "left", 1), "2")  # the spare's
-    assert Launcher._staying(coord, gone) == [] and gone == {0, 1, 2}
+    assert staying(coord, gone) == [] and gone == {0, 1, 2}
 
 
 def test_a_launcher_kills_its_supervisor_of_a_node_at_once_when_a_spare_took_it_else_a_timeout_after_its_loss():
-    """Launcher._end_lost's decision (Launcher._fence_verdict), driven on a real store with the clock passed in: a
+    """Fencing.end_lost's decision (fence_verdict), driven on a real store with the clock passed in: a
     supervisor whose loss is declared is killed only ``node_timeout`` after this launcher first saw that, and not
     once it rejoined; one whose rank a spare took, at once, unless this launcher handed the node to that spare or
     the spare is no newer than the incarnation its replacement takes over from."""
@@ -146,7 +147,7 @@ def test_a_launcher_kills_its_supervisor_of_a_node_at_once_when_a_spare_took_it_
     stalled: dict[int, float] = {}
 
     def verdict(now: float, handed_to: str | None = None, replaced: int = 0) -> tuple[int, bool] | None:
-        found = Launcher._fence_verdict(coord, 1, handed_to, replaced, stalled, 10.0, now)
+        found = fence_verdict(coord, 1, handed_to, replaced, stalled, 10.0, now)
         return None if found is None else (found[0].incarnation, found[1])
 
     assert verdict(0.0) is None and stalled == {}  # nobody holds the rank
@@ -524,7 +525,7 @@ def test_a_stalled_supervisor_killed_after_a_standby_took_its_rank_leaves_the_jo
     try:
         node0.wait_for_event(lambda e: e["event"] == "spare_claimed", timeout=60)
     finally:
-        with contextlib.suppress(psutil.NoSuchProcess):  # its launcher may have killed it first (_end_lost)
+        with contextlib.suppress(psutil.NoSuchProcess):  # its launcher may have killed it first (Fencing.end_lost)
             supervisor.send_signal(signal.SIGKILL)
     assert node0.wait(180) == 0, node0.output + node1.output + standby.output
     assert standby.wait(60) == 0, standby.output
@@ -556,7 +557,7 @@ def test_a_node_lost_once_is_one_restart_whoever_declares_it_first(start_job, tm
         if declared_first:
             node0.wait_for_event(lambda e: e["event"] == "failure" and e.get("kind") == "node-lost", timeout=60)
     finally:
-        with contextlib.suppress(psutil.NoSuchProcess):  # its launcher may have killed it first (_end_lost)
+        with contextlib.suppress(psutil.NoSuchProcess):  # its launcher may have killed it first (Fencing.end_lost)
             supervisor.send_signal(signal.SIGKILL)
     assert node0.wait(180) == 0, node0.output + node1.output
     assert node1.wait(60) == 0, node1.output

@@ -4,33 +4,33 @@
   supervisor that dies by a signal or crashes is a lost node: a replacement takes the same node rank.
 - Multi-node mode (``--node-rank`` and ``--rdzv-endpoint``): starts this node's supervisor, and a replacement
   when it dies while this launcher lives (unless a hot spare claims the rank first), or stalls: it kills one
-  that still runs ``--node-timeout`` after the job declared it lost (:meth:`Launcher._end_lost`, in every mode);
-  node 0 hosts the control
-  store unless one already runs at the endpoint (``ftrun store``). Under ``srun`` the first node of the
-  step hosts it, and the nodes agree their node ranks first (:func:`ftrun.launch.slurm.agree_node_rank`), so a
-  node keeps the rank whose snapshots it holds from an earlier step of the job. A launcher that starts a
-  replacement says so in the control store (``node/<r>/replacing``): under srun the other nodes wait only for
-  such a replacement or a spare, and otherwise end the step, keeping their snapshots and claim files for the next.
+  that still runs ``--node-timeout`` after the job declared it lost (:mod:`ftrun.launch.fencing`, in every
+  mode); node 0 hosts the control store (:mod:`ftrun.launch.store_host`) unless one already runs at the
+  endpoint (``ftrun store``). Under ``srun`` the first node of the step hosts it, and the nodes agree their node
+  ranks first (:mod:`ftrun.launch.node_rank`), so a node keeps the rank whose snapshots it holds from an earlier
+  step of the job. A launcher that starts a replacement says so in the control store (``node/<r>/replacing``):
+  under srun the other nodes wait only for such a replacement or a spare, and otherwise end the step, keeping
+  their snapshots and claim files for the next.
 - torchrun's multi-node form, ``--rdzv-endpoint`` and ``--nnodes`` > 1 without ``--node-rank`` (:attr:`JobConfig.
   rank_by_store`): every launcher on the endpoint's host tries to host the store (the first to bind the port
   does, the others join), then each takes the lowest free node rank of the run by compare-and-set
   (:func:`ftrun.control.ownership.claim_free_rank`) before its supervisor gets its spec; one that finds every
   rank taken joins as a hot spare, as ``--standby`` does.
-- A standby (``--standby``): starts a hot spare; once the spare took a lost node's rank, the launcher is that
-  node's and replaces its supervisor as above.
+- A standby (``--standby``): starts a hot spare (:mod:`ftrun.launch.standby`); once the spare took a lost node's
+  rank, the launcher is that node's and replaces its supervisor as above.
 
 It forwards SIGINT/SIGTERM to the supervisors as a graceful stop, prints the job summary, and, as a child
-subreaper, kills whatever descendant is left before it exits.
+subreaper, kills whatever descendant is left before it exits. Its other concerns are its collaborators': the
+supervisors' specs and the job's document (:mod:`ftrun.launch.node_spec`), the job's ``--ckpt-dir`` checks and
+hold (:mod:`ftrun.launch.job_dir`) and how it leaves a multi-node job (:mod:`ftrun.launch.leaving`);
+:class:`Launcher` coordinates them.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import ipaddress
 import json
 import os
-import secrets
 import select
 import signal
 import socket
@@ -38,81 +38,56 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
 from dataclasses import replace
 
-import psutil
 from rich.console import Console
 from torch.distributed import DistError, TCPStore
 
 from ftrun.launch.config import JobConfig
 from ftrun.errors import USAGE_EXIT_CODE, UsageError, error_line
 from ftrun.events import EventLog
-from ftrun.control.backend import OutageReport, StoreAddress, open_store
-from ftrun.control.coordination import Coordinator, Failure, Generation, current_run, open_run, signed, use_job
-from ftrun.control.ownership import Owner, claim_free_rank, owner, retire_spare, spares
+from ftrun.control.backend import StoreAddress
+from ftrun.control.coordination import Coordinator, Failure, Generation, open_run, signed, use_job
+from ftrun.control.ownership import owner
 from ftrun.control.signed import SignedStore
-from ftrun.launch.clean import claim_nodes
+from ftrun.launch.fencing import Fencing
 from ftrun.launch.handoff import STARTUP_SIGNALS, Begun, PendingSupervisor, prepare_supervisor, resume, start
-from ftrun.launch.env import default_omp_threads, trainer_threads
+from ftrun.launch.env import trainer_threads
 from ftrun.launch.exit_codes import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_LEFT, EXIT_UNSAVED
-from ftrun.launch.peers import SpareWatch
-from ftrun.launch.resume_dir import move_steps_aside, prepare_resume
-from ftrun.launch.processes import (LAUNCHER_NAME, RESTART_WINDOW, ExitWatch, ForkedChild, RestartLimit,
-                                    become_subreaper, describe_exit, kill_descendants, left_by_user, reap_orphans,
-                                    set_process_name)
+from ftrun.launch.job_dir import hold_job_dir, move_steps_aside, take_job_dir
+from ftrun.launch.leaving import host_until_the_run_ends, leave
+from ftrun.launch.node_spec import job_doc, node_spec, omp_threads
+from ftrun.launch.node_rank import agree_rank, agree_slurm_rank, hold_claim
+from ftrun.launch.processes import (LAUNCHER_NAME, ExitWatch, ForkedChild, RestartLimit, become_subreaper,
+                                    describe_exit, kill_descendants, left_by_user, reap_orphans, set_process_name)
+from ftrun.launch.standby import holds_node_0, join_run, node_taken, spare_died, spare_exit, spare_rank, standby_spec
+from ftrun.launch.store_host import bind_address, open_control_store, store_hint
 from ftrun.launch.supervisor import main as supervisor_main
 from ftrun.launch.zygote import preload, size_blas
 from ftrun.control.secret import local_secret, secret_path, shared_secret, write_secret_file
-from ftrun.launch.spare import SPARE_BEAT
 from ftrun.launch.spare_pool import SparePool
-from ftrun.launch.slurm import SlurmStep, agree_node_rank, claim_path, read_claim, slurm_step
+from ftrun.launch.slurm import SlurmStep, claim_path, slurm_step
 from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED, EXIT_STOPPED,
                                 EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STEP_END_KIND, STOP_KIND,
-                                announce_path, nodes_with_files, shm_place, split_endpoint, unlink_node_files,
-                                write_shm_file)
-from ftrun.control.store import (LOOPBACK, WILDCARDS, C10dStore, Store, check_bind_address, host_store,
-                                 route_address)
+                                announce_path, nodes_with_files, unlink_node_files, write_shm_file)
 from ftrun.ui.summary import Recovery, print_summary
-from ftrun.snapshot.dir_owner import DirOwner, check as check_dir_owner
+from ftrun.snapshot.dir_owner import DirOwner
 from ftrun.snapshot.persist import job_dir
-from ftrun.snapshot.reserve import SlotReserve, unlink_reserves
+from ftrun.snapshot.reserve import unlink_reserves
 from ftrun.ui.live import POLL_INTERVAL as LIVE_POLL_INTERVAL, WATCHED, LiveView
 from ftrun.ui.status import PUBLISH_INTERVAL, gather
 
 # A second stop signal within this many seconds of the first is the same stop delivered twice (a signal to the
 # process group that a wrapper such as `timeout` relays too); a later one stops the job at once (no final persist)
 REPEAT_GAP = 1.0
-_ACK_TIMEOUT = 10.0
-# a spare whose record says it waits but whose beats stopped this long, at the job's end, is gone (killed while it
-# waited): a live one sees the end within its poll and says so
-SPARE_SILENCE = 4 * SPARE_BEAT
-_HOST_LOOK = 0.5  # seconds between two looks of a store host whose node left while the job goes on
 END_STORE_TIMEOUT = 5.0  # seconds a failed job's summary waits for a store operation (a frozen store host)
 _POLL_INTERVAL = 0.02
 # seconds between two looks of a launcher whose supervisors' exits wake it (pidfds) and that has nothing else to
 # look after (no spares, no vacant node rank, no --tui view)
 IDLE_LOOK = 1.0
-FENCE_INTERVAL = 0.1  # seconds between two looks of a launcher with --spares at the nodes it runs (_end_lost)
+FENCE_INTERVAL = 0.1  # seconds between two looks of a launcher with --spares at the nodes it runs (Fencing.end_lost)
 # a supervisor's exit codes that end its node's part of the job; any other is a lost supervisor (killed, crashed)
 SUPERVISOR_ENDS = (EXIT_DONE, EXIT_JOB_FAILED, EXIT_STOPPED, EXIT_STOPPED_UNSAVED, EXIT_REPLACED, EXIT_STEP_ENDED)
-
-
-def is_local_host(host: str) -> bool:
-    try:
-        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
-    except socket.gaierror:
-        raise UsageError(f"--rdzv-endpoint host {host!r} does not resolve") from None
-    local = {a.address.split("%")[0] for addrs in psutil.net_if_addrs().values() for a in addrs}
-    return any(ipaddress.ip_address(a).is_loopback or a in local for a in addresses)
-
-
-def script_digest(cfg: JobConfig, target: str) -> str:
-    """What the script is, by content: a spare that joins must run the same one (paths may differ by host)."""
-    if cfg.module:
-        return f"module {target}"
-    with open(os.path.join(target, "__main__.py") if os.path.isdir(target) else target, "rb") as f:
-        return "sha256 " + hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def announce_job(job_id: str, endpoint: str, nnodes: int, backend: str) -> str:
@@ -134,6 +109,8 @@ def _stop_signal(coord: Coordinator) -> int:
 
 
 class Launcher:
+    """One ``ftrun`` process's part of a job (see the module docstring): :meth:`run` runs it to its end."""
+
     def __init__(self, cfg: JobConfig, begun: Begun, args: list[str], pending: list[PendingSupervisor]) -> None:
         self.cfg = cfg
         self.target = begun.target
@@ -158,114 +135,34 @@ class Launcher:
         self._settled: dict[int, Recovery] = {}  # the --tui view's recoveries read before (ftrun.ui.summary)
         self._next_view = 0.0
         self.store_server: TCPStore | None = None
-        self.address: StoreAddress | None = None  # where the control store is (set by _open_store)
+        self.address: StoreAddress | None = None  # where the control store is (set by run())
         self.procs: dict[int, subprocess.Popen[bytes] | ForkedChild] = {}
         self.pool: SparePool | None = None  # --spares
         self._exits = ExitWatch()  # see _pause
-        self._spare_of: dict[int, str] = {}  # node -> the spare whose process supervises it now (handed over)
-        # nodes whose files on this host are a spare's now: it took the rank after their killed supervisor stalled
-        self._kept_files: set[int] = set()
-        # (_end_lost) node -> the incarnation that held its rank when this launcher started its supervisor's
-        # replacement (a lost owner of that incarnation is not the replacement, which has yet to take the rank), and
-        # since when (time.monotonic()) its supervisor runs on though the job lost it; under srun the nodes whose
-        # supervisor it ended after their step had ended (their snapshots stay for the next step, as that one's)
-        self._replaced: dict[int, int] = {}
-        self._stalled: dict[int, float] = {}
+        self.fencing = Fencing(self.events, cfg.node_timeout)  # who holds the ranks of the nodes it runs
+        # under srun the nodes whose supervisor it ended after their step had ended (their snapshots stay for the
+        # next step, as that one's)
         self._step_over: set[int] = set()
         self.signalled: int | None = None
         self.files: list[str] = []  # what this launcher wrote in the shm dir (removed by remove_files())
-        self.claims: list[socket.socket] = []  # this host's claim on the job's nodes, held for life (_claim)
+        self.claims: list[socket.socket] = []  # this host's claim on the job's nodes, held for life (hold_claim)
         self.signalled_at = 0.0  # time.monotonic() of the signal that began the stop
         self.forced = False  # a second signal stopped the job at once
         self.ignored: list[signal.Signals] = []  # SIGUSR1/SIGUSR2 not in --signals-to-handle, not reported yet
         # signs every control-store value (and authenticates keepers to each other); never given to trainers
         self.secret = local_secret() if cfg.local_mode else shared_secret(self.job_id, cfg.secret_file)
-        self.bind = self._bind_address()
+        self.bind = bind_address(cfg)
         self.job_run = 0  # the job's run in the control store (taken or joined in run())
         self.dir_owner: DirOwner | None = None  # node 0's hold on the job's --ckpt-dir directory
         self.job_spec: NodeSpec | None = None  # a standby's: the job's settings (its document), any node's spec
 
-    def _bind_address(self) -> str:
-        """The address this node's listening sockets bind: loopback in local mode, else ``--rdzv-bind`` (checked),
-        ``--local-addr`` (an address of this host), or the address of the interface that reaches the control
-        store's host."""
-        cfg = self.cfg
-        if cfg.local_mode:
-            return LOOPBACK
-        if cfg.rdzv_bind is not None:
-            return check_bind_address(cfg.rdzv_bind)
-        if cfg.local_addr is not None:
-            return check_bind_address(cfg.local_addr, "--local-addr")
-        assert cfg.rdzv_endpoint is not None
-        return route_address(*split_endpoint(cfg.rdzv_endpoint.split(",")[0]))
-
-    def _open_store(self) -> tuple[str, int, Store]:
-        """Host or join the control store; returns (host, port, client) and sets :attr:`address`. With etcd,
-        host and port are the first member's."""
-        cfg = self.cfg
-        report = OutageReport(lambda message: self.events.emit("store_outage", message))
-        if cfg.rdzv_backend == "etcd":
-            assert cfg.rdzv_endpoint is not None
-            self.address = StoreAddress("etcd", cfg.rdzv_endpoint, cfg.store_conf)
-            host, port = split_endpoint(cfg.rdzv_endpoint.split(",")[0])
-            return host, port, open_store(self.address, cfg.rdzv_timeout, report)
-        if cfg.local_mode:
-            host, port = split_endpoint(cfg.rdzv_endpoint, any_port=True) if cfg.rdzv_endpoint else (LOOPBACK, 0)
-            if cfg.rdzv_endpoint and not is_local_host(host):
-                raise UsageError(f"--rdzv-endpoint {cfg.rdzv_endpoint} is not on this host, but a job of this host "
-                                 "alone hosts its control store here: give 127.0.0.1:PORT, or --node-rank N for a "
-                                 "node of a multi-node job")
-            self.store_server = host_store(port, bind=LOOPBACK, flag=cfg.endpoint_flag)
-            self.address = StoreAddress("c10d", f"{LOOPBACK}:{self.store_server.port}")
-            return LOOPBACK, self.store_server.port, C10dStore(self.store_server)
-        assert cfg.rdzv_endpoint is not None
-        host, port = split_endpoint(cfg.rdzv_endpoint)
-        self.address = StoreAddress("c10d", cfg.rdzv_endpoint)
-        # node 0 hosts it; without node ranks yet (rank_by_store) every launcher on the endpoint's host tries to,
-        # as torchrun's is_host: the first binds the port, the others (and all when an `ftrun store` serves it) join
-        if (cfg.node_rank == 0 or cfg.rank_by_store) and is_local_host(host):
-            try:
-                self.store_server = host_store(port, bind=self.bind, flag=cfg.endpoint_flag)
-                return host, port, C10dStore(self.store_server)
-            except UsageError:
-                pass  # an `ftrun store` may already serve this endpoint: join it, or say it is not a store
-        return host, port, open_store(self.address, cfg.rdzv_timeout, report,
-                                      waiting=lambda message: self.events.emit("store_wait", message))
-
-    def _master_addr(self, store_host: str) -> str:
-        """This node's address as peers reach it: ``--local-addr``, else the bound address, else (bound to every
-        interface) the host. A job of this host alone listens on loopback only, whatever --local-addr says."""
-        if self.cfg.local_addr is not None and not self.cfg.local_mode:
-            return self.cfg.local_addr
-        if self.bind not in WILDCARDS:
-            return self.bind
-        if ipaddress.ip_address(socket.gethostbyname(store_host)).is_loopback:
-            return LOOPBACK
-        return socket.gethostname()
-
     def _node_spec(self, node: int, store_host: str, store_port: int) -> NodeSpec:
-        if self.job_spec is not None:  # a standby's: the job's, not its own command line's
+        """``node``'s spec (:func:`ftrun.launch.node_spec.node_spec`); a standby's: the job's settings (its
+        document), not its own command line's."""
+        if self.job_spec is not None:
             return replace(self.job_spec, node_rank=node, spare="")
-        cfg = self.cfg
-        return NodeSpec(
-            job_id=self.job_id, node_rank=node, nnodes=cfg.nnodes, nproc_per_node=cfg.nproc_per_node,
-            store_host=store_host, store_port=store_port, master_addr=self._master_addr(store_host),
-            target=self.target, args=self.args, module=cfg.module, no_python=cfg.no_python, cwd=os.getcwd(),
-            omp_threads=_omp_threads(cfg), max_restarts=cfg.max_restarts,
-            rdzv_timeout=cfg.rdzv_timeout, hang_timeout=cfg.hang_timeout,
-            hang_timeout_initial=cfg.hang_timeout_initial, hang_step_factor=cfg.hang_step_factor,
-            node_timeout=cfg.node_timeout, stop_grace=cfg.stop_grace, zygote=cfg.zygote,
-            ec_group=cfg.erasure[0], ec_parity=cfg.erasure[1], ec_backend=cfg.ec_backend,
-            ckpt_dir=job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None, persist_every=cfg.persist_every,
-            keep=cfg.keep, ckpt_format=cfg.ckpt_format, persist_grace=cfg.persist_grace,
-            log_dir=os.path.abspath(cfg.log_dir) if cfg.log_dir else None, faults=cfg.inject,
-            bind_addr=self.bind, run=self.job_run, rdzv_backend=cfg.rdzv_backend,
-            rdzv_endpoint=cfg.rdzv_endpoint or "" if cfg.rdzv_backend == "etcd" else "", rdzv_conf=cfg.store_conf,
-            monitor_interval=cfg.monitor_interval, role=cfg.role, signals_to_handle=cfg.signals_to_handle,
-            virtual_local_rank=cfg.virtual_local_rank, redirects=cfg.redirects, tee=cfg.tee,
-            local_ranks_filter=cfg.local_ranks_filter, duplicate_stdout_filters=cfg.duplicate_stdout_filters,
-            duplicate_stderr_filters=cfg.duplicate_stderr_filters, label_output=cfg.label_output,
-            slurm_step=self.slurm is not None)
+        return node_spec(self.cfg, self.job_id, self.target, self.args, node, store_host, store_port, self.bind,
+                         self.job_run, self.slurm is not None)
 
     def _spawn(self, spec: NodeSpec) -> subprocess.Popen[bytes] | ForkedChild:
         """A supervisor for ``spec``: one forked by :func:`main`, else a new interpreter."""
@@ -341,23 +238,32 @@ class Launcher:
         become_subreaper()
         cfg = self.cfg
         if not cfg.standby:
-            self._claim(range(cfg.nnodes) if cfg.local_mode else [] if cfg.node_rank is None else [cfg.node_rank])
-        store_host, store_port, raw_store = self._open_store()
+            self.claims = hold_claim(self.job_id, range(cfg.nnodes) if cfg.local_mode
+                                     else [] if cfg.node_rank is None else [cfg.node_rank])
+        opened = open_control_store(cfg, self.bind, self.events)
+        self.address, self.store_server = opened.address, opened.server
+        store_host, store_port, raw_store = opened.host, opened.port, opened.client
         use_job(self.job_id, self.secret, self._store_warning)
         store = signed(raw_store, self.job_id)
         if cfg.standby:
             return self._run_standby(store, store_host, store_port)
         if self.slurm is not None:
-            self._agree_slurm_rank(store)
+            self.node_rank = agree_slurm_rank(store, self.job_id, self.slurm, cfg.rdzv_timeout, self.events)
         token = f"slurm-{self.slurm.job_id}.{self.slurm.step_id}" if self.slurm is not None else None
         self.job_run = open_run(store, self.job_id, token)
-        if cfg.rank_by_store and not self._agree_rank(store):
-            return self._run_standby(store, store_host, store_port, f"all {cfg.nnodes} node ranks of run "
-                                     f"{self.job_run} are taken: ")
+        if cfg.rank_by_store:
+            taken = agree_rank(store, self.job_id, cfg.nnodes, self.job_run, self.events)
+            if taken is None:
+                return self._run_standby(store, store_host, store_port, f"all {cfg.nnodes} node ranks of run "
+                                         f"{self.job_run} are taken: ")
+            self.node_rank = taken
         coord = Coordinator(store, self.job_id, self.node_rank, cfg.nnodes, run=self.job_run)
-        coord.init_job(self._job_doc())
+        coord.init_job(job_doc(cfg, self.job_id, self.target, self.args))
         if cfg.ckpt_dir:  # before this launcher, or any of its keepers, touches the job's directory
-            self._hold_job_dir(job_dir(cfg.ckpt_dir, self.job_id), str((coord.job_doc() or {}).get("run_id")))
+            run_id = str((coord.job_doc() or {}).get("run_id"))
+            self.dir_owner = hold_job_dir(job_dir(cfg.ckpt_dir, self.job_id), run_id, self.job_id,
+                                          cfg.nnodes * cfg.nproc_per_node if cfg.resume else None, self.node_rank,
+                                          self.events, self._slurm_job())
         self.files.append(secret_path(self.job_id))  # before they are written: a signal may stop the start
         write_secret_file(self.job_id, self.secret)  # for `ftrun status` on this host
         assert self.address is not None
@@ -381,7 +287,7 @@ class Launcher:
                              f"{', '.join(names)} on ftrun's command line (NAME=VALUE ftrun ...) for restarts in a "
                              "fraction of a second", variables=names)
         if not self.claims:  # its node rank agreed just now (SLURM, the store)
-            self._claim([self.node_rank])
+            self.claims = hold_claim(self.job_id, [self.node_rank])
         if cfg.ckpt_dir and not cfg.resume and self.node_rank == 0:
             move_steps_aside(job_dir(cfg.ckpt_dir, self.job_id), self.job_id, self.events)
         self._handle_signals()
@@ -424,7 +330,8 @@ class Launcher:
             # killed earlier run of the job with more nodes left (every node of the job is on this host)
             # (a node whose SLURM step ended keeps them, and its claim on them, for the next step)
             for node in sorted(set(nodes) | nodes_with_files(self.job_id)) if self.cfg.local_mode else nodes:
-                if self.cfg.local_mode or not (self._node_step_ended(node) or self._files_left_to_spare(node)):
+                if self.cfg.local_mode or not (self._node_step_ended(node)
+                                               or self.fencing.files_left_to_spare(node, self.procs.get(node))):
                     unlink_node_files(self.job_id, node)
             unlink_reserves(self.job_id)  # and spares killed while they held a reserve
             if self.slurm is not None and not self._step_ended():  # nothing left to claim
@@ -462,18 +369,8 @@ class Launcher:
         if coord.get(WATCHED) is not None:  # an `ftrun status` view follows the job: let it see the end
             time.sleep(2 * LIVE_POLL_INTERVAL)
         if code == EXIT_LEFT and self.store_server is not None:
-            self._host_until_the_run_ends(coord)
+            host_until_the_run_ends(coord, self.events, self.cfg.node_timeout, lambda: self.signalled is not None)
         self._leave(coord, holds_rank=code != EXIT_LEFT)
-
-    def _job_doc(self) -> dict[str, object]:
-        """What every node, and a spare that joins, learns of the job from the control store."""
-        cfg = self.cfg
-        return {"nnodes": cfg.nnodes, "nproc_per_node": cfg.nproc_per_node, "max_restarts": cfg.max_restarts,
-                "target": self.target, "script": script_digest(cfg, self.target), "args": self.args,
-                "module": cfg.module, "no_python": cfg.no_python,
-                "ec": [*cfg.erasure, cfg.ec_backend], "persist": [cfg.persist_every, cfg.keep, cfg.ckpt_format],
-                "ckpt_dir": job_dir(cfg.ckpt_dir, self.job_id) if cfg.ckpt_dir else None,
-                "run_id": secrets.token_hex(8)}  # the run's, whichever launcher wrote it: see dir_owner
 
     def _run_standby(self, store: SignedStore, store_host: str, store_port: int, why: str = "") -> int:
         """``--standby``, or a launcher that found every node rank taken (``why`` says so): join the job's current
@@ -482,33 +379,12 @@ class Launcher:
         launcher lives is replaced here, as any node's (:meth:`_wait`)."""
         cfg = self.cfg
         assert self.address is not None
-        flag = "--standby" if cfg.standby else "spare"
-        deadline = time.monotonic() + cfg.rdzv_timeout
-        while True:
-            run = current_run(store, self.job_id)
-            doc = Coordinator(store, self.job_id, -1, 1, run=run).job_doc() if run else None
-            if doc is not None and store.get(f"ftrun/{self.job_id}/{run}/state") is None:
-                break
-            if time.monotonic() > deadline:
-                raise UsageError(f"{flag}: no running job {self.job_id} at {self.address.endpoint} "
-                                 f"within {cfg.rdzv_timeout:g}s")
-            time.sleep(0.1)
-        assert run is not None
-        if int(doc["nproc_per_node"]) != cfg.nproc_per_node:
-            raise UsageError(f"{flag}: the job runs {doc['nproc_per_node']} trainer(s) per node, this spare "
-                             f"--nproc-per-node {cfg.nproc_per_node}; not joining")
-        if doc.get("script") != script_digest(cfg, self.target):
-            raise UsageError(f"{flag}: {self.target} is not the job's script ({doc.get('target')}: contents "
-                             "differ); not joining")
+        run, doc = join_run(store, self.job_id, self.address.endpoint, cfg, self.target,
+                            "--standby" if cfg.standby else "spare")
         self.job_run = run
         cfg.max_restarts = int(doc["max_restarts"])  # the job's: a lost node's replacement (_wait) counts to it
-        group, parity, backend = doc["ec"]
-        every, keep, ckpt_format = doc["persist"]
-        base = self._node_spec(-1, store_host, store_port)
         name = f"standby-{socket.gethostname()}-{os.getpid()}"
-        spec = replace(base, nnodes=int(doc["nnodes"]), args=list(doc["args"]), ec_group=int(group),
-                       ec_parity=int(parity), ec_backend=str(backend), persist_every=int(every), keep=int(keep),
-                       ckpt_format=str(ckpt_format), ckpt_dir=doc["ckpt_dir"], spare=name)
+        spec = standby_spec(self._node_spec(-1, store_host, store_port), doc, name)
         self.events.emit("start", f"job {self.job_id}: {why}standby {name} joins run {run} as a hot spare "
                          f"({doc['nnodes']} node(s) x {cfg.nproc_per_node} trainer(s)), control store "
                          f"{self.address.endpoint}", job_id=self.job_id, spare=name, run=run,
@@ -524,27 +400,29 @@ class Launcher:
                 node = self._spare_took(coord, name, proc)
                 code = proc.returncode
                 if node is None and code not in SUPERVISOR_ENDS:  # it took a rank, and died before a look saw it?
-                    node = self._node_taken(coord, name)
+                    node = node_taken(coord, name)
                 if (node is not None or code in SUPERVISOR_ENDS or self.signalled is not None
-                        or not self._spare_died(coord, name, proc.pid, code, exits)):
+                        or not spare_died(coord, name, proc.pid, code, exits, cfg.nproc_per_node, self.events)):
                     break
                 proc = self.procs[-1] = self._spawn(spec)  # a new spare, as --spares starts one
             if node is None or self.signalled is not None and code is not None:
                 assert code is not None
-                exit_code = self._spare_exit(code)
+                exit_code = spare_exit(code, self.signalled)
             else:  # its spare took node's rank (and runs it, or died since): this launcher is that node's now
                 self.procs[node] = self.procs.pop(-1)
                 self.job_spec, self.node_rank, coord.node_rank = spec, node, node
-                self._spare_of[node] = name
-                if spec.ckpt_dir and self.dir_owner is None:
-                    self._hold_if_node_0(coord, name, spec.ckpt_dir, str(doc.get("run_id")))
+                self.fencing.handed_over(node, name)
+                if spec.ckpt_dir and self.dir_owner is None and holds_node_0(coord, name):
+                    # a spare that took node rank 0 holds the job's checkpoint directory for the run from then on
+                    self.dir_owner = take_job_dir(spec.ckpt_dir, str(doc.get("run_id")), self.events,
+                                                  self._slurm_job())
                 exit_code = self._wait(coord, store_host, store_port)
         finally:
             if self.dir_owner is not None:
                 self.dir_owner.close()
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             kill_descendants(spare=left_by_user if exit_code == 0 else None)
-            if node is not None and not self._files_left_to_spare(node):
+            if node is not None and not self.fencing.files_left_to_spare(node, self.procs.get(node)):
                 unlink_node_files(self.job_id, node)  # what its killed supervisors left
         assert exit_code is not None
         if exit_code != 0:  # as run(): a store that failed a supervisor gets no minute more
@@ -552,8 +430,9 @@ class Launcher:
         with contextlib.suppress(DistError):  # the control store is gone, and the job with it: nobody to tell
             if self.job_spec is not None:
                 self._leave(coord, holds_rank=exit_code != EXIT_LEFT)  # as the node it took
-            else:
-                self._leave_as_spare(store, name, int(doc["nnodes"]))
+            else:  # as the node whose rank its spare took and held to the end, if it took one
+                coord.node_rank = spare_rank(coord, name)  # (node 0's launcher waits for every node's goodbye)
+                self._leave(coord)
         return exit_code
 
     def _spare_took(self, coord: Coordinator, name: str, proc: subprocess.Popen[bytes] | ForkedChild) -> int | None:
@@ -562,107 +441,10 @@ class Launcher:
         supervisor when it stalls, or replaces it when it dies), or None once it exited."""
         while proc.poll() is None:
             self._pause(IDLE_LOOK)
-            node = self._node_taken(coord, name) if self.signalled is None else None
+            node = node_taken(coord, name) if self.signalled is None else None
             if node is not None:
                 return node
         return None
-
-    def _spare_died(self, coord: Coordinator, name: str, pid: int, code: int, exits: RestartLimit) -> bool:
-        """A standby's spare (process ``pid``) died (``code``) before it took a rank: the OOM killer, a crash. Its
-        record says "gone" from now on and its reserve is unlinked. True when it had been waiting and its spares
-        did not die too often (``exits``, :class:`RestartLimit`): then this launcher starts another, as
-        ``--spares`` does; False when it died before it enlisted (it would again), or too often."""
-        SlotReserve(self.job_id, name, self.cfg.nproc_per_node).release()
-        try:
-            waited = retire_spare(coord, name, pid)
-        except DistError:  # the control store is gone, and the job with it
-            waited = False
-        again = waited and not exits.reached()
-        then = ("starting another" if again else "it never enlisted: this standby ends" if not waited
-                else f"its spares died {len(exits)} times within {RESTART_WINDOW:g}s: this standby ends")
-        self.events.emit("spare_gone", f"spare {name} (pid {pid}) {describe_exit(code)} while it waited for a lost "
-                         f"node; {then}", spare=name, exit_code=code, restarted=again)
-        return again
-
-    def _spare_exit(self, code: int) -> int:
-        """The exit code of a standby whose supervisor exited with ``code`` (it ran no node, or it ended its
-        node's part of the job)."""
-        if code == EXIT_DONE:
-            return 0
-        if code in (EXIT_STOPPED, EXIT_STOPPED_UNSAVED) or self.signalled is not None:
-            return EXIT_UNSAVED if code == EXIT_STOPPED_UNSAVED else 128 + (self.signalled or signal.SIGTERM)
-        return EXIT_FAILED if code == EXIT_JOB_FAILED else EXIT_LEFT if code == EXIT_REPLACED else 1
-
-    def _node_taken(self, coord: Coordinator, spare: str) -> int | None:
-        """The node rank that ``spare`` took, as the spares' registry says (it stays so after another spare took
-        the rank from it); None when it took none, or the control store is gone."""
-        try:
-            docs = spares(coord)
-        except DistError:
-            return None
-        return next((doc.node for doc in docs if doc.name == spare and doc.state == "took"), None)
-
-    def _hold_if_node_0(self, coord: Coordinator, spare: str, root: str, run_id: str) -> None:
-        """A spare that took node rank 0 holds the job's checkpoint directory for the run from then on."""
-        with contextlib.suppress(DistError):
-            if getattr(owner(coord, 0)[1], "spare", None) == spare:
-                self._take_job_dir(root, run_id)
-
-    def _agree_rank(self, store: SignedStore) -> bool:
-        """torchrun's multi-node form without --node-rank (:attr:`JobConfig.rank_by_store`): take the lowest node
-        rank of the run no launcher took yet; False when every rank is taken (this launcher is then a spare)."""
-        me = f"{socket.gethostname()}-{os.getpid()}"
-        taken = claim_free_rank(Coordinator(store, self.job_id, -1, self.cfg.nnodes, run=self.job_run), me,
-                                socket.gethostname())
-        if taken is None:
-            return False
-        self.node_rank = taken
-        self.events.emit("node_rank", f"node rank {taken} agreed through the control store (run {self.job_run}: "
-                         "first come, first served; no --node-rank given)", node_rank=taken, run=self.job_run)
-        return True
-
-    def _agree_slurm_rank(self, store: SignedStore) -> None:
-        """Under srun: take the node rank whose snapshots this node holds from an earlier step, or a free one."""
-        assert self.slurm is not None
-        step = self.slurm
-        claim = read_claim(self.job_id, step.node_name)
-        self.node_rank = agree_node_rank(store, self.job_id, step, claim, self.cfg.rdzv_timeout)
-        why = ("kept: its snapshots from an earlier step are in this node's RAM" if claim == self.node_rank
-               else "new to this job: earlier snapshots of its ranks, if any, come from parity or disk"
-               if claim is None else f"its rank {claim} went to another node")
-        self.events.emit("slurm_step", f"SLURM step {step.job_id}.{step.step_id} on {step.node_name}: node rank "
-                         f"{self.node_rank} ({why})", slurm_node=step.node_name, node_rank=self.node_rank,
-                         claimed=claim, slurm_step=f"{step.job_id}.{step.step_id}")
-
-    def _claim(self, nodes: Iterable[int]) -> None:
-        """Hold this host's claim on the job's ``nodes`` for the launcher's life (:func:`claim_nodes`); a
-        UsageError when another launcher of the job holds one."""
-        self.claims, problem = claim_nodes(self.job_id, nodes)
-        if problem:
-            raise UsageError(f"{problem}: stop it first, or choose another --rdzv-id")
-
-    def _hold_job_dir(self, root: str, run_id: str) -> None:
-        """Refuse to start beside a live run of this job that holds ``root``, or where ``root`` is there but is no
-        directory (a file, a link to none or a loop: nothing could be persisted), a UsageError; on node 0, hold it for
-        this run (:mod:`ftrun.snapshot.dir_owner`), after the checks and repairs of a resume."""
-        if os.path.lexists(root) and not os.path.isdir(root):
-            raise UsageError(f"--ckpt-dir: this job's directory {root} is not a directory (a file, or a link that "
-                             "leads to none): nothing could be persisted there; move it away")
-        dead = check_dir_owner(root, run_id, self.job_id, lambda line: self.events.emit("ckpt_dir", line),
-                               self._slurm_job())
-        if dead is not None:
-            self.events.emit("ckpt_dir", f"{root} was held by a run of job {self.job_id} that is gone "
-                             f"({dead.describe()}): taken over", host=dead.host, pid=dead.pid)
-        if self.cfg.resume:
-            prepare_resume(root, self.job_id, self.cfg.nnodes * self.cfg.nproc_per_node, self.events)
-        if self.node_rank == 0:
-            self._take_job_dir(root, run_id)
-
-    def _take_job_dir(self, root: str, run_id: str) -> None:
-        """Hold ``root`` for run ``run_id`` until the launcher ends (:class:`DirOwner`)."""
-        self.dir_owner = DirOwner(root, run_id, lambda line: self.events.emit("ckpt_dir", f"WARNING {line}"),
-                                  self._slurm_job())
-        self.dir_owner.take()
 
     def _slurm_job(self) -> str:
         """The SLURM job id of this launcher's step; "" outside SLURM."""
@@ -672,18 +454,19 @@ class Launcher:
         """Wait for the supervisors; in local mode a lost node's rank goes to a hot spare, or (none left) to a
         replacement supervisor. So does the node's rank in a multi-node job (``--node-rank``, the form without it,
         ``srun``, a standby's once it took one): a supervisor that died while this launcher lives (the OOM killer, a
-        crash; or stalled, killed here by :meth:`_end_lost`) is replaced here, its keeper re-adopting the node's
+        crash; or stalled, killed here by :meth:`Fencing.end_lost`) is replaced here, its keeper re-adopting the node's
         slots, unless a ``--standby`` claims the rank
         first (the replacement takes it only from the lost incarnation, as a spare does: one of them gets it, and a
         replacement that lost leaves, exit code :data:`EXIT_REPLACED`), or had taken it before the supervisor died
-        (:meth:`_left_to_spare`). Returns the job's exit code."""
+        (:meth:`Fencing.left_to_spare`). Returns the job's exit code."""
         results: dict[int, int] = {}
         vacant: dict[int, int] = {}  # node -> its lost supervisor's exit code, while a spare takes the rank
-        # node -> whether a spare had taken its rank, for each node whose supervisor this launcher killed (_end_lost)
-        # and has not seen exit yet
+        # node -> whether a spare had taken its rank, for each node whose supervisor this launcher killed
+        # (Fencing.end_lost) and has not seen exit yet
         killed: dict[int, bool] = {}
-        # a look at the nodes (_beat, _end_lost) at least four times per --node-timeout, however often the loop runs;
-        # with --spares every FENCE_INTERVAL: a spare that took a stalled node's rank waits for its names on this host
+        # a look at the nodes (_beat, Fencing.end_lost) at least four times per --node-timeout, however often the
+        # loop runs; with --spares every FENCE_INTERVAL: a spare that took a stalled node's rank waits for its names
+        # on this host
         look = FENCE_INTERVAL if self.pool is not None else min(IDLE_LOOK, self.cfg.node_timeout / 4)
         next_look = 0.0
         while len(results) < len(self.procs):
@@ -691,7 +474,7 @@ class Launcher:
                 next_look = time.monotonic() + look
                 if self.slurm is not None:
                     self._beat(coord)
-                killed.update(self._end_lost(coord, set(killed)))
+                killed.update(self.fencing.end_lost(coord, self.procs, set(killed)))
             for node, code in list(vacant.items()):
                 if self._hand_over(coord, node):
                     del vacant[node]
@@ -714,7 +497,7 @@ class Launcher:
                     reason = f"node {node} lost: supervisor {describe_exit(code)}"
                     try:
                         held = owner(coord, node)[1]  # whom a spare took the rank from, or whose loss to declare
-                        if not self.cfg.local_mode and self._left_to_spare(node, held, code):
+                        if not self.cfg.local_mode and self.fencing.left_to_spare(node, held, code):
                             results[node] = EXIT_REPLACED
                             continue
                         if self.slurm is not None and coord.current().kind == STEP_END_KIND:
@@ -780,114 +563,20 @@ class Launcher:
 
     def _beat(self, coord: Coordinator) -> None:
         """Under srun: this ftrun lives (:meth:`Coordinator.beat_launcher`), for each node it runs: the other nodes
-        wait for a supervisor of it they lost (it may come back, or :meth:`_end_lost` replaces it), and end the
-        step for a lost node whose ftrun stopped beating (:func:`ftrun.launch.supervisor.nothing_replaces`)."""
+        wait for a supervisor of it they lost (it may come back, or :meth:`Fencing.end_lost` has it replaced), and end
+        the step for a lost node whose ftrun stopped beating (:func:`ftrun.launch.supervisor.nothing_replaces`)."""
         with contextlib.suppress(DistError):  # the control store is away: nobody to tell
             for node in self.procs:
                 coord.beat_launcher(node)
-
-    def _end_lost(self, coord: Coordinator, skip: set[int]) -> dict[int, bool]:
-        """SIGKILL this launcher's supervisor of each node (but ``skip``: killed already) that the job no longer
-        counts on while it still runs (stalled: stopped, frozen, cut off): at once when a spare took the node's rank
-        (:meth:`_taken_by_spare`), ``--node-timeout`` after this launcher saw the other nodes declare it lost
-        (``node/<r>/lost`` names its incarnation) otherwise. A supervisor never declared lost (slow, however slow) is
-        never killed, nor one that rejoined in time (that clears ``node/<r>/lost``), nor a replacement that has not
-        taken the rank yet (:attr:`_replaced`). Its keeper, zygote and trainers die with it (PR_SET_PDEATHSIG, a
-        stopped process too), freeing the node's names on this host (the keeper's socket, its files in /dev/shm,
-        the heartbeat table) for a spare here; its exit is a lost supervisor's (:meth:`_wait`): left to the spare,
-        else replaced here, its keeper re-adopting the node's snapshots (under srun, the step having ended, the end
-        of this node's part, its snapshots kept for the next step). Waited on, it held up the job until
-        ``--rdzv-timeout`` (under srun its step for ever). Returns the nodes killed, each with whether a spare had
-        taken its rank."""
-        now = time.monotonic()
-        killed: dict[int, bool] = {}
-        for node, proc in self.procs.items():
-            if node in skip or proc.poll() is not None:
-                self._stalled.pop(node, None)
-                continue
-            try:
-                verdict = self._fence_verdict(coord, node, self._spare_of.get(node), self._replaced.get(node, 0),
-                                              self._stalled, self.cfg.node_timeout, now)
-            except DistError:  # the control store is away: nothing to tell (the supervisor waits for it too)
-                continue
-            if verdict is None:
-                continue
-            held, taken = verdict
-            proc.send_signal(signal.SIGKILL)
-            killed[node] = taken
-            if taken:
-                self.events.emit("fenced", f"node {node}'s supervisor (pid {proc.pid}) still ran after spare "
-                                 f"{held.spare} took its rank: killed, with its keeper and trainers", node=node,
-                                 spare=held.spare, pid=proc.pid)
-            else:
-                self.events.emit("stalled", f"node {node}'s supervisor (pid {proc.pid}) still ran "
-                                 f"{self.cfg.node_timeout:g}s after the job lost it (stalled: stopped, frozen?): "
-                                 "killed, with its keeper and trainers", node=node, pid=proc.pid)
-        return killed
-
-    @staticmethod
-    def _fence_verdict(coord: Coordinator, node: int, handed_to: str | None, replaced: int,
-                       stalled: dict[int, float], node_timeout: float, now: float) -> tuple[Owner, bool] | None:
-        """:meth:`_end_lost`'s decision for ``node``, whose supervisor here still runs: its owner and whether a
-        spare took the rank (:meth:`_taken_by_spare`) when the supervisor is to be killed, else None. Killed at
-        once when a spare took the rank; when the owner was declared lost (``node/<r>/lost`` names its incarnation,
-        newer than ``replaced``: see :meth:`_taken_by_spare`), once ``now`` is more than ``node_timeout`` after the
-        first look that saw it so (kept in ``stalled``, by node, until the node is killed or no longer lost).
-        Invariant: a supervisor whose rank no spare took and whose loss no node declared is never killed, however
-        slow."""
-        held = owner(coord, node)[1]
-        taken = Launcher._taken_by_spare(held, handed_to, replaced)
-        declared = (held is not None and not taken and held.incarnation > replaced
-                    and coord.get("node", node, "lost") == str(held.incarnation).encode())
-        if held is None or not (taken or declared):
-            stalled.pop(node, None)
-            return None
-        if declared and now - stalled.setdefault(node, now) <= node_timeout:
-            return None
-        stalled.pop(node, None)
-        return held, taken
-
-    @staticmethod
-    def _taken_by_spare(held: Owner | None, handed_to: str | None, replaced: int) -> bool:
-        """Whether ``held``, a node's owner, is a spare this launcher did not hand the node over to (``handed_to``,
-        :attr:`_spare_of`): its own supervisors of the node hold the rank as no spare (its first one, its
-        replacements) or as the spare handed over, so such an owner took the rank from them. An owner no newer than
-        ``replaced``, the one this launcher's replacement of the node takes over from (:attr:`_replaced`; a
-        standby's own spare that took the rank and died since, say), took nothing from that replacement."""
-        return held is not None and bool(held.spare) and held.spare != handed_to and held.incarnation > replaced
-
-    def _left_to_spare(self, node: int, held: Owner | None, code: int) -> bool:
-        """Multi-node: whether a spare took ``node``'s rank (``held``: its owner, just read) from its supervisor,
-        which died (``code``) before it saw that (stalled until then, say). The launcher then leaves the job to that
-        spare as a supervisor that sees it does (:data:`EXIT_REPLACED`): no node-lost generation, no replacement (it
-        would take the rank from the running spare), and the node's files stay where the spare shares this host's
-        shared memory (same names)."""
-        if not self._taken_by_spare(held, self._spare_of.get(node), self._replaced.get(node, 0)):
-            return False
-        assert held is not None
-        if held.shm and held.shm == shm_place():
-            self._kept_files.add(node)
-        self.events.emit("replaced", f"leaving the job: node rank {node} was taken by spare {held.spare} (incarnation "
-                         f"{held.incarnation}) before its supervisor here was {describe_exit(code)}", node=node,
-                         spare=held.spare, exit_code=code)
-        return True
-
-    def _files_left_to_spare(self, node: int) -> bool:
-        """Whether ``node``'s files on this host are not this launcher's to remove at its end: its supervisor left
-        the job to a spare (:data:`EXIT_REPLACED`; it removed them itself unless the spare shares them), or died
-        after a spare that shares them took the rank."""
-        proc = self.procs.get(node)
-        return (proc is not None and proc.poll() == EXIT_REPLACED) or node in self._kept_files
 
     def _replace(self, node: int, store_host: str, store_port: int, code: int, lost: int) -> None:
         """Start a replacement supervisor for ``node``, whose rank incarnation ``lost`` holds (0: none): in a
         multi-node job it claims the rank from that incarnation (:attr:`NodeSpec.replaces`), in local mode it takes
         it."""
         self.events.emit("node_lost", f"starting a replacement for node {node}", node=node, exit_code=code)
-        self._replaced[node] = lost
+        self.fencing.replacing(node, lost)
         spec = self._node_spec(node, store_host, store_port)
         self.procs[node] = self._spawn(replace(spec, replaces=None if self.cfg.local_mode else lost))
-        self._spare_of.pop(node, None)
 
     def _hand_over(self, coord: Coordinator, node: int) -> bool:
         """If one of this launcher's spares took ``node``'s rank, wait for it as that node's supervisor."""
@@ -896,7 +585,7 @@ class Launcher:
         if proc is None:
             return False
         self.procs[node] = proc
-        self._spare_of[node] = held.spare
+        self.fencing.handed_over(node, held.spare)
         self.events.emit("spare_took", f"spare {held.spare} took node rank {node}; starting another spare",
                          node=node, spare=held.spare, incarnation=held.incarnation)
         return True
@@ -909,71 +598,11 @@ class Launcher:
             assert self.view is not None
             self.view.update(gather(coord, settled=self._settled))
 
-    def _leave_as_spare(self, store: SignedStore, name: str, nnodes: int) -> None:
-        """:meth:`_leave` of a standby: as the node whose rank its spare took and held to the end, if it took one
-        (node 0's launcher waits for every node's goodbye)."""
-        coord = Coordinator(store, self.job_id, -1, nnodes, run=self.job_run)
-        for node in range(nnodes):
-            held = owner(coord, node)[1]
-            if held is not None and held.spare == name:
-                coord.node_rank = node
-        self._leave(coord)
-
-    def _host_until_the_run_ends(self, coord: Coordinator) -> None:
-        """This launcher hosts the c10d control store and a spare took its node's rank (its supervisor died or was
-        cut off): the job goes on on this store, which must stay up until the run ends (the launchers that end it
-        set ``state``), this launcher is told to stop, or no supervisor has beaten for 3 x ``--node-timeout``
-        (the others are gone without a word). Leaving at once took the store, and the job, with it."""
-        self.events.emit("store_kept", f"node {coord.node_rank} left the job to a spare; this launcher keeps the "
-                         "control store up until the job ends", node=coord.node_rank)
-        seen, moved = coord.beats(), time.monotonic()
-        while coord.get("state") is None and self.signalled is None:
-            time.sleep(_HOST_LOOK)
-            beats = coord.beats()
-            if beats != seen:
-                seen, moved = beats, time.monotonic()
-            elif time.monotonic() - moved > 3 * self.cfg.node_timeout:
-                return
-
     def _leave(self, coord: Coordinator, holds_rank: bool = True) -> None:
-        """Multi-node: say this node is gone (as the incarnation of its rank that ends here; not when a spare took
-        the rank, ``holds_rank`` False: the spare says it); the launcher hosting the control store (node 0's, or
-        the one that bound the port first without --node-rank, even as a spare) keeps it up until the other nodes
-        have left and no spare is still waiting (it notices the end and says so in the store), for at most
-        :data:`_ACK_TIMEOUT` seconds. Invariant: it waits only for what can still answer: not for a node whose
-        owner was declared lost and not replaced, or that never had one (nothing of it is left to say goodbye),
-        nor for a spare whose record says "waiting" but whose beats stopped for :data:`SPARE_SILENCE` (killed
-        while it waited)."""
-        if self.cfg.local_mode:
-            return
-        if coord.node_rank >= 0 and holds_rank:
-            held = owner(coord, coord.node_rank)[1]
-            coord.mark(0, "left", held.incarnation if held is not None else 0)
-        if self.store_server is not None:
-            deadline = time.monotonic() + _ACK_TIMEOUT
-            waiting, gone = SpareWatch(coord, SPARE_SILENCE), set[int]()
-            while (self._staying(coord, gone) or waiting.waiting()) and time.monotonic() < deadline:
-                time.sleep(0.05)
-
-    @staticmethod
-    def _staying(coord: Coordinator, gone: set[int]) -> list[int]:
-        """The nodes whose rank's current owner has not said it left (:meth:`_leave`): not those that never had an
-        owner (their launcher never came), nor those whose owner was declared lost. A goodbye of an earlier owner
-        (a node's launcher whose rank a spare took) does not count for the spare. ``gone``: nodes seen gone by an
-        earlier call, not read again (at the job's end no rank changes hands)."""
-        left = coord.marks(0, "left")
-        staying = []
-        for node in range(coord.nnodes):
-            if node in gone:
-                continue
-            held = owner(coord, node)[1]
-            if (held is None or left.get(node) == str(held.incarnation)
-                    or coord.get("node", node, "lost") == str(held.incarnation).encode()):
-                gone.add(node)
-            else:
-                staying.append(node)
-        return staying
-
+        """Multi-node: leave the job (:func:`ftrun.launch.leaving.leave`), this launcher hosting the control store
+        or not; nothing to say in local mode."""
+        if not self.cfg.local_mode:
+            leave(coord, self.store_server is not None, holds_rank)
 
 class StartInterrupted(BaseException):
     """A stop signal came before the launcher handles it (its job not started): as KeyboardInterrupt."""
@@ -985,11 +614,6 @@ class StartInterrupted(BaseException):
 
 def _interrupt(signum: int, frame: object) -> None:
     raise StartInterrupted(signum)
-
-
-def _omp_threads(cfg: JobConfig) -> int:
-    """The trainers' OMP_NUM_THREADS unless the user set one: this host's cores shared by its trainers."""
-    return default_omp_threads(cfg.nproc_per_node * (cfg.nnodes if cfg.local_mode else 1))
 
 
 def fork_supervisor() -> PendingSupervisor:
@@ -1009,13 +633,6 @@ def fork_supervisor() -> PendingSupervisor:
     return PendingSupervisor(ForkedChild(pid), write)
 
 
-def store_hint(cfg: JobConfig) -> str:
-    """What to use instead of a control store that went away with a node (nothing in local mode, or with etcd)."""
-    if cfg.rdzv_backend == "c10d" and not cfg.local_mode:
-        return "; a store that outlives any node: --rdzv-backend etcd, or `ftrun store` on a host of its own"
-    return ""
-
-
 def main() -> None:
     """``python -P -m ftrun.launch.launcher``, as :func:`ftrun.launch.handoff.exec_launcher` runs it."""
     set_process_name(LAUNCHER_NAME)
@@ -1028,7 +645,7 @@ def main() -> None:
     count = 0 if cfg.tui else cfg.nnodes + cfg.spares + reserve if cfg.local_mode else 1
     if count and cfg.zygote and not cfg.no_python:
         preload()  # once for every zygote of this host (see ftrun.launch.zygote)
-        size_blas(trainer_threads(os.environ, _omp_threads(cfg)))  # before the forks
+        size_blas(trainer_threads(os.environ, omp_threads(cfg)))  # before the forks
     pending = [fork_supervisor() for _ in range(count)]
     # a stop signal held since the exec (STARTUP_SIGNALS) ends the start cleanly, until the launcher handles it
     for sig in STARTUP_SIGNALS:
