@@ -34,7 +34,7 @@ from ftrun.errors import UsageError
 from ftrun.events import EventLog, read_events
 from ftrun.launch.peers import PeerWatch
 from ftrun.launch.slurm import SlurmStep, agree_node_rank
-from ftrun.launch.supervisor import nothing_replaces
+from ftrun.launch.rendezvous import nothing_replaces
 from ftrun.snapshot import link as link_module
 from ftrun.snapshot.link import Commits, Progress, ProgressTracker
 

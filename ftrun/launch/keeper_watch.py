@@ -1,8 +1,9 @@
 """The supervisor's watch on its keeper's answers.
 
-A keeper that died is seen by ``waitpid`` and restarted at once (:meth:`Supervisor._keeper_exited`). One that
-lives but answers nothing (stopped with SIGSTOP, deadlocked) was seen by nothing: its trainers wait for it in
-their next snapshot, still beating, and the job hung silently. So a thread of the supervisor asks the keeper
+A keeper that died is seen by ``waitpid`` and restarted at once
+(:meth:`~ftrun.launch.keeper_process.KeeperProcess.exited`). One that lives but answers nothing (stopped with
+SIGSTOP, deadlocked) was seen by nothing: its trainers wait for it in their next snapshot, still beating, and the
+job hung silently. So a thread of the supervisor asks the keeper
 ``ping`` (answered at once, under no lock) every :data:`PING_INTERVAL` seconds; once no answer came for
 ``silence`` seconds it kills the keeper, which the supervisor then restarts as one that died: the snapshots stay
 in /dev/shm for the new keeper to re-adopt, and the trainers reconnect.

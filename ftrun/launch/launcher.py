@@ -505,7 +505,7 @@ class Launcher:
                             results[node] = code
                             continue
                         if not self.cfg.local_mode:  # a replacement follows: under srun the other nodes wait for
-                            # it only when told so (supervisor.nothing_replaces), as no other ftrun can join the step
+                            # it only when told so (rendezvous.nothing_replaces), as no other ftrun can join the step
                             coord.store.set(coord.key("node", node, "replacing"),
                                             str(held.incarnation if held is not None else 0))
                         # a peer that saw it silent (stalled before it died) may have declared the loss already:
@@ -564,7 +564,7 @@ class Launcher:
     def _beat(self, coord: Coordinator) -> None:
         """Under srun: this ftrun lives (:meth:`Coordinator.beat_launcher`), for each node it runs: the other nodes
         wait for a supervisor of it they lost (it may come back, or :meth:`Fencing.end_lost` has it replaced), and end
-        the step for a lost node whose ftrun stopped beating (:func:`ftrun.launch.supervisor.nothing_replaces`)."""
+        the step for a lost node whose ftrun stopped beating (:func:`ftrun.launch.rendezvous.nothing_replaces`)."""
         with contextlib.suppress(DistError):  # the control store is away: nobody to tell
             for node in self.procs:
                 coord.beat_launcher(node)

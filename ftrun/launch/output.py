@@ -17,6 +17,9 @@ local rank as ``LOCAL_RANK:VALUE,...`` (``0:3,1:2``). Console lines that are tee
 ``[<role><local rank>]:`` (``$TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE`` as torchrun reads it); with
 ``--label-output`` every console line of a trainer carries ``[rank <global rank>] `` instead.
 
+The first supervisor of a node in a run puts what an earlier run left in its ranks' directories aside
+(:func:`keep_earlier_logs`), so nothing is written over.
+
 The supervisor drains a trainer's pipes (:meth:`Output.drain`) before it reports the trainer's exit, so its
 last lines come before the failure they explain.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import array
 import fcntl
+import glob
 import os
 import re
 import select
@@ -34,7 +38,8 @@ import time
 from dataclasses import dataclass
 from string import Template
 
-from ftrun.errors import UsageError
+from ftrun.errors import UsageError, error_text
+from ftrun.events import EventLog
 
 OUT, ERR = 1, 2  # the bits of a stream value, and the descriptors they are on
 STREAM_FILES = {OUT: "stdout.log", ERR: "stderr.log"}
@@ -338,3 +343,29 @@ class Output:
             sink.close()
         self._pumps.clear()
         self._sinks.clear()
+
+
+def keep_earlier_logs(log_dir: str, node: int, nproc: int, events: EventLog) -> None:
+    """The first supervisor of node ``node`` in a run moves what an earlier run left in its ranks' directories
+    (``gen<G>/rank<R>/``) to ``previous-<time>/gen<G>/rank<R>/``, as torchrun keeps each run's logs apart:
+    nothing an earlier run wrote is overwritten, nor taken for this run's (its ``error.json`` for a new
+    failure's cause)."""
+    ranks = range(node * nproc, (node + 1) * nproc)
+    gens = [path for path in glob.glob(os.path.join(glob.escape(log_dir), "gen*"))
+            if re.fullmatch(r"gen\d+", os.path.basename(path))]
+    found = [path for gen in sorted(gens) for rank in ranks
+             if os.path.isdir(path := os.path.join(gen, f"rank{rank}"))]
+    if not found:
+        return
+    aside = os.path.join(log_dir, time.strftime("previous-%Y%m%d-%H%M%S"))
+    try:
+        for path in found:
+            gen_dir = os.path.join(aside, os.path.basename(os.path.dirname(path)))
+            os.makedirs(gen_dir, exist_ok=True)
+            os.rename(path, os.path.join(gen_dir, os.path.basename(path)))
+    except OSError as err:
+        events.emit("logs", f"WARNING cannot move the logs an earlier run left in {log_dir} aside "
+                    f"({error_text(err)}): this run's trainers write over them", node=node)
+        return
+    events.emit("logs", f"moved what an earlier run left in {log_dir} for rank(s) {ranks.start}-"
+                f"{ranks.stop - 1} to {aside}", node=node, path=aside)

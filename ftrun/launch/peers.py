@@ -15,19 +15,49 @@ peer's clock: it has ``node_timeout`` from taking the rank to beat.
 The same round trip reads this node's own owner key (:mod:`ftrun.control.ownership`), so a supervisor learns
 that a spare took its rank over at no extra cost.
 
+A supervisor's own beats come from a :class:`Beater` thread, on a store connection of its own, every
+:data:`BEAT_INTERVAL` seconds.
+
 Hot spares are watched the same way where a node counts on one (:class:`SpareWatch`): a spare whose beat count
 does not change for ``node_timeout`` is dead, whatever its record in the store still says.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 
+from torch.distributed import DistError
+
+from ftrun.control.backend import OutageReport, reopen_store, spec_address
 from ftrun.control.coordination import Coordinator
 from ftrun.control.ownership import Owner, waiting_spares
+from ftrun.control.spec import NodeSpec
 
 WATCHED_PEERS = 3  # nodes each node watches; a loss goes unseen only if all of its watchers are lost too
 SPARE_LOOKS = 4  # looks of a SpareWatch per timeout kept up (SpareWatch.keep_up)
+BEAT_INTERVAL = 0.25  # seconds between a supervisor's beats (Beater)
+
+
+class Beater(threading.Thread):
+    """Adds to this node's beat counter every :data:`BEAT_INTERVAL` on its own store connection."""
+
+    def __init__(self, spec: NodeSpec, report: OutageReport) -> None:
+        super().__init__(name="ftrun-beat", daemon=True)
+        store = reopen_store(spec_address(spec), spec.rdzv_timeout, report)  # the supervisor reached it before
+        self._coord = Coordinator(store, spec.job_id, spec.node_rank, spec.nnodes)
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self._coord.beat()
+            except DistError:
+                return
+            self._stop_event.wait(BEAT_INTERVAL)
+
+    def stop(self) -> None:
+        self._stop_event.set()
 
 
 def watched(node: int, nnodes: int) -> list[int]:

@@ -19,9 +19,9 @@ else, and when the job stops or fails for good, with SIGCONT, SIGTERM (SIGINT af
 after ``stop_grace``.
 
 Beside the trainers runs the node's snapshot keeper (:mod:`ftrun.snapshot.keeper`), started before the first
-trainer and kept across generations; if it dies it is restarted at once and the trainers keep running, and so
-is one that lives but answers nothing (:mod:`ftrun.launch.keeper_watch`: killed after 3 x ``--node-timeout``,
-at least 15 s). A
+trainer and kept across generations (:mod:`ftrun.launch.keeper_process`); if it dies it is restarted at once and
+the trainers keep running, and so is one that lives but answers nothing (:mod:`ftrun.launch.keeper_watch`: killed
+after 3 x ``--node-timeout``, at least 15 s). A
 :class:`~ftrun.snapshot.link.KeeperLink` thread agrees each generation's restore step with the other nodes
 while the trainers start (they wait for it in ``Snapshotter.restore``). A fatal keeper error (no room in
 /dev/shm) ends the job: it becomes a generation of kind "fatal", which every supervisor turns into an exit.
@@ -35,21 +35,25 @@ if it is lost (:meth:`Supervisor._wait_for_lost_node`). A supervisor checks that
 before it joins a generation and before it starts trainers: one that was cut off and replaced leaves.
 
 Under srun no ftrun joins a running step: a lost node whose own launcher starts no replacement (it is gone too)
-and whose rank no spare takes ends the step (:func:`nothing_replaces`), each node keeping its snapshots in RAM for
-the next step, instead of the job waiting out ``--rdzv-timeout`` for a node that cannot come. A lost supervisor
-whose ftrun lives (it beats in the control store) was only stalled: the others wait for it, and its ftrun kills and
-replaces it if it does not come back. A spare counts only while it beats (:class:`~ftrun.launch.peers.SpareWatch`):
-one killed while it waited is none.
+and whose rank no spare takes ends the step (:func:`~ftrun.launch.rendezvous.nothing_replaces`), each node
+keeping its snapshots in RAM for the next step, instead of the job waiting out ``--rdzv-timeout`` for a node that
+cannot come. A lost supervisor whose ftrun lives (it beats in the control store) was only stalled: the others
+wait for it, and its ftrun kills and replaces it if it does not come back. A spare counts only while it beats
+(:class:`~ftrun.launch.peers.SpareWatch`): one killed while it waited is none.
+
+Beside this module: the reads of a rendezvous (:mod:`ftrun.launch.rendezvous`), what a failed trainer's reason
+and the job's error file say (:mod:`ftrun.launch.root_cause`), node 0's progress report
+(:mod:`ftrun.launch.leader_log`), the exceptions that end a run (:mod:`ftrun.launch.supervisor_ends`), this
+node's beats (:class:`~ftrun.launch.peers.Beater`) and an earlier run's logs put aside
+(:func:`~ftrun.launch.output.keep_earlier_logs`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import glob
 import json
 import math
 import os
-import re
 import select
 import shutil
 import signal
@@ -57,7 +61,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -66,36 +69,37 @@ from typing import NoReturn, TypeVar
 
 from torch.distributed import DistError, TCPStore
 
-from ftrun.errors import error_text
 from ftrun.events import EventLog, brief_numbers
 from ftrun.control.backend import OutageReport, open_store, reopen_store, spec_address
 from ftrun.control.coordination import Coordinator, Failure, Generation, use_job
 from ftrun.control.ownership import Owner, claim, owner, take
-from ftrun.launch.env import ENV_ERROR_FILE, TrainerPlace, trainer_args, trainer_env, trainer_threads
+from ftrun.launch.env import TrainerPlace, trainer_args, trainer_env, trainer_threads
 from ftrun.control.faults import Fault, parse_faults, trainer_faults_env
 from ftrun.control.heartbeat import Beat, HeartbeatTable
 from ftrun.launch.hangs import HangDetector, HangSuspect, culprit, process_state
-from ftrun.launch.processes import (RESTART_WINDOW, SUPERVISOR_NAME, ExitWatch, RestartLimit, become_subreaper,
-                                    describe_exit, die_with_parent, kill_descendants, kill_left_by_user,
-                                    left_by_user, oom_kills, reap, set_process_name, signal_group)
-from ftrun.control.spec import (ENV_NODE_SPEC, EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED,
-                                EXIT_STOPPED, EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STEP_END_KIND,
-                                STOP_KIND, run_dir_prefix, safe_job_id, shm_path, shm_place, unlink_node_files)
+from ftrun.launch.processes import (SUPERVISOR_NAME, ExitWatch, become_subreaper, describe_exit, die_with_parent,
+                                    kill_descendants, kill_left_by_user, left_by_user, oom_kills, reap,
+                                    set_process_name, signal_group)
+from ftrun.control.spec import (EXIT_DONE, EXIT_JOB_FAILED, EXIT_REPLACED, EXIT_STEP_ENDED, EXIT_STOPPED,
+                                EXIT_STOPPED_UNSAVED, FORWARDED_SIGNALS, NodeSpec, STEP_END_KIND, STOP_KIND,
+                                run_dir_prefix, safe_job_id, shm_path, shm_place, unlink_node_files)
 from ftrun.control.generation_watch import GenerationWatch, Wakeup
 from ftrun.control.store import C10dStore, host_store
-from ftrun.launch.output import Output, OutputSettings
-from ftrun.launch.peers import PeerWatch, SpareWatch
+from ftrun.launch.output import Output, OutputSettings, keep_earlier_logs
+from ftrun.launch.peers import BEAT_INTERVAL, Beater, PeerWatch, SpareWatch
 from ftrun.launch.spare import Spare
 from ftrun.launch.bootstrap import ENV_EARLY_FAILURE
 from ftrun.launch.handoff import receive
-from ftrun.launch.keeper_ahead import KEEPER_COMMAND, KeeperAhead
+from ftrun.launch.keeper_ahead import KeeperAhead
+from ftrun.launch.keeper_process import KeeperProcess
+from ftrun.launch.leader_log import LeaderLog
+from ftrun.launch.rendezvous import everyone_ready, not_ready, nothing_replaces
+from ftrun.launch import root_cause
+from ftrun.launch.root_cause import detail, error_message, first_line, oom_note, peer_error, record_root_cause
+from ftrun.launch.supervisor_ends import JobFailed, Replaced, StepEnded
 from ftrun.launch.zygote import SpawnRequest, ZygoteClient, size_blas
-from ftrun.snapshot.keeper import (ENV_EARLIER_RUN, ENV_JOB_SECRET, ENV_KEEPER_FAULTS, ENV_PEER_FD,
-                                  NODE_LOST_SIGNAL as KEEPER_NODE_LOST, STOP_SIGNAL as KEEPER_STOP_SIGNAL,
-                                  unlink_segments)
-from ftrun.snapshot.link import KeeperLink
+from ftrun.snapshot.keeper import NODE_LOST_SIGNAL as KEEPER_NODE_LOST, unlink_segments
 from ftrun.snapshot.protocol import socket_name
-from ftrun.launch.keeper_watch import KeeperWatch
 from ftrun.startup import STARTUP_ENVIRON
 from ftrun.ui.status import PUBLISH_INTERVAL, NodeStatus, RankStatus, publish
 
@@ -106,15 +110,12 @@ POLL_INTERVAL = 0.02
 RDZV_FIRST_POLL = 0.001
 # A trainer that exits with an error code right after a peer died is usually a consequence (gloo reports the
 # lost connection); it waits this long for the root cause to be reported first. Signals and hangs do not wait.
-# An error that names a broken connection (PEER_ERRORS, lowercase) waits longer: until every other node's
+# An error that names a broken connection (root_cause.PEER_ERRORS) waits longer: until every other node's
 # supervisor beats again, or the node timeout (Supervisor._wait_for_lost_node).
 SECONDARY_GRACE = 0.15
-PEER_ERRORS = ("connection reset by peer", "connection closed by peer", "broken pipe", "remote process exited",
-               "ncclremoteerror", "distnetworkerror")
 PEER_CHECK_INTERVAL = 0.25
 # seconds between a watching supervisor's reads of the generation that its GenerationWatch did not ask for
 GEN_CHECK_INTERVAL = 0.25
-BEAT_INTERVAL = 0.25
 # A beating trainer's heartbeat is read at least this often per its hang timeout: its last beat is seen within an
 # eighth of the timeout, and a step interval measured across looks (5 x at most an eighth) stays below the floor.
 LOOKS_PER_HANG_TIMEOUT = 8
@@ -126,7 +127,6 @@ MAX_LOOK_PAUSE = GEN_CHECK_INTERVAL
 # elsewhere: another node's loss injected at S too, whose ranks beat S tens of milliseconds sooner on a loaded host)
 # still happens if they reach S within this many seconds: losses injected at one step are one failure, not two
 INJECTED_LOSS_WAIT = 1.0
-KEEPER_START_TIMEOUT = 30.0
 # A hang is attributed job-wide (Supervisor._attribute_hang): every node reports its silent trainers under
 # gen/<g>/suspects/<node> once one of them asks (the job-wide ``hang`` key names g, Coordinator.open_hang_vote);
 # the asker waits this long for all of them.
@@ -134,20 +134,6 @@ HANG_VOTE_WAIT = 1.0
 # A crash before the first heartbeat that repeats the one that started the generation (same signature: the
 # trainer's "Type: message", or its exit signal or code) ends the job instead of restarting it again.
 CRASH_LOOP = "failed the same way twice before its first step; not restarting"
-MAX_SIGNATURE = 2000  # characters of an error file's message kept as a failure's signature
-
-
-class JobFailed(Exception):
-    """The job cannot go on (restart limit, a node that never joined, the control store gone)."""
-
-
-class Replaced(Exception):
-    """This node was seen as lost and another supervisor (a spare) owns its node rank now."""
-
-
-class StepEnded(Exception):
-    """Under srun, the step cannot go on (:data:`STEP_END_KIND`); the node's snapshots stay in RAM for the job's
-    next step, as they do when node 0's ftrun, and the c10d control store with it, is gone (a ``DistError``)."""
 
 
 @dataclass
@@ -158,35 +144,7 @@ class Trainer:
     exit_code: int | None = None
 
 
-class _Beater(threading.Thread):
-    """Adds to this node's beat counter every :data:`BEAT_INTERVAL` on its own store connection."""
-
-    def __init__(self, spec: NodeSpec, report: OutageReport) -> None:
-        super().__init__(name="ftrun-beat", daemon=True)
-        store = reopen_store(spec_address(spec), spec.rdzv_timeout, report)  # the supervisor reached it before
-        self._coord = Coordinator(store, spec.job_id, spec.node_rank, spec.nnodes)
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            try:
-                self._coord.beat()
-            except DistError:
-                return
-            self._stop_event.wait(BEAT_INTERVAL)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-
-
 T = TypeVar("T")
-
-
-def _peer_error(message: str) -> bool:
-    """Whether a trainer's error says another node's end of a connection failed (gloo, NCCL, c10d), as when
-    that node is lost whole."""
-    lowered = message.lower()
-    return any(words in lowered for words in PEER_ERRORS)
 
 
 def _within_grace(check: Callable[[], T | None]) -> T | None:
@@ -217,21 +175,13 @@ class Supervisor:
         self.detectors = [HangDetector(spec.hang_timeout_initial, spec.hang_timeout, spec.hang_step_factor)
                           for _ in range(spec.nproc_per_node)]
         self.zygote = zygote
-        self.keeper_ahead = keeper_ahead
         self.trainer_store: TCPStore | None = None
         self.heartbeats: HeartbeatTable | None = None
-        self.keeper: subprocess.Popen[bytes] | None = None
-        self.keeper_watch: KeeperWatch | None = None  # kills a keeper that lives but answers nothing
-        self.keeper_starts = 0
-        self._keeper_failures = RestartLimit()  # the keeper's exits of itself
-        self._keeper_given_up: str | None = None  # why the keeper is not restarted again (ends the job)
-        self.link: KeeperLink | None = None
         self.gen_watch: GenerationWatch | None = None
         self.exits = ExitWatch()  # the running trainers and the keeper: a look follows each exit at once
         self._signalled = Wakeup()  # set by a stop signal: a look follows it at once
-        # the keeper's peer socket (erasure coding): opened once, so a restarted keeper keeps its address
-        self.secret = secret  # for the keeper only, never for trainers
-        self.peer_socket: socket.socket | None = None
+        self.secret = secret
+        self.keeper = KeeperProcess(spec, secret, self.events, self.report, self.exits, keeper_ahead)
         self._next_status = 0.0
         self.run_dir = spec.log_dir or tempfile.mkdtemp(prefix=run_dir_prefix(spec.job_id, self.node))
         self._stopping = False
@@ -260,7 +210,7 @@ class Supervisor:
         # here they are not fatal: a handler, not SIG_IGN (as until now), so that a trainer's exec gets its default
         for slurm_warning in (signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(slurm_warning, lambda *_: None)
-        beater: _Beater | None = None
+        beater: Beater | None = None
         succeeded = False
         try:
             if not self.secret:
@@ -271,7 +221,7 @@ class Supervisor:
             if self.incarnation is None:
                 self.incarnation = self._take_rank()
             self.coord.touch_watched_keys()
-            beater = _Beater(self.spec, self.report)
+            beater = Beater(self.spec, self.report)
             beater.start()
             self.gen_watch = self._generation_watch()
             try:
@@ -279,14 +229,14 @@ class Supervisor:
                                                  self.spec.nproc_per_node)
             except PermissionError as err:  # something not ftrun's at its name (see open_shm_file)
                 raise JobFailed(f"cannot make the heartbeat table {err.filename}: {err.strerror}") from None
-            self._start_keeper()
+            self.keeper.start()
             what = (f"spare {self.spec.spare}, now the supervisor of node {self.node}," if self.spec.spare
                     else "replacement supervisor" if self.incarnation > 1 else "supervisor")
             self.events.emit("node_start", f"{what} up (pid {os.getpid()}, zygote "
                              f"{'pid ' + str(self.zygote.pid) if self.zygote else 'off'})",
                              node=self.node, incarnation=self.incarnation, pid=os.getpid())
             if self.spec.log_dir and self.incarnation == 1:
-                self._keep_earlier_logs(self.spec.log_dir)
+                keep_earlier_logs(self.spec.log_dir, self.node, self.spec.nproc_per_node, self.events)
             code = self._generations()
             succeeded = code == EXIT_DONE
             return code
@@ -315,7 +265,7 @@ class Supervisor:
             if self.zygote is not None:
                 self.zygote.close()
             # replaced by a supervisor on this host (this /dev/shm), or the SLURM step ended: the files stay
-            self._stop_keeper(unlink=not self._keep_files)
+            self.keeper.stop(unlink=not self._keep_files)
             if beater is not None:
                 beater.stop()
             if self.heartbeats is not None:
@@ -363,97 +313,6 @@ class Supervisor:
     def _store_warning(self, message: str) -> None:
         """A control-store value was ignored (not authentic): one line per key, never a failure."""
         self.events.emit("store_rejected", message, node=self.node)
-
-    def _peer_address(self) -> str:
-        """Open the keeper's peer socket (erasure coding) once; its address as peers reach it ('' when off)."""
-        if self.spec.ec_parity == 0:
-            return ""
-        if self.peer_socket is None:
-            bind = self.spec.bind_addr
-            self.peer_socket = socket.create_server((bind, 0), backlog=128,
-                                                    family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
-        return f"{self.spec.master_addr}:{self.peer_socket.getsockname()[1]}"
-
-    def _start_keeper(self) -> None:
-        """Start the node's keeper (it re-adopts what a previous one left) and wait until it serves: the one
-        started ahead the first time (:mod:`ftrun.launch.keeper_ahead`), else a new process."""
-        t0 = time.monotonic()
-        env = dict(os.environ)
-        env[ENV_NODE_SPEC] = self.spec.encode()
-        env[ENV_KEEPER_FAULTS] = ";".join(self.spec.faults) if self.keeper_starts == 0 else ""
-        env[ENV_EARLIER_RUN] = "1" if self.keeper_starts == 0 else ""
-        address = self._peer_address()
-        if self.peer_socket is not None:
-            env[ENV_JOB_SECRET] = self.secret
-            env[ENV_PEER_FD] = str(self.peer_socket.fileno())
-        ahead, self.keeper_ahead = self.keeper_ahead, None
-        proc = ahead.start(env, self.peer_socket) if ahead is not None else None
-        if proc is None:
-            supervisor = os.getpid()
-            proc = subprocess.Popen(KEEPER_COMMAND, env=env, stdout=subprocess.PIPE, start_new_session=True,
-                                    pass_fds=[self.peer_socket.fileno()] if self.peer_socket is not None else [],
-                                    preexec_fn=lambda: die_with_parent(supervisor))
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], KEEPER_START_TIMEOUT)
-        line = proc.stdout.readline() if ready else b""
-        proc.stdout.close()
-        if line.strip() != b"ready":
-            proc.kill()
-            raise JobFailed(f"snapshot keeper of node {self.node} did not start")
-        proc.returncode = 0  # reaped by this supervisor's reap(), never by Popen
-        self.keeper = proc
-        self.exits.watch(proc.pid)
-        self.keeper_watch = KeeperWatch(socket_name(safe_job_id(self.spec.job_id), self.node), proc.pid,
-                                        3 * self.spec.node_timeout,
-                                        lambda line: self.events.emit("keeper_unresponsive", line, node=self.node))
-        self.keeper_starts += 1
-        took = time.monotonic() - t0
-        self.events.emit("keeper_start", f"keeper up (pid {proc.pid}) in {took * 1000:.0f} ms", console=False,
-                         node=self.node, pid=proc.pid, seconds=took, incarnation=self.keeper_starts,
-                         peer_address=address)
-        if self.link is None:
-            self.link = KeeperLink(self.spec, safe_job_id(self.spec.job_id), self.events, address, self.report)
-            self.link.start()
-
-    def _keeper_exited(self, code: int) -> None:
-        """The keeper died while the job runs: restart it; trainers keep running and reconnect. Once it failed
-        too often (:class:`RestartLimit`) it is not restarted: the job ends (``_keeper_given_up``)."""
-        self._unwatch_keeper()
-        self.keeper = None
-        if self._keeper_failures.reached():
-            self._keeper_given_up = (f"node {self.node}'s snapshot keeper failed {len(self._keeper_failures)} times "
-                                     f"within {RESTART_WINDOW:g}s (last: {describe_exit(code)}); not "
-                                     "restarting it again")
-            return
-        self.events.emit("keeper_failed", f"keeper {describe_exit(code)}; restarting it (trainers keep "
-                         "running)", node=self.node, exit_code=code)
-        self._start_keeper()
-
-    def _unwatch_keeper(self) -> None:
-        if self.keeper_watch is not None:
-            self.keeper_watch.stop()
-            self.keeper_watch = None
-
-    def _stop_keeper(self, unlink: bool = True) -> None:
-        """Stop the keeper (it unlinks the node's snapshot segments) and make sure none are left; without
-        ``unlink`` kill it, leaving them (they are a replacement's on this host)."""
-        if self.keeper_ahead is not None:  # never started
-            self.keeper_ahead.close()
-        self._unwatch_keeper()
-        if self.link is not None:
-            self.link.stop()
-        if self.keeper is not None:
-            # os.kill, not Popen.send_signal: that does nothing once returncode is set, as it is here (reap())
-            os.kill(self.keeper.pid, KEEPER_STOP_SIGNAL if unlink else signal.SIGKILL)
-            deadline = time.monotonic() + self.spec.stop_grace
-            while not _reaped(self.keeper.pid):
-                if time.monotonic() > deadline:
-                    signal_group(self.keeper.pid, signal.SIGKILL)
-                time.sleep(0.01)
-            self.exits.forget(self.keeper.pid)
-            self.keeper = None
-        if unlink:
-            unlink_segments(self.spec.job_id, self.node)
 
     # -- generations ------------------------------------------------------------------------------------------
     def _generation_watch(self) -> GenerationWatch | None:
@@ -511,7 +370,7 @@ class Supervisor:
                 self._publish_status("stopped", gen.gen, now=True)
                 return self._stopped()
             if gen.gen > self.spec.max_restarts or gen.kind == "fatal":
-                self._record_root_cause(gen)
+                record_root_cause(gen, self.node, self.run_dir, self._exit_codes, self.events)
                 raise JobFailed(gen.reason if gen.kind == "fatal" else f"restart limit reached "
                                 f"({self.spec.max_restarts} restarts); last failure: {gen.reason}")
             changed = self._rendezvous(gen.gen, seen)
@@ -521,8 +380,8 @@ class Supervisor:
             if self._stopping:
                 self._ask_stop(seen)
                 return self._stopped()
-            assert self.link is not None
-            self.link.begin(gen.gen)
+            assert self.keeper.link is not None
+            self.keeper.link.begin(gen.gen)
             self._started_by = gen
             self._start_trainers(gen.gen)
             outcome = self._watch(gen, seen)
@@ -538,39 +397,14 @@ class Supervisor:
                 return self._stopped()
             seen = outcome
 
-    def _keep_earlier_logs(self, log_dir: str) -> None:
-        """The first supervisor of this node in a run moves what an earlier run left in its ranks' directories
-        (``gen<G>/rank<R>/``) to ``previous-<time>/gen<G>/rank<R>/``, as torchrun keeps each run's logs apart:
-        nothing an earlier run wrote is overwritten, nor taken for this run's (its ``error.json`` for a new
-        failure's cause)."""
-        ranks = range(self.node * self.spec.nproc_per_node, (self.node + 1) * self.spec.nproc_per_node)
-        gens = [path for path in glob.glob(os.path.join(glob.escape(log_dir), "gen*"))
-                if re.fullmatch(r"gen\d+", os.path.basename(path))]
-        found = [path for gen in sorted(gens) for rank in ranks
-                 if os.path.isdir(path := os.path.join(gen, f"rank{rank}"))]
-        if not found:
-            return
-        aside = os.path.join(log_dir, time.strftime("previous-%Y%m%d-%H%M%S"))
-        try:
-            for path in found:
-                gen_dir = os.path.join(aside, os.path.basename(os.path.dirname(path)))
-                os.makedirs(gen_dir, exist_ok=True)
-                os.rename(path, os.path.join(gen_dir, os.path.basename(path)))
-        except OSError as err:
-            self.events.emit("logs", f"WARNING cannot move the logs an earlier run left in {log_dir} aside "
-                             f"({error_text(err)}): this run's trainers write over them", node=self.node)
-            return
-        self.events.emit("logs", f"moved what an earlier run left in {log_dir} for rank(s) {ranks.start}-"
-                         f"{ranks.stop - 1} to {aside}", node=self.node, path=aside)
-
     def _stopped(self) -> int:
         return EXIT_STOPPED if self._persist_final() else EXIT_STOPPED_UNSAVED
 
     def _persist_final(self) -> bool:
         """With a checkpoint directory: persist the newest globally committed step before the keeper stops."""
-        if self.spec.ckpt_dir is None or self.link is None:
+        if self.spec.ckpt_dir is None or self.keeper.link is None:
             return True
-        problem = self.link.finish(self.spec.persist_grace)
+        problem = self.keeper.link.finish(self.spec.persist_grace)
         if problem is not None:  # "failed: ..." is the job's outcome, alike on every node: node 0 says it
             self.events.emit("durability", f"WARNING the final persist to {self.spec.ckpt_dir} {problem}",
                              console=self.node == 0 or not problem.startswith("failed"), node=self.node,
@@ -604,12 +438,12 @@ class Supervisor:
         pause = RDZV_FIRST_POLL
         while not self._stopping:
             self._publish_status("starting" if gen == 0 else "restarting", gen)
-            if self._everyone_ready(gen):
+            if everyone_ready(self.coord, gen):
                 self._check_owner()  # taken over while it waited: its trainers must not start
                 return None
             if time.monotonic() > tell_at:  # a lost node's replacement (or a late node) is awaited
                 tell_at = time.monotonic() + self.spec.node_timeout if self.spec.slurm_step else math.inf
-                missing = self._not_ready(gen)
+                missing = not_ready(self.coord, gen)
                 # the spares before the owners: a spare that claims a rank meanwhile has changed its owner
                 spare_waits = self.spec.slurm_step and spare_watch.waiting()
                 unreplaced = nothing_replaces(self.coord, missing, launchers) if self.spec.slurm_step else None
@@ -637,23 +471,11 @@ class Supervisor:
             if time.monotonic() > deadline:
                 never = (" (started with this job's --rdzv-id and endpoint, and the same secret file? one that "
                          "differs is told so as it starts)" if gen == 0 else "")
-                raise JobFailed(f"node(s) {brief_numbers(self._not_ready(gen))} did not join generation {gen} within "
-                                f"{self.spec.rdzv_timeout:g}s{never}")
+                raise JobFailed(f"node(s) {brief_numbers(not_ready(self.coord, gen))} did not join generation {gen} "
+                                f"within {self.spec.rdzv_timeout:g}s{never}")
             time.sleep(max(pause, self.coord.store.poll_interval))
             pause = min(2 * pause, POLL_INTERVAL)
         return None
-
-    def _everyone_ready(self, gen: int) -> bool:
-        if self.node != 0:
-            return self.coord.get("gen", gen, "go") is not None
-        if self.coord.marked(gen, "ready") is None:
-            return False
-        self.coord.store.set(self.coord.key("gen", gen, "go"), "1")
-        return True
-
-    def _not_ready(self, gen: int) -> list[int]:
-        """The nodes that have not joined generation ``gen`` (one round trip per node: only when it is told)."""
-        return sorted(set(range(self.spec.nnodes)) - set(self.coord.marks(gen, "ready")))
 
     def _start_trainers(self, gen: int) -> None:
         assert self.heartbeats is not None
@@ -666,7 +488,7 @@ class Supervisor:
         for local in range(self.spec.nproc_per_node):
             place = TrainerPlace(self.spec.job_id, self.node, self.spec.nnodes, local, self.spec.nproc_per_node,
                                  gen, self.spec.max_restarts, addr, port)
-            error_file = self._error_file(gen, place.rank)
+            error_file = root_cause.error_file(self.run_dir, gen, place.rank)
             os.makedirs(os.path.dirname(error_file), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):  # an earlier run's (the trainer may write none)
                 os.unlink(error_file)
@@ -731,14 +553,14 @@ class Supervisor:
         peers = self._peer_watch()
         next_peer_check = next_gen_check = 0.0
         up = done = exited_0 = False
-        leader = _LeaderLog(self.coord, self.events, gen) if self.node == 0 else None
+        leader = LeaderLog(self.coord, self.events, gen) if self.node == 0 else None
         while True:
             if self._stopping:
                 return self._ask_stop(seen)
             exited = []  # every exit of the batch is recorded before one is acted on (a return ends the loop)
             for pid, code in self._reap().items():
-                if self.keeper is not None and pid == self.keeper.pid:
-                    self._keeper_exited(code)
+                if self.keeper.owns(pid):
+                    self.keeper.exited(code)
                 elif (trainer := self.trainers.get(pid)) is not None:
                     trainer.exit_code = code
                     exited.append(trainer)
@@ -754,18 +576,18 @@ class Supervisor:
                     self.coord.note_exit(g, trainer.rank, self._step_of(trainer))
                 if code != 0:
                     self._exit_codes[g, trainer.rank] = code
-                    message = self._error_message(g, trainer)
+                    message = error_message(self.run_dir, g, trainer.rank)
                     left = ""
                     if code > 0:
                         moved = self._wait_for_other_failure(seen)
-                        if moved is None and _peer_error(message):
+                        if moved is None and peer_error(message):
                             moved = self._wait_for_lost_node(seen, peers)
                             left = self._left_early(g, trainer.rank)
                         if moved is not None:
                             return moved
                     return self._fail(seen, Failure(
-                        "crash", f"rank {trainer.rank} {describe_exit(code)}{left}{self._oom_note(code)}"
-                        f"{_detail(message)}",
+                        "crash", f"rank {trainer.rank} {describe_exit(code)}{left}{oom_note(code, self._oom_kills)}"
+                        f"{detail(message)}",
                         self.node, trainer.rank, "waitpid", self._step_of(trainer),
                         signature=message or describe_exit(code), early=self._before_first_beat(g)))
             if not done and all(t.exit_code == 0 for t in self.trainers.values()):
@@ -786,7 +608,7 @@ class Supervisor:
             if not up and all(beat.beats > 0 for beat in table):
                 up = True
                 self.coord.mark(g, "up", time.time())
-            fatal = self._keeper_given_up or (self.link.fatal if self.link is not None else None)
+            fatal = self.keeper.given_up or (self.keeper.link.fatal if self.keeper.link is not None else None)
             if fatal is not None:
                 return self._fail(seen, Failure("fatal", fatal, self.node, None, "keeper"))
             # failures seen elsewhere (told by the watch, or read now and then), with the peers' beats and the hang
@@ -922,7 +744,7 @@ class Supervisor:
         if (time.monotonic() < self._next_status and not now) or self.heartbeats is None:
             return
         self._next_status = time.monotonic() + PUBLISH_INTERVAL
-        keeper = self.link.keeper_status if self.link is not None else {}
+        keeper = self.keeper.link.keeper_status if self.keeper.link is not None else {}
         nproc, wall, ranks = self.spec.nproc_per_node, time.time(), []
         running = {t.local_rank: t.pid for t in self.trainers.values() if t.exit_code is None}
         for local in range(nproc):
@@ -935,7 +757,7 @@ class Supervisor:
                 snapshot_step=last.get("step"), snapshot_age=wall - last["time"] if last else None,
                 snapshot_bytes=last.get("bytes", 0), copy_gbs=last.get("copy_gbs")))
         group = self.node // self.spec.ec_group if self.spec.ec_parity else None
-        if self.link is not None and self.link.rebuilding:
+        if self.keeper.link is not None and self.keeper.link.rebuilding:
             state = "rebuilding"
         publish(self.coord, NodeStatus(self.node, wall, state, gen, self.incarnation, group,
                                        keeper.get("shm_bytes", 0), keeper.get("committed", 0), ranks))
@@ -951,11 +773,11 @@ class Supervisor:
         return _within_grace(lambda: self._stopping or None) is not None
 
     def _wait_for_lost_node(self, seen: bytes, peers: PeerWatch) -> bytes | None:
-        """A trainer died of a broken connection to another node (:func:`_peer_error`). If that node was lost
-        whole, its supervisor with it, the node's watchers declare it within ``--node-timeout``: that is the
-        failure to report, not this crash, and one generation replaces the node. Waits until the generation moves
-        (returns its raw document), every other node's supervisor has beaten since (none is lost: None, the crash
-        is reported) or the node timeout has passed (None)."""
+        """A trainer died of a broken connection to another node (:func:`~ftrun.launch.root_cause.peer_error`). If
+        that node was lost whole, its supervisor with it, the node's watchers declare it within ``--node-timeout``:
+        that is the failure to report, not this crash, and one generation replaces the node. Waits until the
+        generation moves (returns its raw document), every other node's supervisor has beaten since (none is lost:
+        None, the crash is reported) or the node timeout has passed (None)."""
         others = [n for n in range(self.spec.nnodes) if n != self.node]
         before = self.coord.beats(others)
         deadline = time.monotonic() + self.spec.node_timeout + PEER_CHECK_INTERVAL
@@ -983,53 +805,6 @@ class Supervisor:
         at = f" at step {first[1]}" if first[1] is not None else ""
         return f" after rank {first[0]} had exited 0{at}"
 
-    def _oom_note(self, code: int) -> str:
-        """For a trainer killed by SIGKILL: that the kernel's OOM killer ran since the trainers started (a
-        SIGKILL says nothing else of who sent it)."""
-        if code != -signal.SIGKILL or self._oom_kills is None or (oom_kills() or 0) <= self._oom_kills:
-            return ""
-        return " (out of memory? the kernel's OOM killer ran since the trainers started)"
-
-    def _record_root_cause(self, last: Generation) -> None:
-        """A failed job's cause, in torchelastic's error-file format, at the ``TORCHELASTIC_ERROR_FILE`` ftrun was
-        started with (as torchrun copies its root-cause child's there, for TorchX and other schedulers): the
-        error file of the trainer whose failure ended the job, by the supervisor of its node (of node 0 when no
-        node's failure did), else the failure's reason; with the trainer's exit code as ``errorCode`` when this node
-        saw it (torchrun's agent adds it: a trainer cannot write the signal that killed it)."""
-        target = os.environ.get(ENV_ERROR_FILE)
-        if not target or (last.node if last.node is not None else 0) != self.node:
-            return
-        try:
-            with open(self._error_file(last.gen - 1, last.rank)) as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            record = {"message": {"message": last.reason, "extraInfo": {"py_callstack": "",
-                                                                         "timestamp": str(int(time.time()))}}}
-        code = self._exit_codes.get((last.gen - 1, last.rank)) if last.rank is not None else None
-        if code and isinstance(record, dict) and isinstance(record.get("message"), dict):
-            record["message"]["errorCode"] = code
-        try:
-            with open(target, "w") as f:
-                json.dump(record, f)
-        except OSError as err:
-            self.events.emit("error_file", f"cannot write the job's error file {target}: {error_text(err)}",
-                             node=self.node)
-
-    def _error_file(self, gen: int, rank: int) -> str:
-        """The torchelastic error file of global rank ``rank`` in generation ``gen``."""
-        return os.path.join(self.run_dir, f"gen{gen}", f"rank{rank}", "error.json")
-
-    def _error_message(self, gen: int, trainer: Trainer) -> str:
-        """The message of the trainer's torchelastic error file ("Type: message", written by ftrun's bootstrap or
-        the script's ``@record``); "" when it wrote none."""
-        try:
-            with open(self._error_file(gen, trainer.rank)) as f:
-                message = json.load(f)["message"]
-            text = message["message"] if isinstance(message, dict) else message
-            return str(text).strip()[:MAX_SIGNATURE]
-        except (OSError, ValueError, KeyError, TypeError):
-            return ""
-
     def _before_first_beat(self, gen: int) -> bool:
         """Whether no trainer of generation ``gen`` has sent its first heartbeat: none of this node's (its
         heartbeat table), and no other node has all of its trainers beating (their ``up`` marks). A script that
@@ -1055,7 +830,7 @@ class Supervisor:
             return replace(failure, kind="fatal", reason=f"hung twice at step {failure.step}; not restarting (a step "
                            f"that legitimately takes this long needs a larger --hang-timeout): {failure.reason}")
         how = CRASH_LOOP if failure.early else f"failed the same way twice at step {failure.step}; not restarting"
-        return replace(failure, kind="fatal", reason=f"{how}: {_first_line(failure.signature)}")
+        return replace(failure, kind="fatal", reason=f"{how}: {first_line(failure.signature)}")
 
     def _fail(self, seen: bytes, failure: Failure) -> bytes:
         """Report a failure: try to start the next generation with it; returns the raw generation now current."""
@@ -1118,8 +893,7 @@ class Supervisor:
             signal_group(trainer.pid, signal.SIGKILL)
         if self.zygote is not None:
             os.kill(self.zygote.pid, signal.SIGKILL)
-        if self.keeper is not None:
-            os.kill(self.keeper.pid, signal.SIGKILL)
+        self.keeper.kill()
         unlink_segments(self.spec.job_id, self.node)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -1133,7 +907,7 @@ class Supervisor:
         if outcome == "stop":
             return signal.SIGINT if self._stop_signal == signal.SIGINT else signal.SIGTERM
         if self._restarts(outcome):
-            snapshot = self.link is not None and self.link.progress.known.committed > 0
+            snapshot = self.keeper.link is not None and self.keeper.link.progress.known.committed > 0
             return signal.SIGKILL if snapshot else signal.SIGTERM
         if isinstance(outcome, bytes):
             new = Generation.decode(outcome)
@@ -1168,8 +942,8 @@ class Supervisor:
             for pid, code in self._reap().items():
                 if pid in self.trainers:
                     self.trainers[pid].exit_code = code
-                elif self.keeper is not None and pid == self.keeper.pid and not self._stopping:
-                    self._keeper_exited(code)
+                elif self.keeper.owns(pid) and not self._stopping:
+                    self.keeper.exited(code)
             if killed:  # one already reaped, its code lost, must not hold the stop up forever
                 for trainer in running:
                     if trainer.exit_code is None and not _exists(trainer.pid):
@@ -1188,62 +962,6 @@ class Supervisor:
         self.trainers.clear()
 
 
-class _LeaderLog:
-    """Node 0 reports job-wide progress of a generation once: all trainers running, all ranks beating."""
-
-    def __init__(self, coord: Coordinator, events: EventLog, gen: Generation) -> None:
-        self.coord = coord
-        self.events = events
-        self.gen = gen
-        self.running = self.recovered = False
-
-    def poll(self) -> None:
-        nnodes = self.coord.nnodes
-        if not self.running and self.coord.marked(self.gen.gen, "started") is not None:
-            self.running = True
-            self.events.emit("all_running", f"generation {self.gen.gen}: trainers running on all {nnodes} nodes",
-                             generation=self.gen.gen)
-        if self.running and not self.recovered:
-            ups = self.coord.marked(self.gen.gen, "up")
-            if ups is not None:
-                self.recovered = True
-                first_beat = max(float(v) for v in ups.values())
-                if self.gen.gen == 0:
-                    self.events.emit("first_heartbeat", "generation 0: every rank has sent a heartbeat",
-                                     generation=0)
-                else:
-                    took = first_beat - self.gen.time
-                    self.events.emit("recovered", f"generation {self.gen.gen}: every rank beating again, "
-                                     f"recovered in {took:.2f}s after the failure was seen",
-                                     generation=self.gen.gen, seconds=took)
-
-    def finish(self) -> None:
-        self.poll()
-
-
-def nothing_replaces(coord: Coordinator, missing: list[int], launchers: dict[int, bytes | None]) -> int | None:
-    """Under srun: the first of the ``missing`` nodes that nothing will replace: declared lost, its rank still
-    held by the lost supervisor, its launcher started no replacement (the launcher of a live node marks
-    ``node/<r>/replacing`` as it starts one) and has not beaten since ``launchers`` was read (its ftrun is gone:
-    it beats while it lives, :meth:`Coordinator.beat_launcher`; ``launchers`` becomes what is read now), while no
-    spare waits to take it (the caller asks :class:`SpareWatch` first). No new ftrun can join a running step, so
-    waiting for one (``--rdzv-timeout``) would only idle the job; a supervisor whose ftrun lives was only stalled,
-    and may come back or be replaced by it."""
-    if not missing:
-        return None
-    beats = coord.launcher_beats(missing)
-    seen = {node: launchers.get(node) for node in missing}
-    launchers.update(beats)
-    for node in missing:
-        held = owner(coord, node)[1]
-        if held is None or beats[node] != seen[node]:
-            continue
-        lost = str(held.incarnation).encode()  # the owner that a node-lost generation named, if not replaced
-        if coord.get("node", node, "lost") == lost and coord.get("node", node, "replacing") != lost:
-            return node
-    return None
-
-
 def _early_failure_env(started_by: Generation) -> dict[str, str]:
     """For the trainers of a generation started by a crash before the first heartbeat: that crash, so that a
     trainer failing the same way prints one line instead of the same traceback again (see
@@ -1253,15 +971,6 @@ def _early_failure_env(started_by: Generation) -> dict[str, str]:
     return {ENV_EARLY_FAILURE: json.dumps({"generation": started_by.gen - 1, "signature": started_by.signature})}
 
 
-def _first_line(text: str) -> str:
-    return (text.strip().splitlines() or [""])[0][:200]
-
-
-def _detail(message: str) -> str:
-    """`` (Type: message)`` of a trainer's error file for a failure's reason ("" without one)."""
-    return f" ({_first_line(message)})" if message else ""
-
-
 def _exists(pid: int) -> bool:
     """Whether ``pid`` is a process, a zombie included."""
     try:
@@ -1269,14 +978,6 @@ def _exists(pid: int) -> bool:
         return True
     except ProcessLookupError:
         return False
-
-
-def _reaped(pid: int) -> bool:
-    """Reap ``pid`` if it has exited; True when it is gone."""
-    try:
-        return os.waitpid(pid, os.WNOHANG)[0] == pid
-    except ChildProcessError:
-        return True
 
 
 def _run_spare(spec: NodeSpec, me: str, secret: str, zygote: ZygoteClient | None, keeper: KeeperAhead) -> int:
