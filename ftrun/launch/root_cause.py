@@ -74,6 +74,8 @@ def record_root_cause(last: Generation, node: int, run_dir: str, exit_codes: dic
     if not target or (last.node if last.node is not None else 0) != node:
         return
     try:
+        if last.rank is None:  # no trainer's failure (a lost node, a stop): the reason
+            raise FileNotFoundError
         with open(error_file(run_dir, last.gen - 1, last.rank)) as f:
             record = json.load(f)
     except (OSError, ValueError):
