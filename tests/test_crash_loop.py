@@ -306,6 +306,7 @@ def test_a_traceback_is_printed_in_one_write(monkeypatch):
     """Ranks failing at the same moment (all of them, at import) print at once: Python's hook writes a traceback
     piece by piece (13 writes for this one; with PYTHONUNBUFFERED each a write to the shared console), so their
     lines came out interleaved a few characters at a time. The text is Python's own."""
+    monkeypatch.setattr(sys, "excepthook", sys.__excepthook__)  # as in a trainer: an earlier test may have set one
     try:
         raise ValueError("device_ids can only be used with a CUDA module")
     except ValueError as err:
@@ -314,7 +315,7 @@ def test_a_traceback_is_printed_in_one_write(monkeypatch):
         counted = CountedWrites()
         monkeypatch.setattr(sys, "stderr", counted)
         printer(type(exc), exc, exc.__traceback__)
-        monkeypatch.undo()
+        monkeypatch.setattr(sys, "stderr", sys.__stderr__)
         if printer is sys.__excepthook__:
             python = counted.getvalue()
             assert counted.writes > 5
