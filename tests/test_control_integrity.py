@@ -44,6 +44,16 @@ STORE_HOST = ("import time; from ftrun.control.store import host_store; store = 
               "print(store.port, flush=True); time.sleep(120)")
 
 
+def freeze(pid: int) -> None:
+    """SIGSTOP ``pid`` and wait until it is stopped: the signal takes effect when the process is next scheduled, and
+    a request sent before that is answered (the test then saw no freeze, about 1 run in 2)."""
+    os.kill(pid, signal.SIGSTOP)
+    process, deadline = psutil.Process(pid), time.monotonic() + 10
+    while process.status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, f"process {pid} did not stop"
+        time.sleep(0.001)
+
+
 @pytest.fixture
 def server():
     store = host_store(0)
@@ -427,7 +437,7 @@ def test_a_store_whose_host_is_frozen_fails_its_operations_within_the_timeout():
         store = C10dStore(TCPStore(LOOPBACK, port, is_master=False), op_timeout=1.0)
         store.set("key", b"value")
         assert store.get_many(["key", "missing"]) == [b"value", None]
-        os.kill(host.pid, signal.SIGSTOP)
+        freeze(host.pid)
         began = time.monotonic()
         with pytest.raises(DistError, match=f"control store at {LOOPBACK}:{port} did not answer for 1s"):
             store.get_many(["key"])
@@ -455,7 +465,7 @@ def test_a_store_frozen_for_a_while_is_one_pause_line_and_one_line_when_it_answe
                           on_recovered=lambda seconds: said.append(f"back after {seconds:.0f}s"),
                           on_failed=lambda: said.append("failed"))
         store.set("key", b"value")
-        os.kill(host.pid, signal.SIGSTOP)
+        freeze(host.pid)
         if then == "dies":
             threading.Timer(3.5, host.kill).start()  # after the pause line: the operation fails, unanswered
             with pytest.raises(DistError):
