@@ -2,9 +2,9 @@
 
 With two nodes of an EC group lost (m >= 2), both lost chunks of a stripe come from the same k surviving
 fragments. A survivor asked for a piece of one (``decode``, :mod:`ftrun.snapshot.redundancy`) fetches those
-fragments' bytes once, computes the pieces of every lost chunk of the stripe from them, answers with its own and
-keeps the others here for the other replacements, which ask the same survivor for the same cell. So the stripe's
-data crosses the survivors' NICs once for all lost nodes, not once per lost node.
+fragments' bytes once, computes the pieces of every lost chunk of the stripe from them, answers with the one asked
+for and keeps the others here for the other replacements, which ask the same survivor for the same cell. So the
+stripe's data crosses the survivors' NICs once for all lost nodes, not once per lost node.
 
 Invariants: a cell is computed by one thread at a time (others asking for it meanwhile wait for that result); a
 kept piece is dropped once its bytes were all served, or :data:`KEPT_FOR` seconds on (at the next cell computed
@@ -25,7 +25,7 @@ KEPT_FOR = 30.0  # seconds a decoded piece waits for the replacement that wants 
 
 @dataclass
 class _Cell:
-    pieces: dict[int, bytes]  # wanted fragment -> its bytes of the cell
+    pieces: dict[int, bytearray]  # wanted fragment -> its bytes of the cell
     served: dict[int, int] = field(default_factory=dict)  # wanted fragment -> bytes of it served so far
     born: float = field(default_factory=time.monotonic)
 
@@ -43,7 +43,7 @@ class DecodedPieces:
         self.reused = 0
 
     def take(self, key: Hashable, want: int, offset: int, length: int,
-             compute: Callable[[], dict[int, bytes]]) -> bytes:
+             compute: Callable[[], dict[int, bytearray]]) -> bytes:
         """Bytes ``[offset, offset + length)`` of fragment ``want``'s piece of cell ``key``: kept, or computed by
         ``compute`` (every wanted fragment's piece of the cell; ``want``'s among them), the others then kept."""
         with self._cond:
